@@ -1,0 +1,99 @@
+"""`orchestrator local`: N ranks on this machine against one log path.
+
+The way to try a multi-node run on one box: every rank is a separate `orchestrator run`
+process, its output prefixed with its rank; Ctrl+C (or SIGTERM) is passed on to all ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import click
+
+from orchestrator import terminal
+from orchestrator.cli.run_options import RUN_OPTIONS, ConfigError, apply, build_config
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_FAILED
+
+# When ranks disagree, the exit code that says most about the root cause wins.
+_PRIORITY = (EXIT_INTERRUPTED, EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PEER_FAILED)
+
+
+def combined_exit_code(codes: list[int]) -> int:
+    bad = [c for c in codes if c != EXIT_OK]
+    if not bad:
+        return EXIT_OK
+    for c in _PRIORITY:
+        if c in bad:
+            return c
+    return bad[0]
+
+
+def rank_argv(argv: list[str], rank: int) -> list[str]:
+    return [sys.executable, "-m", "orchestrator", "run", *argv, "--master" if rank == 0 else f"--worker={rank}"]
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@apply(RUN_OPTIONS)
+@click.pass_context
+def local(click_ctx: click.Context, **params) -> None:
+    """Start --num-nodes ranks of one run on this machine. With no --rank-weights, ranks weigh the same."""
+    n = params["num_nodes"]
+    if params["rank_weights"] is None:
+        params["rank_weights"] = ",".join(["1"] * n)
+    try:
+        for rank in range(n):
+            build_config(params, rank=rank)
+    except ConfigError as e:
+        terminal.abort(str(e), EXIT_BAD_INPUT)
+    argv = _run_argv(params)
+    procs = [
+        subprocess.Popen(rank_argv(argv, r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        for r in range(n)
+    ]
+    pumps = [threading.Thread(target=_pump, args=(r, p), daemon=True) for r, p in enumerate(procs)]
+    for t in pumps:
+        t.start()
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    codes = [p.wait() for p in procs]
+    for t in pumps:
+        t.join(timeout=5)
+    summary = ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes))
+    code = combined_exit_code(codes)
+    (terminal.out if code == EXIT_OK else terminal.err).print(f"[local] ranks exited ({summary})", markup=False)
+    sys.exit(code)
+
+
+def _pump(rank: int, proc: subprocess.Popen) -> None:
+    prefix = f"[rank {rank}] ".encode()
+    for line in proc.stdout:
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.buffer.flush()
+
+
+def _run_argv(params: dict) -> list[str]:
+    """The `run` flags to hand every rank (the rank flag is added per rank)."""
+    argv = [
+        f"--data-path={params['data_path']}",
+        f"--log-path={params['log_path']}",
+        f"--rl-phase={params['rl_phase']}",
+        f"--num-nodes={params['num_nodes']}",
+        f"--rank-weights={params['rank_weights']}",
+    ]
+    for key in ("eval_interval", "rollout_split", "max_iterations"):
+        if params[key] is not None:
+            argv.append(f"--{key.replace('_', '-')}={params[key]}")
+    for flag in ("rehearsal", "debug_mode", "resume"):
+        if params[flag]:
+            argv.append(f"--{flag.replace('_', '-')}")
+    return argv + list(params["overrides"])

@@ -1,0 +1,25 @@
+"""`orchestrator run`: one rank of a run (what scripts/run.sh execs on every node)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from orchestrator import identity, terminal
+from orchestrator.cli.run_options import RANK_OPTIONS, RUN_OPTIONS, ConfigError, apply, build_config
+from orchestrator.errors import EXIT_BAD_INPUT
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@apply(RUN_OPTIONS + RANK_OPTIONS)
+def run(**params) -> None:
+    """Run one rank. Extra KEY=VALUE arguments override dotted config keys."""
+    try:
+        config = build_config(params)
+    except ConfigError as e:
+        terminal.abort(str(e), EXIT_BAD_INPUT)
+    terminal.setup_logging(config.rank, identity.host())
+    from orchestrator.runner import Rank
+
+    sys.exit(Rank(config).run())

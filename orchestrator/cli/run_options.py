@@ -1,0 +1,73 @@
+"""The flags of `orchestrator run` (SPEC section 2), shared with `orchestrator local`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from orchestrator.config import (
+    ConfigError,
+    RolloutSplit,
+    RunConfig,
+    Workload,
+    build_sections,
+    parse_overrides,
+    parse_weights,
+    resolve_rank,
+)
+from orchestrator.phase_table import RLPhase
+
+RUN_OPTIONS = [
+    click.option("--data-path", required=True, help="Absolute path of read-only inputs (task files, base model)."),
+    click.option("--log-path", required=True, help="Absolute shared path the run writes to; the same on every node."),
+    click.option("--rl-phase", required=True, type=click.Choice([p.value for p in RLPhase]), help="rollout: phases 0-6; update: 7-13; both: 0-13."),
+    click.option("--eval-interval", type=int, default=None, help="Evaluate on iterations 1, 1+N, ... (required with both)."),
+    click.option("--rollout-split", type=click.Choice([s.value for s in RolloutSplit]), default=None, help="Required with --rl-phase rollout."),
+    click.option("--num-nodes", type=int, default=1, show_default=True, help="Number of nodes (ranks)."),
+    click.option("--rank-weights", default=None, help='One positive weight per node, e.g. "2,1,1"; tasks split by largest remainder.'),
+    click.option("--max-iterations", type=int, default=None, help="Stop after this iteration (default: unbounded)."),
+    click.option("--rehearsal", is_flag=True, help="Walk the full protocol with simulated work: no GPU or model needed."),
+    click.option("--debug-mode", is_flag=True, help="Do not start or stop the inference engine; use one already running."),
+    click.option("--resume", is_flag=True, help="Accepted for compatibility: resuming is automatic."),
+    click.argument("overrides", nargs=-1),
+]
+
+RANK_OPTIONS = [
+    click.option("--master", is_flag=True, help="This node is rank 0."),
+    click.option("--worker", type=int, default=None, metavar="R", help="This node is worker rank R (else env RANK, then NODE_RANK)."),
+]
+
+
+def apply(options):
+    def decorator(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorator
+
+
+def build_config(params: dict, rank: int | None = None) -> RunConfig:
+    """A validated RunConfig from the parsed flags; raises ConfigError on bad input."""
+    num_nodes = params["num_nodes"]
+    if rank is None:
+        rank = resolve_rank(params.get("master", False), params.get("worker"), num_nodes)
+    sections = build_sections(parse_overrides(params["overrides"]))
+    return RunConfig(
+        data_path=Path(params["data_path"]),
+        log_path=Path(params["log_path"]),
+        rl_phase=RLPhase(params["rl_phase"]),
+        rank=rank,
+        num_nodes=num_nodes,
+        rank_weights=parse_weights(params["rank_weights"], num_nodes),
+        eval_interval=params["eval_interval"],
+        rollout_split=RolloutSplit(params["rollout_split"]) if params["rollout_split"] else None,
+        max_iterations=params["max_iterations"],
+        workload=Workload.REHEARSAL if params["rehearsal"] else Workload.RL,
+        debug_mode=params["debug_mode"],
+        **sections,
+    )
+
+
+__all__ = ["RUN_OPTIONS", "RANK_OPTIONS", "apply", "build_config", "ConfigError"]

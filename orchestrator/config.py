@@ -1,0 +1,266 @@
+"""Typed run configuration: nested dataclasses, validated on construction.
+
+Flags of ``orchestrator run`` (SPEC section 2) fill the top level; every nested field is a
+dotted key a user can override on the command line (``coordination.node_timeout_s=30``).
+Validation raises :class:`ConfigError`, which the CLI turns into exit code 2 before
+anything is written under ``--log-path``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.phase_table import PHASE_TABLE, Phase, RLPhase
+
+
+class ConfigError(ValueError):
+    """Bad input or configuration: exit code 2, nothing written."""
+
+
+class RolloutSplit(enum.Enum):
+    TRAIN_ONLY = "train-only"
+    EVAL_ONLY = "eval-only"
+
+
+class Workload(enum.Enum):
+    REHEARSAL = "rehearsal"
+    RL = "rl"
+
+
+@dataclass(kw_only=True, slots=True)
+class CoordinationConfig:
+    heartbeat_interval_s: float = 5.0
+    """How often each rank rewrites its heartbeat counter. At most node_timeout_s / 4."""
+    node_timeout_s: float = 120.0
+    """A rank whose heartbeat counter has not changed for this long (on the reader's own
+    monotonic clock) is dead. Must exceed the filesystem's attribute-cache window (NFS: 60 s)."""
+    join_timeout_s: float = 900.0
+    """How long ranks wait for every rank to join an attempt before failing, naming the absent."""
+    poll_min_s: float = 0.002
+    """First poll interval of a wait; it doubles up to poll_max_s."""
+    poll_max_s: float = 0.1
+    """Longest interval between two polls of a known file name."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "node_timeout_s", "join_timeout_s", "poll_min_s", "poll_max_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"coordination.{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.heartbeat_interval_s * 4 > self.node_timeout_s:
+            raise ConfigError(
+                f"coordination.heartbeat_interval_s ({self.heartbeat_interval_s}) must be at most a quarter of "
+                f"coordination.node_timeout_s ({self.node_timeout_s}), or a live rank can look dead"
+            )
+        if self.poll_min_s > self.poll_max_s:
+            raise ConfigError(f"coordination.poll_min_s ({self.poll_min_s}) must not exceed poll_max_s ({self.poll_max_s})")
+
+
+def _deadline_fields() -> list[tuple[str, type, dataclasses.Field]]:
+    return [(p.name.lower(), float, field(default=PHASE_TABLE[p].deadline_s)) for p in Phase]
+
+
+def _validate_deadlines(self) -> None:
+    for f in dataclasses.fields(self):
+        if getattr(self, f.name) <= 0:
+            raise ConfigError(f"deadlines.{f.name} must be a positive number of seconds, got {getattr(self, f.name)}")
+
+
+DeadlineConfig = dataclasses.make_dataclass(
+    "DeadlineConfig",
+    _deadline_fields(),
+    namespace={
+        "__post_init__": _validate_deadlines,
+        "__doc__": "Seconds each phase (its work and its barrier) may take, one key per phase.",
+        "for_phase": lambda self, phase: getattr(self, phase.name.lower()),
+    },
+    kw_only=True,
+    slots=True,
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class RehearsalConfig:
+    tasks: int = 24
+    """Rollout tasks per iteration, split over the ranks by weight."""
+    eval_tasks: int = 8
+    """Eval tasks per evaluated iteration."""
+    work_s: float = 0.2
+    """Simulated seconds of work in each working phase (rollout, eval, train)."""
+    record_bytes: int = 256
+    """Payload bytes per simulated trajectory record."""
+
+    def __post_init__(self) -> None:
+        if self.tasks < 1 or self.eval_tasks < 1:
+            raise ConfigError(f"rehearsal.tasks and rehearsal.eval_tasks must be at least 1, got {self.tasks}, {self.eval_tasks}")
+        if self.work_s < 0:
+            raise ConfigError(f"rehearsal.work_s must be >= 0, got {self.work_s}")
+        if self.record_bytes < 0:
+            raise ConfigError(f"rehearsal.record_bytes must be >= 0, got {self.record_bytes}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    data_path: Path
+    log_path: Path
+    rl_phase: RLPhase
+    rank: int
+    num_nodes: int = 1
+    rank_weights: tuple[float, ...] = (1.0,)
+    eval_interval: int | None = None
+    rollout_split: RolloutSplit | None = None
+    max_iterations: int | None = None
+    workload: Workload = Workload.RL
+    debug_mode: bool = False
+    seed: int = 0
+    """Seeds task sampling and everything random in the run."""
+    coordination: CoordinationConfig = field(default_factory=CoordinationConfig)
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)  # type: ignore[valid-type]
+    rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("data_path", "log_path"):
+            if not Path(getattr(self, name)).is_absolute():
+                raise ConfigError(f"--{name.replace('_', '-')} must be an absolute path (the same on every node), got {getattr(self, name)!s}")
+        if self.num_nodes < 1:
+            raise ConfigError(f"--num-nodes must be at least 1, got {self.num_nodes}")
+        if len(self.rank_weights) != self.num_nodes:
+            raise ConfigError(
+                f"--rank-weights has {len(self.rank_weights)} value(s) but --num-nodes is {self.num_nodes}: "
+                f"give exactly one positive weight per node, e.g. \"{','.join(['1'] * self.num_nodes)}\""
+            )
+        if any(not (w > 0) for w in self.rank_weights):
+            raise ConfigError(f"--rank-weights must all be positive numbers, got {','.join(map(_fmt, self.rank_weights))}")
+        if not 0 <= self.rank < self.num_nodes:
+            raise ConfigError(f"rank {self.rank} is out of range: with --num-nodes {self.num_nodes} valid ranks are 0..{self.num_nodes - 1}")
+        if self.rl_phase is RLPhase.BOTH and self.eval_interval is None:
+            raise ConfigError("--rl-phase both needs --eval-interval N (evaluate on iterations 1, 1+N, 1+2N, ...)")
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise ConfigError(f"--eval-interval must be at least 1, got {self.eval_interval}")
+        if self.rl_phase is RLPhase.ROLLOUT and self.rollout_split is None:
+            raise ConfigError("--rl-phase rollout needs --rollout-split train-only|eval-only")
+        if self.max_iterations is not None and self.max_iterations < 1:
+            raise ConfigError(f"--max-iterations must be at least 1, got {self.max_iterations}")
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def fingerprint(self) -> dict:
+        """What every rank of one run must agree on; compared when ranks join an attempt."""
+        return {
+            "num_nodes": self.num_nodes,
+            "rank_weights": list(self.rank_weights),
+            "rl_phase": self.rl_phase.value,
+            "eval_interval": self.eval_interval,
+            "rollout_split": self.rollout_split.value if self.rollout_split else None,
+            "max_iterations": self.max_iterations,
+            "workload": self.workload.value,
+            "seed": self.seed,
+            "rehearsal": dataclasses.asdict(self.rehearsal) if self.workload is Workload.REHEARSAL else None,
+        }
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# --- dotted overrides -------------------------------------------------------------------
+
+_SECTIONS = ("coordination", "deadlines", "rehearsal")
+_TOP_LEVEL_OVERRIDABLE = ("seed",)
+
+
+def valid_override_keys() -> list[str]:
+    keys = list(_TOP_LEVEL_OVERRIDABLE)
+    defaults = {"coordination": CoordinationConfig, "deadlines": DeadlineConfig, "rehearsal": RehearsalConfig}
+    for section in _SECTIONS:
+        keys += [f"{section}.{f.name}" for f in dataclasses.fields(defaults[section])]
+    return keys
+
+
+def parse_overrides(items: typing.Iterable[str]) -> dict[str, dict[str, object] | object]:
+    """Turn ``["coordination.node_timeout_s=30", ...]`` into typed values per section."""
+    valid = valid_override_keys()
+    sections: dict[str, dict[str, object]] = {s: {} for s in _SECTIONS}
+    top: dict[str, object] = {}
+    classes = {"coordination": CoordinationConfig, "deadlines": DeadlineConfig, "rehearsal": RehearsalConfig}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not key=value; valid keys: {', '.join(valid)}")
+        key = key.strip()
+        if key not in valid:
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid)}")
+        if "." in key:
+            section, name = key.split(".", 1)
+            ftype = _field_type(classes[section], name)
+            sections[section][name] = _coerce(key, raw, ftype)
+        else:
+            top[key] = _coerce(key, raw, int)
+    return {"sections": sections, "top": top}
+
+
+def _field_type(cls: type, name: str) -> type:
+    hints = typing.get_type_hints(cls)
+    return hints[name]
+
+
+def _coerce(key: str, raw: str, ftype: type) -> object:
+    raw = raw.strip()
+    origin = typing.get_origin(ftype)
+    if origin in (typing.Union, types.UnionType):
+        ftype = next(a for a in typing.get_args(ftype) if a is not type(None))
+    try:
+        if ftype is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return ftype(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r}: expected a value of type {ftype.__name__}") from None
+
+
+def build_sections(overrides: dict) -> dict[str, object]:
+    classes = {"coordination": CoordinationConfig, "deadlines": DeadlineConfig, "rehearsal": RehearsalConfig}
+    built: dict[str, object] = {name: classes[name](**values) for name, values in overrides["sections"].items()}
+    built.update(overrides["top"])
+    return built
+
+
+def resolve_rank(master: bool, worker: int | None, num_nodes: int, environ: typing.Mapping[str, str] = os.environ) -> int:
+    """``--master`` is rank 0, ``--worker R`` is rank R; else ``RANK``, then ``NODE_RANK``."""
+    if master and worker is not None:
+        raise ConfigError("--master and --worker are exclusive: give --master on node 0 and --worker R on the others")
+    if master:
+        return 0
+    if worker is not None:
+        if worker == 0:
+            raise ConfigError("--worker 0 is the master's rank: use --master on node 0 and --worker 1..N-1 elsewhere")
+        return worker
+    for var in ("RANK", "NODE_RANK"):
+        if var in environ:
+            try:
+                return int(environ[var])
+            except ValueError:
+                raise ConfigError(f"environment {var}={environ[var]!r} is not an integer rank") from None
+    if num_nodes == 1:
+        return 0
+    raise ConfigError(f"no rank given for a {num_nodes}-node run: pass --master (rank 0) or --worker R, or set RANK")
+
+
+def parse_weights(text: str | None, num_nodes: int) -> tuple[float, ...]:
+    if text is None:
+        if num_nodes > 1:
+            raise ConfigError(f"--rank-weights is required with --num-nodes {num_nodes}: one positive weight per node, e.g. \"{','.join(['1'] * num_nodes)}\"")
+        return (1.0,)
+    try:
+        return tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--rank-weights must be comma-separated positive numbers, got {text!r}") from None

@@ -1,0 +1,337 @@
+"""One rank's side of the protocol: join an attempt, pass barriers, record how it ended.
+
+Joining. The master takes the lease (``lease.py``), which names a fresh attempt ``A``;
+every rank writes ``attempts/A/ranks/r<R>/join.json``; the master reads those N known names,
+checks that all ranks run the same configuration, and publishes ``attempts/A/start.json``
+with the resume point. A worker finds ``A`` by polling ``control/lease.json``, and follows
+the lease if a new master starts a new attempt while it waits.
+
+Barriers. Each rank rewrites its own ``arrive.json`` with (iteration, phase, payload); the
+master polls the N known names until all match, runs the phase's decision, and rewrites
+``release.json`` with it; workers poll that one file. O(N) metadata operations per round.
+Everything is under ``attempts/A/``: a file of a crashed attempt never releases anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+from orchestrator import faults, fsio, identity, lease as lease_mod
+from orchestrator.config import RunConfig
+from orchestrator.errors import BadInput, Culprit, DeadlineExceeded, PeerFailed
+from orchestrator.heartbeat import Heartbeat
+from orchestrator.layout import AttemptLayout, RunLayout
+from orchestrator.monitor import Monitor, publish_abort
+from orchestrator.phase_table import Phase
+from orchestrator.procs import Children
+from orchestrator.waiting import Backoff, CancelToken, Deadline, poll
+
+log = logging.getLogger(__name__)
+
+# A worker gives the master this much longer than the phase deadline, so that the master,
+# which knows who is missing, is the one to report a barrier timeout.
+WORKER_DEADLINE_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """What the master published when the attempt started."""
+
+    attempt: str
+    iteration: int
+    phase: Phase
+    plan: dict | None
+    hosts: dict[int, str]
+
+
+class Coordinator:
+    def __init__(self, config: RunConfig, cancel: CancelToken, children: Children):
+        self.config = config
+        self.layout = RunLayout(config.log_path)
+        self.cancel = cancel
+        self.children = children
+        self.rank = config.rank
+        self.c = config.coordination
+        self.backoff = Backoff(self.c.poll_min_s, self.c.poll_max_s)
+        self.fault = faults.from_env()
+        self.lease: lease_mod.Lease | None = None
+        self.attempt_id: str | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.monitor: Monitor | None = None
+        self.hosts: dict[int, str] = {}
+        self.where: tuple[int | None, str | None] = (None, None)
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def attempt(self) -> AttemptLayout:
+        assert self.attempt_id is not None
+        return self.layout.attempt(self.attempt_id)
+
+    # -- joining ----------------------------------------------------------------------------
+
+    def join(self, resume: Callable[[], tuple[int, Phase, dict | None]]) -> Start:
+        """Enter an attempt with every other rank; ``resume`` (master only) says where to start."""
+        if self.is_master:
+            return self._join_as_master(resume)
+        return self._join_as_worker()
+
+    def _enter(self, attempt_id: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.close("stopped")
+        self.attempt_id = attempt_id
+        self.heartbeat = Heartbeat(
+            self.attempt.heartbeat(self.rank), rank=self.rank, attempt=attempt_id, interval_s=self.c.heartbeat_interval_s
+        )
+        self.heartbeat.start()
+        fsio.write_record(
+            self.attempt.join(self.rank),
+            {**identity.me(), "rank": self.rank, "attempt": attempt_id, "fingerprint": self.config.fingerprint()},
+        )
+
+    def _start_monitor(self) -> None:
+        self.monitor = Monitor(
+            attempt=self.attempt,
+            rank=self.rank,
+            num_nodes=self.config.num_nodes,
+            cancel=self.cancel,
+            heartbeat_interval_s=self.c.heartbeat_interval_s,
+            node_timeout_s=self.c.node_timeout_s,
+            poll_s=min(0.25, self.c.heartbeat_interval_s / 2),
+            hosts=self.hosts,
+            on_cancel=lambda: self.children.stop_all(grace_s=2.0),
+        )
+        self.monitor.watch([0] if not self.is_master else [])
+        self.monitor.start()
+
+    def _join_as_master(self, resume) -> Start:
+        self.lease = lease_mod.acquire(self.layout, self.c.node_timeout_s, self.c.poll_max_s)
+        self._enter(self.lease.attempt)
+        log.info("master holds lease generation %d; attempt %s", self.lease.generation, self.attempt_id)
+        self.hosts[0] = identity.host()
+        self._start_monitor()
+        iteration, phase, plan = resume()
+        joins: dict[int, dict] = {}
+        missing = set(range(1, self.config.num_nodes))
+        if missing:
+            log.info("waiting for ranks %s to join (up to %.0f s)", _ranks(missing), self.c.join_timeout_s)
+
+        def probe():
+            for r in sorted(missing):
+                j = fsio.read_record(self.attempt.join(r))
+                if j is not None and j.get("attempt") == self.attempt_id:
+                    joins[r] = j
+                    missing.discard(r)
+                    self.hosts[r] = j["host"]
+                    self.monitor.watch([r])
+            return True if not missing else None
+
+        fsio.refresh_dir(self.attempt.root)
+        poll(
+            probe,
+            deadline=Deadline.after(self.c.join_timeout_s, "ranks to join"),
+            cancel=self.cancel,
+            backoff=self.backoff,
+            on_timeout=lambda: self._abort(
+                Culprit(min(missing), self._last_known_host(min(missing)), None, None, "join",
+                        f"rank {min(missing)} did not join attempt {self.attempt_id} within "
+                        f"coordination.join_timeout_s={self.c.join_timeout_s:g} s; missing ranks: {_ranks(missing)}. "
+                        f"Start them with the same command (--worker R), then re-run")
+            ),
+        )
+        mine = self.config.fingerprint()
+        for r, j in sorted(joins.items()):
+            diff = {k: (mine.get(k), j["fingerprint"].get(k)) for k in mine if mine.get(k) != j["fingerprint"].get(k)}
+            if diff:
+                detail = "; ".join(f"{k}: master {a!r} vs rank {r} {b!r}" for k, (a, b) in diff.items())
+                culprit = Culprit(r, j["host"], None, None, "error", f"configuration differs from the master's ({detail})")
+                publish_abort(self.attempt, culprit)
+                raise BadInput(f"rank {r} on host {j['host']} runs a different configuration: {detail}")
+        start = {
+            "attempt": self.attempt_id,
+            "iteration": iteration,
+            "phase": int(phase),
+            "plan": plan,
+            "hosts": {str(r): h for r, h in self.hosts.items()},
+            "fingerprint": mine,
+            "num_nodes": self.config.num_nodes,
+            "rl_phase": self.config.rl_phase.value,
+            "coordination": {"node_timeout_s": self.c.node_timeout_s, "heartbeat_interval_s": self.c.heartbeat_interval_s},
+        }
+        fsio.write_record(self.attempt.start, start)
+        return Start(self.attempt_id, iteration, phase, plan, dict(self.hosts))
+
+    def _join_as_worker(self) -> Start:
+        deadline = Deadline.after(self.c.join_timeout_s, "the master to start an attempt")
+        waiting_said = False
+
+        def probe():
+            nonlocal waiting_said
+            current = lease_mod.read_lease(self.layout)
+            if current is None or current.released or fsio.read_record(self.layout.attempt(current.attempt).abort):
+                if not waiting_said:
+                    log.info("waiting for the master (rank 0) to start an attempt under %s", self.layout.root)
+                    waiting_said = True
+                return None
+            if current.attempt != self.attempt_id:
+                self._check_rank_free(current.attempt)
+                self._enter(current.attempt)
+                log.info("joined attempt %s of master %s (pid %d)", current.attempt, current.host, current.pid)
+            return fsio.read_record(self.attempt.start)
+
+        start = poll(
+            probe,
+            deadline=deadline,
+            cancel=self.cancel,
+            backoff=self.backoff,
+            on_timeout=lambda: PeerFailed(
+                Culprit(0, "?", None, None, "join",
+                        f"no master started an attempt within coordination.join_timeout_s={self.c.join_timeout_s:g} s; "
+                        f"start rank 0 with --master")
+            ),
+        )
+        self.hosts.update({int(r): h for r, h in start["hosts"].items()})
+        if start["fingerprint"] != self.config.fingerprint():
+            raise BadInput(f"this rank's configuration differs from the master's: master {start['fingerprint']} vs {self.config.fingerprint()}")
+        self._start_monitor()
+        return Start(start["attempt"], start["iteration"], Phase(start["phase"]), start["plan"], dict(self.hosts))
+
+    def _check_rank_free(self, attempt_id: str) -> None:
+        other = fsio.read_record(self.layout.attempt(attempt_id).join(self.rank))
+        if other is None or other.get("pid") == os.getpid():
+            return
+        alive = identity.same_host_process_alive(other)
+        if alive:
+            raise BadInput(f"rank {self.rank} is already running on host {other['host']} (pid {other['pid']}); each rank runs once")
+
+    def _last_known_host(self, rank: int) -> str:
+        return self.hosts.get(rank, "unknown (never joined this attempt)")
+
+    # -- barriers ---------------------------------------------------------------------------
+
+    def set_position(self, iteration: int, phase: Phase, state: str = "working") -> None:
+        self.where = (iteration, phase.label)
+        self.heartbeat.update(iteration=iteration, phase=phase.label, state=state, progress=None)
+        if self.fault is not None and self.fault.at("hold", iteration, int(phase)):
+            self._hold()
+
+    def progress(self, done: int, total: int) -> None:
+        self.heartbeat.update(progress={"done": done, "total": total})
+
+    def barrier(
+        self, iteration: int, phase: Phase, payload: dict | None, deadline: Deadline,
+        decide: Callable[[dict[int, dict]], dict],
+    ) -> dict:
+        """Arrive, wait for everyone, and return the master's decision for this phase."""
+        fsio.write_record(
+            self.attempt.arrive(self.rank),
+            {"attempt": self.attempt_id, "iteration": iteration, "phase": int(phase), "payload": payload or {}},
+        )
+        self.heartbeat.update(state="waiting")
+        if self.fault is not None and self.fault.at("hold-after-arrive", iteration, int(phase)):
+            self._hold()
+        if self.is_master:
+            return self._release(iteration, phase, deadline, decide)
+        release = poll(
+            lambda: _matching(fsio.read_record(self.attempt.release), iteration, phase),
+            deadline=Deadline(deadline.at + WORKER_DEADLINE_GRACE_S, deadline.what),
+            cancel=self.cancel,
+            backoff=self.backoff,
+            on_timeout=lambda: self._deadline(iteration, phase, f"the master did not release {phase.label} in time", culprit_rank=0),
+        )
+        return release["decision"]
+
+    def _release(self, iteration, phase, deadline, decide) -> dict:
+        arrivals: dict[int, dict] = {}
+        missing = set(range(self.config.num_nodes))
+
+        def probe():
+            for r in sorted(missing):
+                a = fsio.read_record(self.attempt.arrive(r))
+                if a is not None and a.get("attempt") == self.attempt_id and _matching(a, iteration, phase):
+                    arrivals[r] = a["payload"]
+                    missing.discard(r)
+            return True if not missing else None
+
+        poll(
+            probe,
+            deadline=deadline,
+            cancel=self.cancel,
+            backoff=self.backoff,
+            on_timeout=lambda: self._deadline(
+                iteration, phase,
+                f"barrier {phase.label} still waits for ranks {_ranks(missing)} after deadlines.{phase.name.lower()}",
+                culprit_rank=min(missing),
+            ),
+        )
+        decision = decide(arrivals)
+        if self.monitor is not None and self.monitor.stop_requested is not None:
+            decision = {**decision, "stop": self.monitor.stop_requested}
+        fsio.write_record(self.attempt.release, {"iteration": iteration, "phase": int(phase), "decision": decision})
+        fsio.write_record(self.layout.progress, {"iteration": iteration, "phase": int(phase), "attempt": self.attempt_id})
+        return decision
+
+    def _deadline(self, iteration, phase, message, culprit_rank: int | None = None):
+        rank = self.rank if culprit_rank is None else culprit_rank
+        culprit = Culprit(rank, self.hosts.get(rank, "?"), iteration, phase.label, "deadline", message)
+        if self.is_master:
+            publish_abort(self.attempt, culprit)
+        return DeadlineExceeded(culprit.describe())
+
+    def _abort(self, culprit: Culprit) -> PeerFailed:
+        publish_abort(self.attempt, culprit)
+        return PeerFailed(culprit)
+
+    def _hold(self) -> None:
+        log.warning("fault injection: holding at %s", self.where)
+        self.heartbeat.update(state="held")
+        self.cancel.sleep(faults.HOLD_LIMIT_S)
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def record_failure(self, kind: str, error: str, exc: BaseException | None = None) -> None:
+        """Write this rank's failure record (and, on the master, the attempt's abort)."""
+        if self.attempt_id is None:
+            return
+        iteration, phase = self.where
+        body = {
+            **identity.me(),
+            "rank": self.rank,
+            "iteration": iteration,
+            "phase": phase,
+            "kind": kind,
+            "error": error,
+            "traceback": "".join(traceback.format_exception(exc))[-4000:] if exc is not None else None,
+            "at": time.time(),
+        }
+        try:
+            fsio.write_record(self.attempt.failure(self.rank), body)
+            if self.is_master and kind in ("error", "interrupted", "deadline"):
+                publish_abort(self.attempt, Culprit(self.rank, body["host"], iteration, phase, kind, error))
+        except OSError as e:
+            log.error("could not write the failure record: %s", e)
+
+    def close(self, state: str) -> None:
+        if self.monitor is not None:
+            self.monitor.halt()
+        if self.heartbeat is not None:
+            self.heartbeat.close(state)
+        if self.lease is not None:
+            lease_mod.release(self.layout, self.lease)
+
+
+def _matching(record: dict | None, iteration: int, phase: Phase) -> dict | None:
+    if record is None or record.get("iteration") != iteration or record.get("phase") != int(phase):
+        return None
+    return record
+
+
+def _ranks(ranks) -> str:
+    return ",".join(str(r) for r in sorted(ranks))

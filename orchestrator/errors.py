@@ -1,0 +1,92 @@
+"""The coordination core's exceptions, and the exit code each one ends a rank with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_BAD_INPUT = 2
+EXIT_PEER_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+
+class OrchestratorError(Exception):
+    """Base class; ``exit_code`` is what the rank exits with."""
+
+    exit_code = EXIT_ERROR
+
+
+class BadInput(OrchestratorError):
+    """The user's input or the run's state refuses this command (nothing was written)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+@dataclass(frozen=True, slots=True)
+class Culprit:
+    """Who caused an attempt to end, where it was, and what happened."""
+
+    rank: int
+    host: str
+    iteration: int | None
+    phase: str | None
+    kind: str  # "dead" | "error" | "interrupted" | "deadline" | "join"
+    error: str
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "iteration": self.iteration,
+            "phase": self.phase,
+            "kind": self.kind,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Culprit":
+        return cls(d["rank"], d["host"], d.get("iteration"), d.get("phase"), d["kind"], d["error"])
+
+    def describe(self) -> str:
+        where = f"rank {self.rank} on host {self.host}"
+        at = f"iteration {self.iteration}, phase {self.phase}" if self.iteration is not None else "before the first iteration"
+        if self.kind == "dead":
+            return f"{where} died (heartbeat stopped) at {at}: {self.error}"
+        if self.kind == "interrupted":
+            return f"{where} was stopped by the user ({self.error}) at {at}"
+        if self.kind == "deadline":
+            return f"{where} hit a deadline at {at}: {self.error}"
+        if self.kind == "join":
+            return f"{where} did not join: {self.error}"
+        return f"{where} failed at {at}: {self.error}"
+
+
+class PeerFailed(OrchestratorError):
+    """Another rank failed, died or was stopped; this rank stops too (exit 3)."""
+
+    exit_code = EXIT_PEER_FAILED
+
+    def __init__(self, culprit: Culprit):
+        super().__init__(culprit.describe())
+        self.culprit = culprit
+
+
+class DeadlineExceeded(OrchestratorError):
+    """A wait ran past its deadline."""
+
+
+class Interrupted(OrchestratorError):
+    """SIGINT or SIGTERM reached this rank (exit 130)."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} received")
+        self.signal_name = signal_name
+
+
+class StopRequested(OrchestratorError):
+    """`orchestrator stop` asked the run to end at this phase boundary (exit 0)."""
+
+    exit_code = EXIT_OK

@@ -1,0 +1,45 @@
+"""Fault hooks for tests, set through one environment variable.
+
+``ORCHESTRATOR_FAULT`` holds ``ACTION@ITERATION:PHASE``, for example ``hold@2:10``:
+
+- ``hold``: at the start of that phase, report state ``held`` in the heartbeat and wait
+  (cancellably, at most ``HOLD_LIMIT_S``) so a test can ``kill -9`` or SIGINT the rank at a
+  known point.
+- ``hold-after-arrive``: the same, right after writing the arrival at that phase's barrier.
+- ``raise``: raise an exception inside that phase's work.
+
+Unset in production; the hooks cost one dict lookup per phase.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV = "ORCHESTRATOR_FAULT"
+HOLD_LIMIT_S = 300.0
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    action: str
+    iteration: int
+    phase: int
+
+    def at(self, action: str, iteration: int, phase: int) -> bool:
+        return (self.action, self.iteration, self.phase) == (action, iteration, phase)
+
+
+def from_env(environ=os.environ) -> Fault | None:
+    spec = environ.get(ENV)
+    if not spec:
+        return None
+    action, _, where = spec.partition("@")
+    iteration, _, phase = where.partition(":")
+    if action not in ("hold", "hold-after-arrive", "raise"):
+        raise ValueError(f"{ENV}={spec!r}: unknown action {action!r}")
+    return Fault(action, int(iteration), int(phase))

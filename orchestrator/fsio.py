@@ -1,0 +1,146 @@
+"""Atomic publish and validated reads of small records on a shared filesystem.
+
+Every control file is a JSON object ``{"sha256": <hex>, "body": {...}}`` whose checksum
+covers the canonical serialisation of the body. A reader that finds the file missing,
+half-written, cut to an older length (sshfs), or stale-handled (NFS ``ESTALE``) gets
+``None``: "not there yet". Writers publish with a unique temp name in the same directory,
+fsync, then ``os.replace`` (SHARED-FS.md, "Atomicity").
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+# Errors that mean "the file is not (yet, or any longer) readable by name": retry later.
+_NOT_YET = {errno.ENOENT, errno.ESTALE, errno.ENOTDIR}
+
+
+def canonical(body: Any) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file, or all of the new one.
+
+    ``durable=False`` skips the fsync, for files whose loss in a crash does not matter
+    (heartbeats): visibility to other clients comes from close() and rename, not fsync.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress_missing():
+            os.unlink(tmp)
+        raise
+
+
+def envelope(body: dict) -> bytes:
+    data = canonical(body)
+    return b'{"sha256":"' + checksum(data).encode() + b'","body":' + data + b"}\n"
+
+
+def write_record(path: Path, body: dict, *, durable: bool = True) -> None:
+    """Publish ``body`` atomically with a checksum readers verify."""
+    atomic_write_bytes(path, envelope(body), durable=durable)
+
+
+def create_record_exclusive(path: Path, body: dict) -> bool:
+    """Create ``path`` only if no file has that name; True when this call created it.
+
+    O_CREAT|O_EXCL decides the race (atomic on NFSv3+, held 50/50 on sshfs); the content
+    is written through the same handle, so readers still validate it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(envelope(body))
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """Open ``path`` by name and read it whole; None when it is not there (or went stale)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        if e.errno in _NOT_YET:
+            return None
+        raise
+
+
+def read_record(path: Path) -> dict | None:
+    """The body of a record written by :func:`write_record`, or None if absent or invalid."""
+    data = read_bytes(path)
+    if not data:
+        return None
+    try:
+        doc = json.loads(data)
+        body = doc["body"]
+        if checksum(canonical(body)) != doc["sha256"]:
+            return None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def refresh_dir(path: Path) -> None:
+    """Open the directory so an NFS client revalidates its cached entries (close-to-open).
+
+    Cheap, and harmless where it does nothing (sshfs, Lustre, local disks).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        if e.errno in _NOT_YET:
+            return
+        raise
+    os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create inside ``path`` durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some FUSE filesystems do not implement fsync on directories
+    finally:
+        os.close(fd)
+
+
+class _suppress_missing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return exc_type is not None and issubclass(exc_type, OSError) and getattr(exc, "errno", None) in _NOT_YET

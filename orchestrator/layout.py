@@ -1,0 +1,140 @@
+"""Every path under ``--log-path``, in one place (the only module that builds them).
+
+    control/lease.json                        master lease: holder, generation, attempt
+    control/claims/gen-<G>                    O_EXCL claim of lease generation G
+    control/progress.json                     last released barrier (durable resume point)
+    attempts/<A>/start.json                   master: the attempt's plan (release of the join)
+    attempts/<A>/release.json                 master: latest barrier release + its decision
+    attempts/<A>/abort.json                   master: why the attempt ended (root cause)
+    attempts/<A>/stop.json                    `orchestrator stop`: graceful stop request
+    attempts/<A>/ranks/r<R>/join.json         rank R: joined this attempt (host, pid, fingerprint)
+    attempts/<A>/ranks/r<R>/heartbeat.json    rank R: liveness counter, where it is
+    attempts/<A>/ranks/r<R>/arrive.json       rank R: latest barrier it arrived at
+    attempts/<A>/ranks/r<R>/failure.json      rank R: why it stopped, written before it exits
+    iterations/<I>/plan.json                  master: tasks per rank, eval due (durable)
+    iterations/<I>/summary.json               master: counts and metrics shown by `status`
+    iterations/<I>/rollout/<split>/r<R>.jsonl rank R: its shard of trajectories
+    iterations/<I>/rollout/<split>/r<R>.manifest.json   rank R: seal (count, sha256)
+    iterations/<I>/aggregate/<split>.jsonl    master: merged shards
+    iterations/<I>/aggregate/<split>.manifest.json      master: seal of the aggregate
+    iterations/<I>/train_config.json          master: the training config decision
+    checkpoints/iter-<I>/                     master: checkpoint of iteration I
+    checkpoints/current.json                  master: pointer to the current checkpoint
+
+Sync files live under ``attempts/<A>/``: a file from another attempt can never release a
+barrier of this one (fencing). Work products live under ``iterations/`` and
+``checkpoints/``: durable, keyed by iteration, reused on resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"{iteration:06d}"
+
+
+@dataclass(frozen=True, slots=True)
+class RunLayout:
+    root: Path
+
+    # -- control -------------------------------------------------------------------------
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def lease(self) -> Path:
+        return self.control / "lease.json"
+
+    def claim(self, generation: int) -> Path:
+        return self.control / "claims" / f"gen-{generation:06d}"
+
+    @property
+    def progress(self) -> Path:
+        return self.control / "progress.json"
+
+    def attempt(self, attempt_id: str) -> "AttemptLayout":
+        return AttemptLayout(self.root / "attempts" / attempt_id)
+
+    # -- work products ---------------------------------------------------------------------
+    def iteration(self, iteration: int) -> "IterationLayout":
+        return IterationLayout(self.root / "iterations" / iteration_dir_name(iteration))
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, iteration: int) -> Path:
+        return self.checkpoints / f"iter-{iteration_dir_name(iteration)}"
+
+    @property
+    def current_checkpoint(self) -> Path:
+        return self.checkpoints / "current.json"
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptLayout:
+    root: Path
+
+    @property
+    def start(self) -> Path:
+        return self.root / "start.json"
+
+    @property
+    def release(self) -> Path:
+        return self.root / "release.json"
+
+    @property
+    def abort(self) -> Path:
+        return self.root / "abort.json"
+
+    @property
+    def stop(self) -> Path:
+        return self.root / "stop.json"
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.root / "ranks" / f"r{rank:05d}"
+
+    def join(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "join.json"
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "heartbeat.json"
+
+    def arrive(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "arrive.json"
+
+    def failure(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "failure.json"
+
+
+@dataclass(frozen=True, slots=True)
+class IterationLayout:
+    root: Path
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    def shard(self, split: str, rank: int) -> Path:
+        return self.root / "rollout" / split / f"r{rank:05d}.jsonl"
+
+    def shard_manifest(self, split: str, rank: int) -> Path:
+        return self.root / "rollout" / split / f"r{rank:05d}.manifest.json"
+
+    def aggregate(self, split: str) -> Path:
+        return self.root / "aggregate" / f"{split}.jsonl"
+
+    def aggregate_manifest(self, split: str) -> Path:
+        return self.root / "aggregate" / f"{split}.manifest.json"
+
+    @property
+    def train_config(self) -> Path:
+        return self.root / "train_config.json"

@@ -1,0 +1,208 @@
+"""The generic runner: one rank walks the phase table, iteration after iteration.
+
+It knows nothing of what a phase does: it asks ``phase_table`` who acts and which barrier
+ends the phase, calls ``phases.WORK`` and ``phases.DECIDE``, and turns every way a rank can
+end into an exit code and a failure record (SPEC section 2):
+
+    0 done or stopped on request   2 bad input   3 another rank failed or died
+    130 SIGINT/SIGTERM             1 anything else
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Iterator
+
+import phases
+from orchestrator import fsio
+from orchestrator.config import RunConfig, Workload
+from orchestrator.context import PhaseContext
+from orchestrator.coordinator import Coordinator
+from orchestrator.errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    BadInput,
+    DeadlineExceeded,
+    Interrupted,
+    OrchestratorError,
+    PeerFailed,
+    StopRequested,
+)
+from orchestrator.faults import InjectedFault
+from orchestrator.layout import RunLayout
+from orchestrator.phase_table import Barrier, Phase, RLPhase
+from orchestrator.procs import Children
+from orchestrator.waiting import CancelToken, Deadline
+
+log = logging.getLogger("orchestrator")
+
+
+# -- where to start, what to walk (pure) -----------------------------------------------------
+
+def next_point(progress: dict | None) -> tuple[int, Phase]:
+    """The first phase after the last released barrier."""
+    if progress is None:
+        return 1, Phase.SYNC_START
+    iteration, phase = progress["iteration"], Phase(progress["phase"])
+    if phase is Phase.SYNC_END:
+        return iteration + 1, Phase.SYNC_START
+    return iteration, Phase(phase + 1)
+
+
+def schedule(start: tuple[int, Phase], rl_phase: RLPhase, max_iterations: int | None) -> Iterator[tuple[int, Phase]]:
+    """(iteration, phase) pairs to walk from ``start``, skipping phases ``rl_phase`` excludes."""
+    iteration, phase = start
+    while max_iterations is None or iteration <= max_iterations:
+        for p in Phase:
+            if p >= phase and rl_phase.includes(p):
+                yield iteration, p
+        iteration, phase = iteration + 1, Phase.SYNC_START
+
+
+def first_point(start: tuple[int, Phase], rl_phase: RLPhase, max_iterations: int | None) -> tuple[int, Phase] | None:
+    return next(schedule(start, rl_phase, max_iterations), None)
+
+
+# -- the rank ---------------------------------------------------------------------------------
+
+class Rank:
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.layout = RunLayout(config.log_path)
+        self.cancel = CancelToken()
+        self.children = Children()
+        self.coordinator = Coordinator(config, self.cancel, self.children)
+        self.workload = _make_workload(config, self.children)
+
+    def _resume_point(self) -> tuple[int, Phase, dict | None]:
+        fsio.refresh_dir(self.layout.control)
+        start = next_point(fsio.read_record(self.layout.progress))
+        first = first_point(start, self.config.rl_phase, self.config.max_iterations)
+        if first is None:
+            return start[0], start[1], None
+        iteration, phase = first
+        plan = fsio.read_record(self.layout.iteration(iteration).plan)
+        return iteration, phase, plan
+
+    def run(self) -> int:
+        _install_signal_handlers()
+        state = "failed"
+        try:
+            start = self.coordinator.join(self._resume_point)
+            log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
+            self._walk(start.iteration, start.phase, start.plan)
+            state = "done"
+            log.info("run complete")
+            return EXIT_OK
+        except StopRequested as e:
+            state = "stopped"
+            log.warning("%s; re-run the same command to continue", e)
+            return EXIT_OK
+        except (Interrupted, KeyboardInterrupt) as e:
+            state = "interrupted"
+            name = e.signal_name if isinstance(e, Interrupted) else "SIGINT"
+            self._stop_children()
+            self.coordinator.record_failure("interrupted", name)
+            log.error("interrupted by %s at %s; re-run the same command to resume", name, self._where())
+            return EXIT_INTERRUPTED
+        except PeerFailed as e:
+            self.coordinator.record_failure("peer", str(e))
+            log.error("%s. This rank (%d) stops too. Once that is fixed, re-run the same commands on every node; "
+                      "the run resumes from its last finished phase", e, self.config.rank)
+            return e.exit_code
+        except BadInput as e:
+            self.coordinator.record_failure("error", str(e))
+            log.error("%s", e)
+            return e.exit_code
+        except DeadlineExceeded as e:
+            self.coordinator.record_failure("deadline", str(e), e)
+            log.error("%s", e)
+            return EXIT_ERROR
+        except Exception as e:  # noqa: BLE001 - the root cause is recorded for every rank to see
+            reason = self.cancel.reason
+            if isinstance(reason, PeerFailed):
+                # A peer's failure cancelled us mid-work (e.g. our engine was killed): report the peer.
+                self.coordinator.record_failure("peer", str(reason))
+                log.error("%s", reason)
+                return reason.exit_code
+            self.coordinator.record_failure("error", f"{type(e).__name__}: {e}", e)
+            log.exception("rank %d failed at %s", self.config.rank, self._where())
+            return EXIT_ERROR
+        finally:
+            _ignore_signals()
+            self.cancel.cancel(OrchestratorError("rank is ending"))
+            self._stop_children()
+            self.coordinator.close(state)
+
+    def _stop_children(self) -> None:
+        self.workload.close()
+        self.children.stop_all(grace_s=3.0)
+
+    def _where(self) -> str:
+        iteration, phase = self.coordinator.where
+        return f"iteration {iteration}, phase {phase}" if iteration is not None else "start-up"
+
+    def _walk(self, iteration: int, phase: Phase, plan: dict | None) -> None:
+        cfg = self.config
+        fault = self.coordinator.fault
+        if cfg.rl_phase is not RLPhase.UPDATE and phase <= Phase.EVAL:
+            self.workload.engine_start(self._ctx(iteration, phase, plan or {}))
+        for iteration, phase in schedule((iteration, phase), cfg.rl_phase, cfg.max_iterations):
+            if plan is None or plan.get("iteration") != iteration:
+                plan = fsio.read_record(self.layout.iteration(iteration).plan) or {"iteration": iteration}
+            spec = phase.spec
+            deadline = Deadline.after(cfg.deadlines.for_phase(phase), f"deadlines.{phase.name.lower()}")
+            self.coordinator.set_position(iteration, phase)
+            ctx = self._ctx(iteration, phase, plan)
+            self.cancel.check()
+            payload = None
+            if fault is not None and fault.at("raise", iteration, int(phase)):
+                raise InjectedFault(f"injected failure in phase {phase.label} of iteration {iteration}")
+            if spec.actor.acts(ctx.is_master) and phase in phases.WORK:
+                payload = phases.WORK[phase](ctx)
+            if spec.barrier is Barrier.ALL:
+                decide = phases.DECIDE.get(phase, phases.no_decision)
+                decision = self.coordinator.barrier(iteration, phase, payload, deadline, lambda arrivals: decide(ctx, arrivals))
+                if "plan" in decision:
+                    plan = decision["plan"]
+                if decision.get("stop"):
+                    raise StopRequested(f"stopped on request after iteration {iteration}, phase {phase.label}")
+
+    def _ctx(self, iteration: int, phase: Phase, plan: dict) -> PhaseContext:
+        return PhaseContext(
+            config=self.config,
+            layout=self.layout,
+            iteration=iteration,
+            phase=phase,
+            plan=plan,
+            cancel=self.cancel,
+            workload=self.workload,
+            coordinator=self.coordinator,
+            log=log,
+        )
+
+
+def _make_workload(config: RunConfig, children: Children):
+    if config.workload is Workload.REHEARSAL:
+        from orchestrator.rehearsal import RehearsalWorkload
+
+        return RehearsalWorkload(config, children)
+    raise BadInput("the RL workload is not available yet in this version: pass --rehearsal")
+
+
+def _raise_interrupted(signum, _frame) -> None:
+    _ignore_signals()
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _install_signal_handlers() -> None:
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+
+
+def _ignore_signals() -> None:
+    """While a rank cleans up, a second Ctrl+C must not cut the cleanup short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,0 +1,43 @@
+"""All user-facing output goes through here (rich), so styles and exit paths stay uniform."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import NoReturn
+
+from rich.console import Console
+from rich.table import Table
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def display_error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", markup=True) if _markup_ok(message) else err.print("error: " + message, markup=False)
+
+
+def abort(message: str, code: int) -> NoReturn:
+    display_error(message)
+    sys.exit(code)
+
+
+def display_table(title: str | None, columns: list[str], rows: list[list[object]]) -> None:
+    table = Table(title=title, title_justify="left")
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*("" if v is None else str(v) for v in r))
+    out.print(table)
+
+
+def _markup_ok(message: str) -> bool:
+    return "[" not in message
+
+
+def setup_logging(rank: int | None, host: str) -> None:
+    """Rank logs go to stderr as plain lines: they are read in files and prefixed by `local`."""
+    who = f"rank {rank} {host}" if rank is not None else host
+    fmt = f"%(asctime)s.%(msecs)03d [{who}] %(levelname)s %(message)s"
+    logging.basicConfig(level=os.environ.get("ORCHESTRATOR_LOG_LEVEL", "INFO"), format=fmt, datefmt="%H:%M:%S", stream=sys.stderr, force=True)

@@ -1,0 +1,35 @@
+"""Phases 8-9: the master checks the training data and publishes the training config."""
+
+from __future__ import annotations
+
+from orchestrator import fsio, shards
+from orchestrator.context import PhaseContext
+
+
+class MissingTrainingData(Exception):
+    pass
+
+
+def check_training_data(ctx: PhaseContext) -> None:
+    if shards.sealed(ctx.it.aggregate("train")) is None:
+        raise MissingTrainingData(
+            f"iteration {ctx.iteration} has no sealed train aggregate ({ctx.it.aggregate('train')}); "
+            f"run --rl-phase rollout --rollout-split train-only for it first"
+        )
+
+
+def train_config(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    """The config every trainer rank follows; made once per iteration and kept."""
+    cfg = fsio.read_record(ctx.it.train_config)
+    if cfg is None:
+        m = shards.sealed(ctx.it.aggregate("train"))
+        current = fsio.read_record(ctx.layout.current_checkpoint)
+        cfg = {
+            "iteration": ctx.iteration,
+            "data": str(ctx.it.aggregate("train").relative_to(ctx.layout.root)),
+            "records": m.count,
+            "init_checkpoint": current["path"] if current else None,
+            "output": str(ctx.layout.checkpoint(ctx.iteration).relative_to(ctx.layout.root)),
+        }
+        fsio.write_record(ctx.it.train_config, cfg)
+    return {"train_config": cfg}

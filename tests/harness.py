@@ -1,0 +1,166 @@
+"""Running real ranks as separate processes in tests, with deadlines on every wait."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from orchestrator import fsio
+from orchestrator.layout import RunLayout
+
+# Fast protocol settings for tests: a dead rank is detected within 3 s.
+FAST = [
+    "coordination.heartbeat_interval_s=0.25",
+    "coordination.node_timeout_s=3",
+    "coordination.join_timeout_s=20",
+    "rehearsal.work_s=0.05",
+    "rehearsal.tasks=12",
+    "rehearsal.eval_tasks=6",
+]
+NODE_TIMEOUT_S = 3.0
+
+
+def run_flags(log_path: Path, *, num_nodes: int = 3, weights: str = "2,1,1", rl_phase: str = "both",
+              eval_interval: int | None = 2, max_iterations: int | None = 3, extra: list[str] = ()) -> list[str]:
+    flags = [
+        f"--data-path={log_path.parent}",
+        f"--log-path={log_path}",
+        f"--rl-phase={rl_phase}",
+        f"--num-nodes={num_nodes}",
+        f"--rank-weights={weights}",
+        "--rehearsal",
+    ]
+    if eval_interval is not None:
+        flags.append(f"--eval-interval={eval_interval}")
+    if max_iterations is not None:
+        flags.append(f"--max-iterations={max_iterations}")
+    return flags + FAST + list(extra)
+
+
+def rank_flag(rank: int) -> str:
+    return "--master" if rank == 0 else f"--worker={rank}"
+
+
+@dataclass
+class RankProc:
+    rank: int
+    proc: subprocess.Popen
+    log: Path
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass
+class Cluster:
+    """Ranks of one run started as `python -m orchestrator run` processes."""
+
+    tmp: Path
+    log_path: Path
+    procs: list[RankProc] = field(default_factory=list)
+    _runs: int = 0
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.log_path)
+
+    def start(self, rank: int, flags: list[str], env: dict | None = None, cwd: Path | None = None) -> RankProc:
+        self._runs += 1
+        log = self.tmp / f"rank{rank}.run{self._runs}.log"
+        full_env = {k: v for k, v in os.environ.items() if k != "ORCHESTRATOR_FAULT"}
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator", "run", *flags, rank_flag(rank)],
+                stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True,
+            )
+        rp = RankProc(rank, proc, log)
+        self.procs.append(rp)
+        return rp
+
+    def start_all(self, flags: list[str], n: int = 3, env_for: dict[int, dict] | None = None) -> list[RankProc]:
+        return [self.start(r, flags, (env_for or {}).get(r)) for r in range(n)]
+
+    def wait_all(self, procs: list[RankProc], timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        return [p.wait(max(0.1, deadline - time.monotonic())) for p in procs]
+
+    def kill_all(self) -> None:
+        for rp in self.procs:
+            kill_tree(rp.pid)
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        parent = psutil.Process(pid)
+        kids = parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        kids = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for k in kids:
+        try:
+            k.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def current_attempt(layout: RunLayout) -> str | None:
+    body = fsio.read_record(layout.lease)
+    return body["attempt"] if body else None
+
+
+def heartbeat(layout: RunLayout, rank: int) -> dict | None:
+    attempt = current_attempt(layout)
+    return fsio.read_record(layout.attempt(attempt).heartbeat(rank)) if attempt else None
+
+
+def wait_state(layout: RunLayout, rank: int, state: str, timeout: float = 30.0) -> dict:
+    return wait_for(lambda: (lambda hb: hb if hb and hb.get("state") == state else None)(heartbeat(layout, rank)),
+                    timeout, f"rank {rank} to report state {state!r}")
+
+
+def status_json(log_path: Path) -> dict:
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", f"--log-path={log_path}", "--json"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def aggregate_task_ids(layout: RunLayout, iteration: int, split: str = "train") -> list[str]:
+    path = layout.iteration(iteration).aggregate(split)
+    return [json.loads(line)["task_id"] for line in path.read_text().splitlines()]
