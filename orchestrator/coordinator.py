@@ -23,6 +23,7 @@ from typing import Callable
 
 from orchestrator import faults, fsio, identity, lease as lease_mod
 from orchestrator.config import RunConfig
+from orchestrator.events import EventLog
 from orchestrator.errors import BadInput, Culprit, DeadlineExceeded, PeerFailed
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.layout import AttemptLayout, RunLayout
@@ -62,6 +63,7 @@ class Coordinator:
         self.lease: lease_mod.Lease | None = None
         self.attempt_id: str | None = None
         self.heartbeat: Heartbeat | None = None
+        self.events: EventLog | None = None
         self.monitor: Monitor | None = None
         self.hosts: dict[int, str] = {}
         self.where: tuple[int | None, str | None] = (None, None)
@@ -86,7 +88,9 @@ class Coordinator:
     def _enter(self, attempt_id: str) -> None:
         if self.heartbeat is not None:
             self.heartbeat.close("stopped")
+            self.events.close()
         self.attempt_id = attempt_id
+        self.events = EventLog(self.attempt.events(self.rank), self.rank)
         self.heartbeat = Heartbeat(
             self.attempt.heartbeat(self.rank), rank=self.rank, attempt=attempt_id, interval_s=self.c.heartbeat_interval_s
         )
@@ -218,6 +222,7 @@ class Coordinator:
 
     def set_position(self, iteration: int, phase: Phase, state: str = "working") -> None:
         self.where = (iteration, phase.label)
+        self.events.emit("phase", iteration=iteration, phase=int(phase))
         self.heartbeat.update(iteration=iteration, phase=phase.label, state=state, progress=None)
         if self.fault is not None and self.fault.at("hold", iteration, int(phase)):
             self._hold()
@@ -234,11 +239,14 @@ class Coordinator:
             self.attempt.arrive(self.rank),
             {"attempt": self.attempt_id, "iteration": iteration, "phase": int(phase), "payload": payload or {}},
         )
+        self.events.emit("arrive", iteration=iteration, phase=int(phase))
         self.heartbeat.update(state="waiting")
         if self.fault is not None and self.fault.at("hold-after-arrive", iteration, int(phase)):
             self._hold()
         if self.is_master:
-            return self._release(iteration, phase, deadline, decide)
+            decision = self._release(iteration, phase, deadline, decide)
+            self.events.emit("released", iteration=iteration, phase=int(phase))
+            return decision
         release = poll(
             lambda: _matching(fsio.read_record(self.attempt.release), iteration, phase),
             deadline=Deadline(deadline.at + WORKER_DEADLINE_GRACE_S, deadline.what),
@@ -246,6 +254,7 @@ class Coordinator:
             backoff=self.backoff,
             on_timeout=lambda: self._deadline(iteration, phase, f"the master did not release {phase.label} in time", culprit_rank=0),
         )
+        self.events.emit("released", iteration=iteration, phase=int(phase))
         return release["decision"]
 
     def _release(self, iteration, phase, deadline, decide) -> dict:
@@ -271,6 +280,7 @@ class Coordinator:
                 culprit_rank=min(missing),
             ),
         )
+        self.events.emit("all_arrived", iteration=iteration, phase=int(phase))
         decision = decide(arrivals)
         if self.monitor is not None and self.monitor.stop_requested is not None:
             decision = {**decision, "stop": self.monitor.stop_requested}
@@ -323,6 +333,9 @@ class Coordinator:
             self.monitor.halt()
         if self.heartbeat is not None:
             self.heartbeat.close(state)
+        if self.events is not None:
+            self.events.emit("end", state=state)
+            self.events.close()
         if self.lease is not None:
             lease_mod.release(self.layout, self.lease)
 

@@ -11,6 +11,7 @@
     attempts/<A>/ranks/r<R>/heartbeat.json    rank R: liveness counter, where it is
     attempts/<A>/ranks/r<R>/arrive.json       rank R: latest barrier it arrived at
     attempts/<A>/ranks/r<R>/failure.json      rank R: why it stopped, written before it exits
+    attempts/<A>/ranks/r<R>/events.jsonl      rank R: its event log (phase and barrier times)
     iterations/<I>/plan.json                  master: tasks per rank, eval due (durable)
     iterations/<I>/summary.json               master: counts and metrics shown by `status`
     iterations/<I>/rollout/<split>/r<R>.jsonl rank R: its shard of trajectories
@@ -109,6 +110,9 @@ class AttemptLayout:
 
     def failure(self, rank: int) -> Path:
         return self.rank_dir(rank) / "failure.json"
+
+    def events(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "events.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
