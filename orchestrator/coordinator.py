@@ -164,6 +164,7 @@ class Coordinator:
             "phase": int(phase),
             "plan": plan,
             "hosts": {str(r): h for r, h in self.hosts.items()},
+            "joined": {"0": os.getpid(), **{str(r): j["pid"] for r, j in joins.items()}},
             "fingerprint": mine,
             "num_nodes": self.config.num_nodes,
             "rl_phase": self.config.rl_phase.value,
@@ -173,22 +174,41 @@ class Coordinator:
         return Start(self.attempt_id, iteration, phase, plan, dict(self.hosts))
 
     def _join_as_worker(self) -> Start:
-        deadline = Deadline.after(self.c.join_timeout_s, "the master to start an attempt")
-        waiting_said = False
+        # The master reports missing ranks at its join deadline; the worker waits a little longer.
+        deadline = Deadline.after(self.c.join_timeout_s + WORKER_DEADLINE_GRACE_S, "the master to start an attempt")
+        said: set[str] = set()
+
+        def say_once(message: str) -> None:
+            if message not in said:
+                said.add(message)
+                log.info("%s", message)
 
         def probe():
-            nonlocal waiting_said
+            if self.attempt_id is not None:
+                mine = fsio.read_record(self.attempt.abort)
+                if mine is not None:  # the master gave up on the attempt this rank joined
+                    raise PeerFailed(Culprit.from_json(mine["culprit"]))
             current = lease_mod.read_lease(self.layout)
-            if current is None or current.released or fsio.read_record(self.layout.attempt(current.attempt).abort):
-                if not waiting_said:
-                    log.info("waiting for the master (rank 0) to start an attempt under %s", self.layout.root)
-                    waiting_said = True
+            if current is None or current.released:
+                say_once(f"waiting for the master (rank 0) to start an attempt under {self.layout.root}")
+                return None
+            attempt = self.layout.attempt(current.attempt)
+            if fsio.read_record(attempt.abort) is not None:
+                say_once(f"attempt {current.attempt} has ended; waiting for a new master")
                 return None
             if current.attempt != self.attempt_id:
+                if fsio.read_record(attempt.start) is not None:
+                    # It started without this process: a stale lease of a master that died.
+                    say_once(f"attempt {current.attempt} already started without this rank; waiting for a new master")
+                    return None
                 self._check_rank_free(current.attempt)
                 self._enter(current.attempt)
                 log.info("joined attempt %s of master %s (pid %d)", current.attempt, current.host, current.pid)
-            return fsio.read_record(self.attempt.start)
+            start = fsio.read_record(attempt.start)
+            if start is not None and start["joined"].get(str(self.rank)) != os.getpid():
+                say_once(f"attempt {current.attempt} started with another process as rank {self.rank}; waiting for a new master")
+                return None
+            return start
 
         start = poll(
             probe,
@@ -197,8 +217,8 @@ class Coordinator:
             backoff=self.backoff,
             on_timeout=lambda: PeerFailed(
                 Culprit(0, "?", None, None, "join",
-                        f"no master started an attempt within coordination.join_timeout_s={self.c.join_timeout_s:g} s; "
-                        f"start rank 0 with --master")
+                        f"no master started an attempt with this rank within coordination.join_timeout_s="
+                        f"{self.c.join_timeout_s:g} s; start rank 0 with --master")
             ),
         )
         self.hosts.update({int(r): h for r, h in start["hosts"].items()})
@@ -306,7 +326,7 @@ class Coordinator:
 
     # -- ending -----------------------------------------------------------------------------
 
-    def record_failure(self, kind: str, error: str, exc: BaseException | None = None) -> None:
+    def record_failure(self, kind: str, error: str, exc: BaseException | None = None, culprit: Culprit | None = None) -> None:
         """Write this rank's failure record (and, on the master, the attempt's abort)."""
         if self.attempt_id is None:
             return
@@ -319,6 +339,7 @@ class Coordinator:
             "kind": kind,
             "error": error,
             "traceback": "".join(traceback.format_exception(exc))[-4000:] if exc is not None else None,
+            "culprit": culprit.to_json() if culprit is not None else None,
             "at": time.time(),
         }
         try:

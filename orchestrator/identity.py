@@ -16,8 +16,12 @@ def host() -> str:
 
 
 def process_start_time(pid: int) -> float | None:
+    """When the live process ``pid`` started; None if there is none (a zombie is dead)."""
     try:
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
 

@@ -108,7 +108,7 @@ class Rank:
             log.error("interrupted by %s at %s; re-run the same command to resume", name, self._where())
             return EXIT_INTERRUPTED
         except PeerFailed as e:
-            self.coordinator.record_failure("peer", str(e))
+            self.coordinator.record_failure("peer", str(e), culprit=e.culprit)
             log.error("%s. This rank (%d) stops too. Once that is fixed, re-run the same commands on every node; "
                       "the run resumes from its last finished phase", e, self.config.rank)
             return e.exit_code
@@ -124,7 +124,7 @@ class Rank:
             reason = self.cancel.reason
             if isinstance(reason, PeerFailed):
                 # A peer's failure cancelled us mid-work (e.g. our engine was killed): report the peer.
-                self.coordinator.record_failure("peer", str(reason))
+                self.coordinator.record_failure("peer", str(reason), culprit=reason.culprit)
                 log.error("%s", reason)
                 return reason.exit_code
             self.coordinator.record_failure("error", f"{type(e).__name__}: {e}", e)

@@ -100,9 +100,12 @@ def root_cause(attempt, num_nodes: int) -> dict | None:
         return {k: c.get(k) for k in ("rank", "host", "iteration", "phase", "kind", "error")}
     records = [(r, fsio.read_record(attempt.failure(r))) for r in range(num_nodes)]
     records = [(r, f) for r, f in records if f is not None]
-    for kinds in (ROOT_CAUSE_KINDS, ("peer",)):
-        for r, f in records:
-            if f.get("kind") in kinds:
-                return {"rank": r, "host": f.get("host"), "iteration": f.get("iteration"), "phase": f.get("phase"),
-                        "kind": f.get("kind"), "error": f.get("error")}
+    for r, f in records:
+        if f.get("kind") in ROOT_CAUSE_KINDS:
+            return {"rank": r, "host": f.get("host"), "iteration": f.get("iteration"), "phase": f.get("phase"),
+                    "kind": f.get("kind"), "error": f.get("error")}
+    for r, f in records:
+        if f.get("culprit"):
+            c = f["culprit"]
+            return {k: c.get(k) for k in ("rank", "host", "iteration", "phase", "kind", "error")}
     return None

@@ -11,7 +11,7 @@ import time
 from orchestrator import shards
 from orchestrator.context import PhaseContext
 
-PROGRESS_EVERY_S = 0.5
+PROGRESS_EVERY_S = 0.5  # also bounds what a crash can lose of a slow rollout
 
 
 def generate_shard(ctx: PhaseContext, split: str) -> None:
@@ -33,6 +33,7 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
             writer.append(record)
             done += 1
             if time.monotonic() - last > PROGRESS_EVERY_S:
+                writer.flush()  # progress shown is progress kept
                 ctx.progress(done, count)
                 last = time.monotonic()
     ctx.progress(done, count)

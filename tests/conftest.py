@@ -1,6 +1,9 @@
+import os
+
 import pytest
 
 from tests.harness import Cluster
+from tests.sshfs import SshfsMounts, missing_prerequisites
 
 
 @pytest.fixture
@@ -8,3 +11,27 @@ def cluster(tmp_path):
     c = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
     yield c
     c.kill_all()
+
+
+@pytest.fixture
+def sshfs_mounts(tmp_path):
+    """A factory: ``export, mounts = sshfs_mounts(n)`` gives n sshfs clients of one directory.
+
+    Each mount has its own client cache (default sshfs options). Everything is unmounted at
+    teardown, also when the test fails. Skipped where sshfs is not installed, except on CI
+    (CI=true), which installs it with scripts/setup-dev.sh and must not skip silently.
+    """
+    missing = missing_prerequisites()
+    if missing:
+        message = "sshfs tests need: " + "; ".join(missing) + " (run scripts/setup-dev.sh as root)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true but " + message, pytrace=False)
+        pytest.skip(message)
+    mounts = SshfsMounts(export=tmp_path / "export", base=tmp_path / "mnt")
+    try:
+        def make(n: int):
+            return mounts.export, mounts.mount(n)
+
+        yield make
+    finally:
+        mounts.close()

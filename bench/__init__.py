@@ -1,0 +1,1 @@
+"""Benchmarks of the orchestrator (run as scripts; see each module docstring)."""

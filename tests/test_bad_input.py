@@ -1,0 +1,71 @@
+"""Bad input exits 2 with a message naming what is wrong, and writes nothing (done-when 7)."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _run(args, env=None):
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "NODE_RANK")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "orchestrator", "run", *args], capture_output=True, text=True,
+                          timeout=30, env=full_env)
+
+
+def _base(tmp_path, **over):
+    flags = {
+        "--data-path": str(tmp_path / "data"),
+        "--log-path": str(tmp_path / "run"),
+        "--rl-phase": "both",
+        "--eval-interval": "2",
+        "--num-nodes": "3",
+        "--rank-weights": "2,1,1",
+    }
+    flags.update(over)
+    return [f"{k}={v}" for k, v in flags.items() if v is not None] + ["--rehearsal"]
+
+
+CASES = {
+    "weight count differs from num-nodes": ({"--rank-weights": "1,1"}, ["--master"], "--rank-weights has 2 value(s) but --num-nodes is 3"),
+    "zero weight": ({"--rank-weights": "1,0,1"}, ["--master"], "must all be positive"),
+    "negative weight": ({"--rank-weights": "1,-1,1"}, ["--master"], "must all be positive"),
+    "rank out of range": ({}, ["--worker=3"], "rank 3 is out of range"),
+    "master and worker": ({}, ["--master", "--worker=1"], "--master and --worker are exclusive"),
+    "both without eval interval": ({"--eval-interval": None}, ["--master"], "--rl-phase both needs --eval-interval"),
+    "rollout without split": ({"--rl-phase": "rollout", "--eval-interval": None}, ["--master"], "--rl-phase rollout needs --rollout-split"),
+    "relative log path": ({"--log-path": "relative/run"}, ["--master"], "--log-path must be an absolute path"),
+    "relative data path": ({"--data-path": "data"}, ["--master"], "--data-path must be an absolute path"),
+    "unknown override key": ({}, ["--master", "coordination.nope=1"], "unknown config key 'coordination.nope'; valid keys: seed, coordination.heartbeat_interval_s"),
+    "override of the wrong type": ({}, ["--master", "coordination.node_timeout_s=soon"], "expected a value of type float"),
+    "heartbeat too slow for the timeout": ({}, ["--master", "coordination.node_timeout_s=10", "coordination.heartbeat_interval_s=5"], "at most a quarter"),
+    "bad rl-phase": ({"--rl-phase": "train"}, ["--master"], "'train' is not one of 'rollout', 'update', 'both'"),
+    "no rank on a multi-node run": ({}, [], "no rank given"),
+}
+
+
+@pytest.mark.parametrize("over,extra,message", CASES.values(), ids=CASES.keys())
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, over, extra, message):
+    result = _run(_base(tmp_path, **over) + extra)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in " ".join((result.stdout + result.stderr).split())
+    assert list(tmp_path.iterdir()) == [], "nothing may be created"
+
+
+def test_rank_is_taken_from_the_environment(tmp_path):
+    result = _run(_base(tmp_path), env={"RANK": "7"})
+    assert result.returncode == 2 and "rank 7 is out of range" in result.stderr
+    result = _run(_base(tmp_path), env={"NODE_RANK": "5"})
+    assert result.returncode == 2 and "rank 5 is out of range" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_local_validates_before_starting_any_rank(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "local", *_base(tmp_path, **{"--rank-weights": "1,1"})],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "--rank-weights has 2 value(s)" in result.stderr
+    assert list(tmp_path.iterdir()) == []
