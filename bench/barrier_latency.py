@@ -13,7 +13,7 @@ It runs, with a subprocess timeout (--timeout-s),
         [coordination.poll_max_s=S]
 
 (every rank weighs the same: `local` defaults to equal weights), then reads every rank's
-``attempts/<A>/ranks/r<R>/events.jsonl`` and reports, for each barrier round
+``attempts/<A>/events/r<R>.jsonl`` and reports, for each barrier round
 (iteration, phase):
 
     release latency  = last rank's "released" - last rank's "arrive"

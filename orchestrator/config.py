@@ -37,9 +37,10 @@ class Workload(enum.Enum):
 class CoordinationConfig:
     heartbeat_interval_s: float = 5.0
     """How often each rank rewrites its heartbeat counter. At most node_timeout_s / 4."""
-    node_timeout_s: float = 120.0
+    node_timeout_s: float = 180.0
     """A rank whose heartbeat counter has not changed for this long (on the reader's own
-    monotonic clock) is dead. Must exceed the filesystem's attribute-cache window (NFS: 60 s)."""
+    monotonic clock) is dead. Must exceed the filesystem's cache window (NFS attributes up to
+    60 s, blobfuse2 120 s by default), GC pauses and server stalls."""
     join_timeout_s: float = 900.0
     """How long ranks wait for every rank to join an attempt before failing, naming the absent."""
     poll_min_s: float = 0.002
@@ -145,6 +146,8 @@ class RunConfig:
             raise ConfigError("--rl-phase rollout needs --rollout-split train-only|eval-only")
         if self.max_iterations is not None and self.max_iterations < 1:
             raise ConfigError(f"--max-iterations must be at least 1, got {self.max_iterations}")
+        if self.workload is not Workload.REHEARSAL:
+            raise ConfigError("the RL workload is not part of this version yet: add --rehearsal to walk the protocol with simulated work")
 
     @property
     def is_master(self) -> bool:

@@ -1,7 +1,7 @@
 """One rank's side of the protocol: join an attempt, pass barriers, record how it ended.
 
 Joining. The master takes the lease (``lease.py``), which names a fresh attempt ``A``;
-every rank writes ``attempts/A/ranks/r<R>/join.json``; the master reads those N known names,
+every rank writes ``attempts/A/joins/r<R>.json``; the master reads those N known names,
 checks that all ranks run the same configuration, and publishes ``attempts/A/start.json``
 with the resume point. A worker finds ``A`` by polling ``control/lease.json``, and follows
 the lease if a new master starts a new attempt while it waits.
@@ -112,6 +112,8 @@ class Coordinator:
             hosts=self.hosts,
             on_cancel=lambda: self.children.stop_all(grace_s=2.0),
         )
+        self.monitor.where = lambda: self.where
+        self.monitor.host = identity.host()
         self.monitor.watch([0] if not self.is_master else [])
         self.monitor.start()
 
@@ -128,6 +130,7 @@ class Coordinator:
             log.info("waiting for ranks %s to join (up to %.0f s)", _ranks(missing), self.c.join_timeout_s)
 
         def probe():
+            fsio.refresh_dir(self.attempt.joins)
             for r in sorted(missing):
                 j = fsio.read_record(self.attempt.join(r))
                 if j is not None and j.get("attempt") == self.attempt_id:
@@ -137,7 +140,6 @@ class Coordinator:
                     self.monitor.watch([r])
             return True if not missing else None
 
-        fsio.refresh_dir(self.attempt.root)
         poll(
             probe,
             deadline=Deadline.after(self.c.join_timeout_s, "ranks to join"),
@@ -185,9 +187,15 @@ class Coordinator:
 
         def probe():
             if self.attempt_id is not None:
+                # The attempt this rank joined, first: its master may start it and even finish
+                # it (releasing the lease) between two polls.
+                fsio.refresh_dir(self.attempt.root)
                 mine = fsio.read_record(self.attempt.abort)
                 if mine is not None:  # the master gave up on the attempt this rank joined
                     raise PeerFailed(Culprit.from_json(mine["culprit"]))
+                start = fsio.read_record(self.attempt.start)
+                if start is not None and start["joined"].get(str(self.rank)) == os.getpid():
+                    return start
             current = lease_mod.read_lease(self.layout)
             if current is None or current.released:
                 say_once(f"waiting for the master (rank 0) to start an attempt under {self.layout.root}")
@@ -240,12 +248,20 @@ class Coordinator:
 
     # -- barriers ---------------------------------------------------------------------------
 
-    def set_position(self, iteration: int, phase: Phase, state: str = "working") -> None:
+    def set_position(self, iteration: int, phase: Phase, work_deadline: Deadline) -> None:
+        """This rank starts ``phase``; its monitor cancels it if the work outlives ``work_deadline``."""
         self.where = (iteration, phase.label)
+        self.monitor.work_deadline = work_deadline
         self.events.emit("phase", iteration=iteration, phase=int(phase))
-        self.heartbeat.update(iteration=iteration, phase=phase.label, state=state, progress=None)
-        if self.fault is not None and self.fault.at("hold", iteration, int(phase)):
-            self._hold()
+        self.heartbeat.update(iteration=iteration, phase=phase.label, state="working", progress=None)
+
+    def fault_point(self, action: str, iteration: int, phase: Phase) -> None:
+        """Where a test's ORCHESTRATOR_FAULT may hold this rank or make it fail."""
+        if self.fault is None or not self.fault.at(action, iteration, int(phase)):
+            return
+        if action == "raise":
+            raise faults.InjectedFault(f"injected failure in phase {phase.label} of iteration {iteration}")
+        self._hold()
 
     def progress(self, done: int, total: int) -> None:
         self.heartbeat.update(progress={"done": done, "total": total})
@@ -255,20 +271,25 @@ class Coordinator:
         decide: Callable[[dict[int, dict]], dict],
     ) -> dict:
         """Arrive, wait for everyone, and return the master's decision for this phase."""
+        self.cancel.check()  # a rank cancelled during its work must not arrive
+        self.monitor.work_deadline = None  # from here on the barrier's own deadline applies
         fsio.write_record(
             self.attempt.arrive(self.rank),
             {"attempt": self.attempt_id, "iteration": iteration, "phase": int(phase), "payload": payload or {}},
         )
         self.events.emit("arrive", iteration=iteration, phase=int(phase))
         self.heartbeat.update(state="waiting")
-        if self.fault is not None and self.fault.at("hold-after-arrive", iteration, int(phase)):
-            self._hold()
+        self.fault_point("hold-after-arrive", iteration, phase)
         if self.is_master:
             decision = self._release(iteration, phase, deadline, decide)
             self.events.emit("released", iteration=iteration, phase=int(phase))
             return decision
+        def probe():
+            fsio.refresh_dir(self.attempt.root)
+            return _matching(fsio.read_record(self.attempt.release), iteration, phase)
+
         release = poll(
-            lambda: _matching(fsio.read_record(self.attempt.release), iteration, phase),
+            probe,
             deadline=Deadline(deadline.at + WORKER_DEADLINE_GRACE_S, deadline.what),
             cancel=self.cancel,
             backoff=self.backoff,
@@ -282,6 +303,7 @@ class Coordinator:
         missing = set(range(self.config.num_nodes))
 
         def probe():
+            fsio.refresh_dir(self.attempt.arrivals)
             for r in sorted(missing):
                 a = fsio.read_record(self.attempt.arrive(r))
                 if a is not None and a.get("attempt") == self.attempt_id and _matching(a, iteration, phase):
@@ -301,7 +323,9 @@ class Coordinator:
             ),
         )
         self.events.emit("all_arrived", iteration=iteration, phase=int(phase))
+        self.monitor.work_deadline = deadline  # the decision is the master's work: bound it too
         decision = decide(arrivals)
+        self.monitor.work_deadline = None
         if self.monitor is not None and self.monitor.stop_requested is not None:
             decision = {**decision, "stop": self.monitor.stop_requested}
         fsio.write_record(self.attempt.release, {"iteration": iteration, "phase": int(phase), "decision": decision})

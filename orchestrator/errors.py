@@ -50,7 +50,7 @@ class Culprit:
 
     def describe(self) -> str:
         where = f"rank {self.rank} on host {self.host}"
-        at = f"iteration {self.iteration}, phase {self.phase}" if self.iteration is not None else "before the first iteration"
+        at = f"iteration {self.iteration}, phase {self.phase}" if self.iteration is not None else "start-up"
         if self.kind == "dead":
             return f"{where} died (heartbeat stopped) at {at}: {self.error}"
         if self.kind == "interrupted":

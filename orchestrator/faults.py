@@ -40,6 +40,6 @@ def from_env(environ=os.environ) -> Fault | None:
         return None
     action, _, where = spec.partition("@")
     iteration, _, phase = where.partition(":")
-    if action not in ("hold", "hold-after-arrive", "raise"):
-        raise ValueError(f"{ENV}={spec!r}: unknown action {action!r}")
+    if action not in ("hold", "hold-after-arrive", "raise") or not (iteration.isdigit() and phase.isdigit()):
+        raise ValueError(f"{ENV}={spec!r} is not ACTION@ITERATION:PHASE with ACTION one of hold, hold-after-arrive, raise")
     return Fault(action, int(iteration), int(phase))

@@ -7,11 +7,11 @@
     attempts/<A>/release.json                 master: latest barrier release + its decision
     attempts/<A>/abort.json                   master: why the attempt ended (root cause)
     attempts/<A>/stop.json                    `orchestrator stop`: graceful stop request
-    attempts/<A>/ranks/r<R>/join.json         rank R: joined this attempt (host, pid, fingerprint)
-    attempts/<A>/ranks/r<R>/heartbeat.json    rank R: liveness counter, where it is
-    attempts/<A>/ranks/r<R>/arrive.json       rank R: latest barrier it arrived at
-    attempts/<A>/ranks/r<R>/failure.json      rank R: why it stopped, written before it exits
-    attempts/<A>/ranks/r<R>/events.jsonl      rank R: its event log (phase and barrier times)
+    attempts/<A>/joins/r<R>.json              rank R: joined this attempt (host, pid, fingerprint)
+    attempts/<A>/heartbeats/r<R>.json         rank R: liveness counter, where it is
+    attempts/<A>/arrivals/r<R>.json           rank R: latest barrier it arrived at
+    attempts/<A>/failures/r<R>.json           rank R: why it stopped, written before it exits
+    attempts/<A>/events/r<R>.jsonl            rank R: its event log (phase and barrier times)
     iterations/<I>/plan.json                  master: tasks per rank, eval due (durable)
     iterations/<I>/summary.json               master: counts and metrics shown by `status`
     iterations/<I>/rollout/<split>/r<R>.jsonl rank R: its shard of trajectories
@@ -96,23 +96,39 @@ class AttemptLayout:
     def stop(self) -> Path:
         return self.root / "stop.json"
 
-    def rank_dir(self, rank: int) -> Path:
-        return self.root / "ranks" / f"r{rank:05d}"
+    # One directory per kind of file, each holding one file per rank: a poll that reads N
+    # names refreshes one directory first (NFS revalidates a directory's entries, negative
+    # ones included, when it is opened), and no rank's lookup depends on another's mkdir.
+    @property
+    def joins(self) -> Path:
+        return self.root / "joins"
 
     def join(self, rank: int) -> Path:
-        return self.rank_dir(rank) / "join.json"
+        return self.joins / f"r{rank:05d}.json"
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.root / "heartbeats"
 
     def heartbeat(self, rank: int) -> Path:
-        return self.rank_dir(rank) / "heartbeat.json"
+        return self.heartbeats / f"r{rank:05d}.json"
+
+    @property
+    def arrivals(self) -> Path:
+        return self.root / "arrivals"
 
     def arrive(self, rank: int) -> Path:
-        return self.rank_dir(rank) / "arrive.json"
+        return self.arrivals / f"r{rank:05d}.json"
+
+    @property
+    def failures(self) -> Path:
+        return self.root / "failures"
 
     def failure(self, rank: int) -> Path:
-        return self.rank_dir(rank) / "failure.json"
+        return self.failures / f"r{rank:05d}.json"
 
     def events(self, rank: int) -> Path:
-        return self.rank_dir(rank) / "events.jsonl"
+        return self.root / "events" / f"r{rank:05d}.jsonl"
 
 
 @dataclass(frozen=True, slots=True)

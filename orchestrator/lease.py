@@ -51,10 +51,26 @@ class Lease:
         return cls(d["generation"], d["attempt"], d["host"], d["pid"], d.get("pid_start"), d.get("released", False))
 
 
-def read_lease(layout: RunLayout) -> Lease | None:
-    fsio.refresh_dir(layout.control)
-    body = fsio.read_record(layout.lease)
-    return Lease.from_json(body) if body else None
+def read_lease(layout: RunLayout, settle_s: float = 5.0) -> Lease | None:
+    """The current lease, or None if there is none.
+
+    A lease file that exists but does not validate is being replaced (sshfs can serve a
+    cut file): read again for up to ``settle_s`` before calling it corrupt (BadInput).
+    """
+    end = time.monotonic() + settle_s
+    while True:
+        fsio.refresh_dir(layout.control)
+        body = fsio.read_record(layout.lease)
+        if body is not None:
+            return Lease.from_json(body)
+        if fsio.read_bytes(layout.lease) is None:
+            return None
+        if time.monotonic() > end:
+            raise BadInput(
+                f"{layout.lease} exists but has not been a valid lease for {settle_s:g} s (corrupt?). "
+                f"If no master is running, move it aside and start the master again"
+            )
+        time.sleep(0.05)
 
 
 def holder_alive(layout: RunLayout, lease: Lease, timeout_s: float, poll_s: float) -> bool:
@@ -93,7 +109,7 @@ def new_attempt_id(generation: int) -> str:
 
 def acquire(layout: RunLayout, timeout_s: float, poll_s: float) -> Lease:
     """Become the run's master, or raise :class:`BadInput` naming the live one."""
-    current = read_lease(layout)
+    current = read_lease(layout, settle_s=10.0)
     if current is not None and holder_alive(layout, current, timeout_s, poll_s):
         raise BadInput(
             f"another master is live on this run: host {current.host}, pid {current.pid} "

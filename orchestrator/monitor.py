@@ -18,10 +18,10 @@ import time
 from typing import Callable
 
 from orchestrator import fsio
-from orchestrator.errors import Culprit, PeerFailed
+from orchestrator.errors import Culprit, DeadlineExceeded, PeerFailed
 from orchestrator.layout import AttemptLayout
 from orchestrator.liveness import LivenessTracker
-from orchestrator.waiting import CancelToken
+from orchestrator.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,9 @@ class Monitor:
         self.on_cancel = on_cancel
         self.tracker = LivenessTracker(node_timeout_s)
         self.stop_requested: dict | None = None
+        self.work_deadline: Deadline | None = None
+        self.where: Callable[[], tuple[int | None, str | None]] = lambda: (None, None)
+        self.host = hosts.get(rank, "?")
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
         self._lock = threading.Lock()
@@ -137,9 +140,14 @@ class Monitor:
             if verdict is not None:
                 self._end_attempt(verdict)
                 return
+            deadline = self.work_deadline
+            if deadline is not None and deadline.expired():
+                self._overran(deadline)
+                return
             self._halt.wait(self.poll_s)
 
     def _read_heartbeats(self, now: float) -> None:
+        fsio.refresh_dir(self.attempt.heartbeats)
         with self._lock:
             ranks = [r for r in range(self.num_nodes) if r in self.tracker._seen] if self.is_master else [0]
             for r in ranks:
@@ -147,9 +155,11 @@ class Monitor:
 
     def _verdict(self, now: float) -> Culprit | None:
         with self._lock:
+            fsio.refresh_dir(self.attempt.root)
             if self.is_master:
                 if self.stop_requested is None:
                     self.stop_requested = fsio.read_record(self.attempt.stop)
+                fsio.refresh_dir(self.attempt.failures)
                 failures = {}
                 for r in range(1, self.num_nodes):
                     f = fsio.read_record(self.attempt.failure(r))
@@ -157,6 +167,15 @@ class Monitor:
                         failures[r] = f
                 return master_verdict(failures, self.tracker, now, self.hosts)
             return worker_verdict(fsio.read_record(self.attempt.abort), self.tracker, now, self.hosts)
+
+    def _overran(self, deadline: Deadline) -> None:
+        iteration, phase = self.where()
+        culprit = Culprit(self.rank, self.host, iteration, phase, "deadline", f"the phase's work ran past {deadline.what}")
+        log.error("%s", culprit.describe())
+        if self.is_master:
+            publish_abort(self.attempt, culprit)
+        if self.cancel.cancel(DeadlineExceeded(culprit.error)):
+            self.on_cancel()
 
     def _end_attempt(self, culprit: Culprit) -> None:
         if self.is_master:
@@ -166,7 +185,12 @@ class Monitor:
             self.on_cancel()
 
 
+_abort_lock = threading.Lock()
+
+
 def publish_abort(attempt: AttemptLayout, culprit: Culprit) -> None:
-    """The master's one word on why this attempt ended; the first cause wins."""
-    if fsio.read_record(attempt.abort) is None:
-        fsio.write_record(attempt.abort, {"culprit": culprit.to_json(), "at": time.time()})
+    """The master's one word on why this attempt ended; the first cause wins (the monitor
+    and the main thread may both try, hence the lock)."""
+    with _abort_lock:
+        if fsio.read_record(attempt.abort) is None:
+            fsio.write_record(attempt.abort, {"culprit": culprit.to_json(), "at": time.time()})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from typing import Iterator
 
 import phases
@@ -30,7 +31,6 @@ from orchestrator.errors import (
     PeerFailed,
     StopRequested,
 )
-from orchestrator.faults import InjectedFault
 from orchestrator.layout import RunLayout
 from orchestrator.phase_table import Barrier, Phase, RLPhase
 from orchestrator.procs import Children
@@ -96,45 +96,56 @@ class Rank:
             state = "done"
             log.info("run complete")
             return EXIT_OK
-        except StopRequested as e:
-            state = "stopped"
-            log.warning("%s; re-run the same command to continue", e)
-            return EXIT_OK
-        except (Interrupted, KeyboardInterrupt) as e:
-            state = "interrupted"
-            name = e.signal_name if isinstance(e, Interrupted) else "SIGINT"
-            self._stop_children()
-            self.coordinator.record_failure("interrupted", name)
-            log.error("interrupted by %s at %s; re-run the same command to resume", name, self._where())
-            return EXIT_INTERRUPTED
-        except PeerFailed as e:
-            self.coordinator.record_failure("peer", str(e), culprit=e.culprit)
-            log.error("%s. This rank (%d) stops too. Once that is fixed, re-run the same commands on every node; "
-                      "the run resumes from its last finished phase", e, self.config.rank)
-            return e.exit_code
-        except BadInput as e:
-            self.coordinator.record_failure("error", str(e))
-            log.error("%s", e)
-            return e.exit_code
-        except DeadlineExceeded as e:
-            self.coordinator.record_failure("deadline", str(e), e)
-            log.error("%s", e)
-            return EXIT_ERROR
-        except Exception as e:  # noqa: BLE001 - the root cause is recorded for every rank to see
-            reason = self.cancel.reason
-            if isinstance(reason, PeerFailed):
-                # A peer's failure cancelled us mid-work (e.g. our engine was killed): report the peer.
-                self.coordinator.record_failure("peer", str(reason), culprit=reason.culprit)
-                log.error("%s", reason)
-                return reason.exit_code
-            self.coordinator.record_failure("error", f"{type(e).__name__}: {e}", e)
-            log.exception("rank %d failed at %s", self.config.rank, self._where())
-            return EXIT_ERROR
+        except BaseException as e:  # noqa: BLE001 - every ending is classified, recorded and reported
+            cause = self._root_cause(e)
+            state = {StopRequested: "stopped", Interrupted: "interrupted"}.get(type(cause), "failed")
+            return self._report(cause, e)
         finally:
             _ignore_signals()
             self.cancel.cancel(OrchestratorError("rank is ending"))
             self._stop_children()
             self.coordinator.close(state)
+
+    def _root_cause(self, e: BaseException) -> BaseException:
+        """What really ended the rank: work that fails because the rank was cancelled (its
+        engine killed, its wait interrupted) is reported as the cancellation's reason."""
+        if isinstance(e, KeyboardInterrupt):
+            return Interrupted("SIGINT")
+        if isinstance(e, OrchestratorError) or not isinstance(e, Exception):
+            return e
+        return self.cancel.reason or e
+
+    def _report(self, cause: BaseException, raised: BaseException) -> int:
+        """Record ``cause`` for the other ranks and the operator; return the exit code."""
+        rank, where = self.config.rank, self._where()
+        if isinstance(cause, StopRequested):
+            log.warning("%s; re-run the same command to continue", cause)
+            return EXIT_OK
+        if isinstance(cause, Interrupted):
+            self._stop_children()
+            self.coordinator.record_failure("interrupted", cause.signal_name)
+            log.error("interrupted by %s at %s; re-run the same command to resume", cause.signal_name, where)
+            return EXIT_INTERRUPTED
+        if isinstance(cause, PeerFailed):
+            self.coordinator.record_failure("peer", str(cause), culprit=cause.culprit)
+            log.error("%s. This rank (%d) stops too. Once that is fixed, re-run the same commands on every node; "
+                      "the run resumes from its last finished phase", cause, rank)
+            return cause.exit_code
+        if isinstance(cause, BadInput):
+            self.coordinator.record_failure("error", str(cause))
+            log.error("%s", cause)
+            return cause.exit_code
+        if isinstance(cause, DeadlineExceeded):
+            self.coordinator.record_failure("deadline", str(cause), raised)
+            log.error("deadline at %s: %s. Raise the deadline (deadlines.PHASE=SECONDS) if the work is just slow, "
+                      "then re-run the same commands to resume", where, cause)
+            return EXIT_ERROR
+        if not isinstance(cause, Exception):
+            raise cause  # SystemExit and the like: not ours to classify
+        self.coordinator.record_failure("error", f"{type(cause).__name__}: {cause}", cause)
+        log.error("rank %d failed at %s: %s: %s", rank, where, type(cause).__name__, cause,
+                  exc_info=(type(cause), cause, cause.__traceback__))
+        return EXIT_ERROR
 
     def _stop_children(self) -> None:
         self.workload.close()
@@ -146,24 +157,32 @@ class Rank:
 
     def _walk(self, iteration: int, phase: Phase, plan: dict | None) -> None:
         cfg = self.config
-        fault = self.coordinator.fault
-        if cfg.rl_phase is not RLPhase.UPDATE and phase <= Phase.EVAL:
-            self.workload.engine_start(self._ctx(iteration, phase, plan or {}))
+        group_start, group_budget = None, 0.0  # phases since the last barrier share its deadline
         for iteration, phase in schedule((iteration, phase), cfg.rl_phase, cfg.max_iterations):
             if plan is None or plan.get("iteration") != iteration:
                 plan = fsio.read_record(self.layout.iteration(iteration).plan) or {"iteration": iteration}
             spec = phase.spec
-            deadline = Deadline.after(cfg.deadlines.for_phase(phase), f"deadlines.{phase.name.lower()}")
-            self.coordinator.set_position(iteration, phase)
+            budget = cfg.deadlines.for_phase(phase)
+            if group_start is None:
+                group_start, group_budget = time.monotonic(), 0.0
+            group_budget += budget
+            self.coordinator.set_position(iteration, phase, Deadline.after(budget, f"deadlines.{phase.name.lower()}={budget:g} s"))
             ctx = self._ctx(iteration, phase, plan)
             self.cancel.check()
             payload = None
-            if fault is not None and fault.at("raise", iteration, int(phase)):
-                raise InjectedFault(f"injected failure in phase {phase.label} of iteration {iteration}")
+            if spec.needs_engine:
+                self.workload.engine_start(ctx)  # a no-op when it runs: covers a resume after phase 12
+            self.coordinator.fault_point("hold", iteration, phase)
+            self.coordinator.fault_point("raise", iteration, phase)
             if spec.actor.acts(ctx.is_master) and phase in phases.WORK:
                 payload = phases.WORK[phase](ctx)
             if spec.barrier is Barrier.ALL:
                 decide = phases.DECIDE.get(phase, phases.no_decision)
+                # Each rank's monitor enforces its own work deadline and reports it; the barrier's
+                # deadline, later by one node timeout, is the backstop for ranks that cannot.
+                deadline = Deadline(group_start + group_budget + cfg.coordination.node_timeout_s,
+                                    f"deadlines.{phase.name.lower()}")
+                group_start = None
                 decision = self.coordinator.barrier(iteration, phase, payload, deadline, lambda arrivals: decide(ctx, arrivals))
                 if "plan" in decision:
                     plan = decision["plan"]
@@ -185,11 +204,10 @@ class Rank:
 
 
 def _make_workload(config: RunConfig, children: Children):
-    if config.workload is Workload.REHEARSAL:
-        from orchestrator.rehearsal import RehearsalWorkload
+    assert config.workload is Workload.REHEARSAL, "RunConfig validation admits only the rehearsal workload"
+    from orchestrator.rehearsal import RehearsalWorkload
 
-        return RehearsalWorkload(config, children)
-    raise BadInput("the RL workload is not available yet in this version: pass --rehearsal")
+    return RehearsalWorkload(config, children)
 
 
 def _raise_interrupted(signum, _frame) -> None:

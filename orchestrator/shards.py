@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -161,7 +162,7 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
     each (duplicates raise).
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     seen: set[str] = set()
     counts: dict[str, int] = {}
     total, h, size = 0, hashlib.sha256(), 0
@@ -175,10 +176,13 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
                 with open(shard, "rb") as f:
                     for raw in f:
                         sh.update(raw)
-                        record = json.loads(raw)
-                        if record["task_id"] in seen:
-                            raise ShardError(f"{label}: task {record['task_id']} appears twice (in {shard})")
-                        seen.add(record["task_id"])
+                        try:
+                            task_id = json.loads(raw)["task_id"]
+                        except (ValueError, KeyError, TypeError):
+                            raise ShardError(f"{label}: shard {shard} has an invalid record after record {n}") from None
+                        if task_id in seen:
+                            raise ShardError(f"{label}: task {task_id} appears twice (in {shard})")
+                        seen.add(task_id)
                         out.write(raw)
                         h.update(raw)
                         size += len(raw)
@@ -194,6 +198,7 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, dest)
+        fsio.fsync_dir(dest.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

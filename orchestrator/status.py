@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 from orchestrator import fsio, identity, lease as lease_mod, summary
+from orchestrator.config import CoordinationConfig
 from orchestrator.errors import BadInput
 from orchestrator.layout import RunLayout
 from orchestrator.liveness import TERMINAL_STATES
@@ -47,7 +48,7 @@ def snapshot(log_path: Path) -> dict:
     master_join = fsio.read_record(attempt.join(0)) or {}
     fp = start.get("fingerprint") or master_join.get("fingerprint") or {}
     num_nodes = start.get("num_nodes") or fp.get("num_nodes") or 1
-    node_timeout = (start.get("coordination") or {}).get("node_timeout_s", 120.0)
+    node_timeout = (start.get("coordination") or {}).get("node_timeout_s", CoordinationConfig().node_timeout_s)
     now = _server_now(attempt.root)
     ranks = []
     for r in range(num_nodes):

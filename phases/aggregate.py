@@ -34,6 +34,7 @@ def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
     planned = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
     m = shards.merge(_sources(ctx, split), dest, split=split, iteration=ctx.iteration, partial=False)
     if m.count != len(planned):
+        shards.manifest_path(dest).unlink()
         dest.unlink()
         raise shards.ShardError(
             f"{split} aggregate of iteration {ctx.iteration} has {m.count} trajectories but the plan has {len(planned)} tasks"

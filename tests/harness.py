@@ -164,3 +164,23 @@ def status_json(log_path: Path) -> dict:
 def aggregate_task_ids(layout: RunLayout, iteration: int, split: str = "train") -> list[str]:
     path = layout.iteration(iteration).aggregate(split)
     return [json.loads(line)["task_id"] for line in path.read_text().splitlines()]
+
+
+def assert_default_three_iteration_run(log_path: Path) -> None:
+    """What `run_flags`' defaults must produce: 3 ranks at 2:1:1, 3 iterations, eval on 1 and
+    3, every one of the 12 tasks of each iteration aggregated exactly once, no failure."""
+    status = status_json(log_path)
+    assert status["num_nodes"] == 3
+    assert status["rl_phase"] == "both"
+    assert status["failure"] is None
+    assert [r["rank"] for r in status["ranks"]] == [0, 1, 2]
+    assert all(not r["alive"] and r["state"] == "done" for r in status["ranks"])
+    its = status["iterations"]
+    assert [it["iteration"] for it in its] == [1, 2, 3]
+    assert [it["evaluated"] for it in its] == [True, False, True]
+    assert all(it["tasks_per_rank"] == [6, 3, 3] for it in its)  # 12 tasks at 2:1:1
+    assert all(it["trajectories"] == 12 for it in its)
+    assert all("accuracy" in it["metrics"] for it in its if it["evaluated"])
+    for i in (1, 2, 3):
+        ids = aggregate_task_ids(RunLayout(log_path), i)
+        assert sorted(ids) == sorted(set(ids)) and len(ids) == 12

@@ -38,6 +38,14 @@ def _rec(i):
     return {"task_id": f"t{i}", "payload": "x" * 10}
 
 
+def _sealed_shard(path, ids):
+    with shards.ShardWriter(path) as w:
+        for i in ids:
+            w.append(_rec(i))
+    shards.seal(path)
+    return path
+
+
 def test_shard_writer_resumes_after_a_torn_line_and_keeps_complete_records(tmp_path):
     path = tmp_path / "r00001.jsonl"
     with shards.ShardWriter(path) as w:
@@ -55,12 +63,7 @@ def test_shard_writer_resumes_after_a_torn_line_and_keeps_complete_records(tmp_p
 
 
 def test_merge_refuses_a_shard_that_does_not_match_its_manifest_naming_the_rank(tmp_path):
-    a, b = tmp_path / "r00000.jsonl", tmp_path / "r00001.jsonl"
-    for path, ids in ((a, [0, 1]), (b, [2, 3])):
-        with shards.ShardWriter(path) as w:
-            for i in ids:
-                w.append(_rec(i))
-        shards.seal(path)
+    a, b = _sealed_shard(tmp_path / "r00000.jsonl", [0, 1]), _sealed_shard(tmp_path / "r00001.jsonl", [2, 3])
     b.write_text(b.read_text().replace("t3", "t9"))  # same size, different bytes
     with pytest.raises(shards.ShardError, match=r"rank 1: shard .*r00001.jsonl does not match its manifest"):
         shards.merge([("rank 0", a), ("rank 1", b)], tmp_path / "agg.jsonl")
@@ -68,18 +71,11 @@ def test_merge_refuses_a_shard_that_does_not_match_its_manifest_naming_the_rank(
 
 
 def test_merge_streams_shards_and_refuses_duplicates(tmp_path):
-    a, b = tmp_path / "r00000.jsonl", tmp_path / "r00001.jsonl"
-    for path, ids in ((a, [0, 1]), (b, [1, 2])):
-        with shards.ShardWriter(path) as w:
-            for i in ids:
-                w.append(_rec(i))
-        shards.seal(path)
+    a, b = _sealed_shard(tmp_path / "r00000.jsonl", [0, 1]), _sealed_shard(tmp_path / "r00001.jsonl", [1, 2])
     with pytest.raises(shards.ShardError, match="task t1 appears twice"):
         shards.merge([("rank 0", a), ("rank 1", b)], tmp_path / "agg.jsonl")
     b.unlink()
-    with shards.ShardWriter(b) as w:
-        w.append(_rec(2))
-    shards.seal(b)
+    _sealed_shard(b, [2])
     m = shards.merge([("rank 0", a), ("rank 1", b)], tmp_path / "agg.jsonl")
     assert m.count == 3 and m.extra["per_source"] == {"rank 0": 2, "rank 1": 1}
     assert [json.loads(l)["task_id"] for l in (tmp_path / "agg.jsonl").read_text().splitlines()] == ["t0", "t1", "t2"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.harness import aggregate_task_ids, run_flags, status_json
+from tests.harness import assert_default_three_iteration_run, run_flags, status_json
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -13,22 +13,7 @@ def test_three_rank_rehearsal_completes_with_weighted_split_and_eval_schedule(cl
     codes = cluster.wait_all(procs, timeout=60)
     assert codes == [0, 0, 0], "\n".join(p.output() for p in procs)
 
-    status = status_json(cluster.log_path)
-    assert status["num_nodes"] == 3
-    assert status["rl_phase"] == "both"
-    assert status["failure"] is None
-    assert [r["rank"] for r in status["ranks"]] == [0, 1, 2]
-    assert all(not r["alive"] and r["state"] == "done" for r in status["ranks"])
-    its = status["iterations"]
-    assert [it["iteration"] for it in its] == [1, 2, 3]
-    assert [it["evaluated"] for it in its] == [True, False, True]
-    # 12 tasks at weights 2:1:1 -> 6, 3, 3
-    assert all(it["tasks_per_rank"] == [6, 3, 3] for it in its)
-    assert all(it["trajectories"] == 12 for it in its)
-    assert all("accuracy" in it["metrics"] for it in its if it["evaluated"])
-    for i in (1, 2, 3):
-        ids = aggregate_task_ids(cluster.layout, i)
-        assert sorted(ids) == sorted(set(ids)) and len(ids) == 12
+    assert_default_three_iteration_run(cluster.log_path)
 
 
 def test_largest_remainder_split_is_visible_in_status(cluster):

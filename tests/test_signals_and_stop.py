@@ -58,9 +58,8 @@ def test_ctrl_c_on_local_reaches_every_rank_and_leaves_nothing_running(tmp_path)
     launcher = subprocess.Popen([sys.executable, "-m", "orchestrator", "local", *flags],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: fsio.read_record(log_path / "control" / "progress.json"), 30, "the run to start")
-        tree = descendants(launcher.pid)
-        assert len(tree) >= 6  # three ranks and their engines
+        tree = wait_for(lambda: (lambda d: d if len(d) >= 6 else None)(descendants(launcher.pid)), 30,
+                        "three ranks and their engines to run")
         launcher.send_signal(signal.SIGINT)
         out, _ = launcher.communicate(timeout=15)
         assert launcher.returncode == 130, out.decode()

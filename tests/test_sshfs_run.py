@@ -9,8 +9,7 @@ import os
 
 import pytest
 
-from orchestrator.layout import RunLayout
-from tests.harness import Cluster, aggregate_task_ids, run_flags, status_json
+from tests.harness import Cluster, assert_default_three_iteration_run, run_flags
 from tests.sshfs import is_mounted
 
 pytestmark = [pytest.mark.sshfs, pytest.mark.timeout(180)]
@@ -53,16 +52,4 @@ def test_three_ranks_on_separate_sshfs_mounts_complete_the_run(sshfs_cluster):
 
     # Read the outcome through the export directory itself: no sshfs cache in the way.
     run = export / "run"
-    status = status_json(run)
-    assert status["num_nodes"] == 3
-    assert status["failure"] is None
-    assert [r["rank"] for r in status["ranks"]] == [0, 1, 2]
-    assert all(not r["alive"] and r["state"] == "done" for r in status["ranks"])
-    its = status["iterations"]
-    assert [it["iteration"] for it in its] == [1, 2, 3]
-    assert [it["evaluated"] for it in its] == [True, False, True]
-    assert all(it["tasks_per_rank"] == [6, 3, 3] for it in its)
-    assert all(it["trajectories"] == 12 for it in its)
-    for i in (1, 2, 3):
-        ids = aggregate_task_ids(RunLayout(run), i)
-        assert sorted(ids) == sorted(set(ids)) and len(ids) == 12
+    assert_default_three_iteration_run(run)

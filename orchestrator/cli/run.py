@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from orchestrator import identity, terminal
+from orchestrator import faults, identity, terminal
 from orchestrator.cli.run_options import RANK_OPTIONS, RUN_OPTIONS, ConfigError, apply, build_config
 from orchestrator.errors import EXIT_BAD_INPUT
 
@@ -18,6 +18,10 @@ def run(**params) -> None:
     try:
         config = build_config(params)
     except ConfigError as e:
+        terminal.abort(str(e), EXIT_BAD_INPUT)
+    try:
+        faults.from_env()
+    except ValueError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     terminal.setup_logging(config.rank, identity.host())
     from orchestrator.runner import Rank
