@@ -33,8 +33,8 @@ in each of rollout, eval (on iterations where it is due) and train; the bench se
 An iteration spans from the end of the previous one (the last rank's "released" of its
 last barrier; for iteration 1, the first "phase" event of any rank) to the last rank's
 "released" of its own last barrier, so iterations tile the walk. It includes the
-stand-in engine restart of phase 12 (a process spawn per rank), except after the last
-iteration; the engine start before iteration 1 is outside it (start-up).
+stand-in engine's start (phase 1 of iteration 1) and restart (phase 12, except after the
+last iteration): a process spawn per rank.
 
 Exit status: 0 when the run and its logs are complete; 1 (with the reason and the tail of
 the ranks' output) when the run fails, times out, or a rank's event log misses a barrier.

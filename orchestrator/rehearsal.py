@@ -2,7 +2,7 @@
 
 Rollout writes real records (``rehearsal.record_bytes`` of payload each) keyed by task id,
 spending ``rehearsal.work_s`` seconds per working phase; the "engine" is a real child
-process that idles until stopped, so process-tree handling is exercised too. Eval accuracy
+process (``sleep infinity``) that idles until stopped, so process-tree handling is exercised too. Eval accuracy
 rises with the iteration, deterministically, so curves look like a run's.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -79,7 +78,9 @@ class RehearsalWorkload:
 
     def engine_start(self, ctx: PhaseContext) -> None:
         if self.engine is None and not self.config.debug_mode:
-            self.engine = self.children.start([sys.executable, "-m", "orchestrator.stand_in_engine"])
+            # A real child process that idles until stopped: what the protocol needs of an
+            # engine here, at the start-up cost of coreutils rather than of an interpreter.
+            self.engine = self.children.start(["sleep", "infinity"])
 
     def engine_stop(self, ctx: PhaseContext) -> None:
         if self.engine is not None:
