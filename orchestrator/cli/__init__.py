@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator import __version__
+from orchestrator.cli.demo_data import demo_data
 from orchestrator.cli.local import local
 from orchestrator.cli.run import run
 from orchestrator.cli.status import status
@@ -21,6 +22,7 @@ cli.add_command(run)
 cli.add_command(local)
 cli.add_command(status)
 cli.add_command(stop)
+cli.add_command(demo_data)
 
 
 def main() -> None:

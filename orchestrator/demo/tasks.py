@@ -1,0 +1,58 @@
+"""Synthetic addition tasks with an exact, verifiable answer.
+
+Task files are JSON lines, one task per line (the format every task source follows):
+
+    {"id": "train-000042", "prompt": "17+25=", "answer": "42"}
+
+``id`` is unique within the file, ``prompt`` is the text the policy continues, and
+``answer`` is what the default reward (``orchestrator.rewards:exact_match``) compares the
+completion with. The train and test splits hold disjoint (a, b) pairs, so eval measures
+generalisation rather than recall of training prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+MAX_OPERAND = 49
+
+
+def make_tasks(seed: int, test_fraction: float = 0.2) -> dict[str, list[dict]]:
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    random.Random(seed).shuffle(pairs)
+    n_test = int(len(pairs) * test_fraction)
+    splits = {"test": pairs[:n_test], "train": pairs[n_test:]}
+    return {
+        split: [{"id": f"{split}-{i:06d}", "prompt": f"{a}+{b}=", "answer": str(a + b)} for i, (a, b) in enumerate(items)]
+        for split, items in splits.items()
+    }
+
+
+def write_tasks(path: Path, tasks: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for task in tasks:
+            f.write(json.dumps(task, separators=(",", ":")) + "\n")
+
+
+def read_tasks(path: Path) -> list[dict]:
+    """Tasks of a JSON-lines file, validated: each needs a unique ``id``, a ``prompt`` and an ``answer``."""
+    tasks, seen = [], set()
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                task = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not a JSON object: {e}") from None
+            missing = [k for k in ("id", "prompt", "answer") if not isinstance(task.get(k), str)]
+            if missing:
+                raise ValueError(f"{path}:{n}: task lacks string field(s) {', '.join(missing)}")
+            if task["id"] in seen:
+                raise ValueError(f"{path}:{n}: duplicate task id {task['id']!r}")
+            seen.add(task["id"])
+            tasks.append(task)
+    return tasks

@@ -1,0 +1,67 @@
+"""`orchestrator demo-data`: tasks and a warm-started base model, made locally and
+deterministically, in the Hugging Face format vLLM serves."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.demo import tasks as demo_tasks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _demo_data(path, *extra):
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={path}", *extra],
+                            capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_demo_data_is_complete_deterministic_and_loads_as_a_llama_checkpoint(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    manifest = _demo_data(a, "--warm-steps=20")
+    _demo_data(b, "--warm-steps=20")
+    assert manifest["tasks"] == {"train": 2000, "test": 500}
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (a / "model" / name).is_file()
+        assert _sha(a / "model" / name) == _sha(b / "model" / name), f"{name} differs between two runs with one seed"
+    assert not list((a / "model").glob("*.bin")), "weights are safetensors only"
+
+    train, test = demo_tasks.read_tasks(a / "tasks" / "train.jsonl"), demo_tasks.read_tasks(a / "tasks" / "test.jsonl")
+    assert not {t["prompt"] for t in train} & {t["prompt"] for t in test}, "eval prompts are held out"
+    assert all(str(eval(t["prompt"][:-1])) == t["answer"] for t in train[:50])  # noqa: S307 - our own a+b strings
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(a / "model")
+    assert config.model_type == "llama" and config.hidden_size // config.num_attention_heads >= 32
+    AutoModelForCausalLM.from_pretrained(a / "model", use_safetensors=True)
+    tok = AutoTokenizer.from_pretrained(a / "model")
+    ids = tok("17+25=")["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == "17+25="
+
+
+def test_demo_data_is_reused_when_already_made_with_the_same_settings(tmp_path):
+    _demo_data(tmp_path, "--warm-steps=5")
+    before = (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns
+    _demo_data(tmp_path, "--warm-steps=5")
+    assert (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_default_warm_start_is_clearly_above_zero_and_clearly_below_perfect(tmp_path):
+    manifest = _demo_data(tmp_path)
+    assert 0.15 <= manifest["test_accuracy"] <= 0.6, manifest
+
+
+def test_relative_data_path_is_refused(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", "--data-path=rel"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2 and "absolute" in result.stderr
+    assert list(tmp_path.iterdir()) == []
