@@ -1,0 +1,216 @@
+"""The rollout's client for an inference engine: the embedded one or a real vLLM server,
+which speak the same OpenAI-compatible HTTP API. Stdlib only.
+
+``base_url`` is the server's root (``http://host:port``), not its ``/v1``: ``/health`` lives
+at the root on both servers.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from orchestrator.errors import OrchestratorError
+from orchestrator.waiting import Backoff, Deadline
+
+_HEALTH_BACKOFF = Backoff(min_s=0.05, max_s=1.0)
+_HEALTH_PROBE_TIMEOUT_S = 5.0
+_MESSAGE_LIMIT = 2000
+
+
+class EngineError(OrchestratorError):
+    """The engine could not serve a request."""
+
+
+class EngineUnavailable(EngineError):
+    """Nothing answered at the engine's URL, or not in time."""
+
+
+class EngineHTTPError(EngineError):
+    """The engine answered with an HTTP error; ``status`` and ``server_message`` say which."""
+
+    def __init__(self, url: str, status: int, server_message: str):
+        super().__init__(f"{url} answered HTTP {status}: {server_message}")
+        self.url = url
+        self.status = status
+        self.server_message = server_message
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    finish_reason: str
+    """"stop" (EOS or a stop string) or "length" (max_tokens)."""
+    token_logprobs: list[float] | None
+    """Logprob of each generated token under the raw model distribution; None unless asked."""
+    tokens: list[str] | None
+    """Each generated token as a string (EOS included); None unless logprobs were asked."""
+    token_ids: list[int] | None = None
+    """Generated token ids; only with ``return_token_ids`` (vLLM >= 0.10.2 and the embedded engine)."""
+
+
+def _server_message(raw: bytes) -> str:
+    """The message out of an error body: OpenAI/vLLM ``{"error": {...}}``, older vLLM's flat
+    ``{"message": ...}``, FastAPI's ``{"detail": ...}``, or the raw text."""
+    text = raw.decode("utf-8", errors="replace").strip()
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:_MESSAGE_LIMIT] or "(empty body)"
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return text[:_MESSAGE_LIMIT]
+
+
+class EngineClient:
+    def __init__(self, base_url: str, timeout_s: float, *, model: str | None = None):
+        """``timeout_s`` bounds each HTTP call (a completion included); ``model`` is the name
+        sent in requests, by default the first one ``/v1/models`` lists."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._model = model
+
+    def _request(self, method: str, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> bytes:
+        url = self.base_url + path
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+                return response.read()
+        except urllib.error.HTTPError as e:
+            with e:
+                raise EngineHTTPError(f"{method} {url}", e.code, _server_message(e.read())) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+            reason = e.reason if isinstance(e, urllib.error.URLError) else repr(e)
+            raise EngineUnavailable(f"cannot reach the engine at {method} {url}: {reason}") from e
+
+    def _json(self, method: str, path: str, body: dict | None = None) -> dict:
+        raw = self._request(method, path, body)
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise EngineError(f"{method} {self.base_url}{path} answered with invalid JSON: {raw[:200]!r}") from e
+
+    def health(self) -> bool:
+        """True when ``/health`` answers 200."""
+        return self._probe_health() is None
+
+    def _probe_health(self) -> str | None:
+        """None when healthy, else what was seen instead."""
+        try:
+            self._request("GET", "/health", timeout_s=min(self.timeout_s, _HEALTH_PROBE_TIMEOUT_S))
+        except EngineError as e:
+            return str(e)
+        return None
+
+    def wait_healthy(self, deadline_s: float, should_stop: Callable[[], bool] | None = None) -> None:
+        """Poll ``/health`` with backoff until it answers 200.
+
+        Raises EngineUnavailable when ``deadline_s`` seconds pass first, or at once when
+        ``should_stop()`` turns true (the engine process died, the rank is stopping); the
+        error names the URL and what the last probe saw.
+        """
+        deadline = Deadline.after(deadline_s, f"{self.base_url}/health")
+        last_seen = "nothing yet"
+        for interval in _HEALTH_BACKOFF.intervals():
+            if should_stop is not None and should_stop():
+                raise EngineUnavailable(f"stopped waiting for {deadline.what} to answer 200; last seen: {last_seen}")
+            seen = self._probe_health()
+            if seen is None:
+                return
+            last_seen = seen
+            left = deadline.remaining()
+            if left <= 0:
+                raise EngineUnavailable(
+                    f"{deadline.what} did not answer 200 within {deadline_s:g}s; last seen: {last_seen}"
+                )
+            time.sleep(min(interval, left))
+
+    def models(self) -> list[str]:
+        """The names the engine serves."""
+        body = self._json("GET", "/v1/models")
+        try:
+            return [card["id"] for card in body["data"]]
+        except (KeyError, TypeError) as e:
+            raise EngineError(f"{self.base_url}/v1/models answered an unexpected shape: {str(body)[:200]}") from e
+
+    def model(self) -> str:
+        if self._model is None:
+            names = self.models()
+            if not names:
+                raise EngineError(f"{self.base_url}/v1/models lists no model")
+            self._model = names[0]
+        return self._model
+
+    def complete(
+        self,
+        prompts: Sequence[str],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 16,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        return_token_ids: bool = False,
+    ) -> list[list[Completion]]:
+        """``n`` completions of each prompt: ``result[j][i]`` is sample ``i`` of prompt ``j``.
+
+        Raises EngineHTTPError when the engine refuses the request, EngineUnavailable when it
+        cannot be reached, and EngineError when its answer does not have the expected shape.
+        """
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        body: dict = {
+            "model": self.model(),
+            "prompt": prompts,
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "stop": list(stop) if stop else None,
+            "seed": seed,
+            "logprobs": logprobs,
+        }
+        if return_token_ids:
+            body["return_token_ids"] = True  # only when asked: older vLLM ignores it with a warning
+        response = self._json("POST", "/v1/completions", body)
+        try:
+            choices = sorted(response["choices"], key=lambda c: c["index"])
+            completions = [self._completion(c, return_token_ids) for c in choices]
+        except (KeyError, TypeError) as e:
+            raise EngineError(f"{self.base_url}/v1/completions answered an unexpected shape: {e!r}") from e
+        if [c["index"] for c in choices] != list(range(len(prompts) * n)):
+            raise EngineError(
+                f"{self.base_url}/v1/completions answered choices {[c['index'] for c in choices]} "
+                f"for {len(prompts)} prompt(s) x n={n}"
+            )
+        # vLLM numbers choices prompt-major: index = prompt_index * n + sample_index.
+        return [completions[j * n : (j + 1) * n] for j in range(len(prompts))]
+
+    @staticmethod
+    def _completion(choice: dict, return_token_ids: bool) -> Completion:
+        logprobs = choice.get("logprobs")
+        return Completion(
+            text=choice["text"],
+            finish_reason=choice["finish_reason"],
+            token_logprobs=None if logprobs is None else logprobs["token_logprobs"],
+            tokens=None if logprobs is None else logprobs["tokens"],
+            token_ids=choice.get("token_ids") if return_token_ids else None,
+        )

@@ -1,0 +1,380 @@
+"""The embedded inference engine: the real server process, its vLLM-shaped HTTP contract, its
+sampling semantics (checked against a forward pass of the same model), and the rollout's client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from orchestrator.engine.client import EngineClient, EngineHTTPError, EngineUnavailable
+
+MODEL_NAME = "tiny-llama"
+PROMPTS = ["1+2=", "12+34=", "", "49+49=", "7*8="]
+STARTUP_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """A real server process, on a port it picked itself; its log is a file in tmp."""
+
+    def __init__(self, model_dir: Path, log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.engine.server", "--model", str(model_dir), "--port", "0",
+             "--served-model-name", MODEL_NAME],
+            stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True,
+        )
+        self.url = self._wait_for_url()
+        EngineClient(self.url, timeout_s=10).wait_healthy(deadline_s=10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_for_url(self) -> str:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            found = re.search(r"listening on (http://\S+)", self.log())
+            if found:
+                return found.group(1)
+            if self.proc.poll() is not None:
+                pytest.fail(f"engine exited with {self.proc.returncode} before listening:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+        pytest.fail(f"engine did not listen within {STARTUP_S}s:\n{self.log()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from orchestrator.demo import model
+
+    directory = tmp_path_factory.mktemp("model")
+    model.save(model.create(0), directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    e = Engine(model_dir, tmp_path_factory.mktemp("engine") / "engine.log")
+    yield e
+    e.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The same checkpoint loaded in the test process, for forward passes."""
+    from orchestrator.demo import model
+
+    m, tokenizer = model.load(model_dir)
+    return m.eval(), tokenizer
+
+
+@pytest.fixture
+def client(engine) -> EngineClient:
+    return EngineClient(engine.url, timeout_s=30)
+
+
+def _http(url: str, method: str = "GET", body: bytes | dict | None = None) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read()
+
+
+def _complete(engine: Engine, **body) -> dict:
+    status, raw = _http(engine.url + "/v1/completions", "POST", {"model": MODEL_NAME, **body})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+# --- HTTP contract ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)  # includes starting the module's engine
+def test_health_answers_200_with_an_empty_body(engine):
+    assert _http(engine.url + "/health") == (200, b"")
+
+
+@pytest.mark.timeout(20)
+def test_models_lists_the_served_model_name(engine):
+    status, raw = _http(engine.url + "/v1/models")
+    body = json.loads(raw)
+    assert status == 200
+    assert body["object"] == "list"
+    assert [card["id"] for card in body["data"]] == [MODEL_NAME]
+    assert body["data"][0]["object"] == "model"
+
+
+@pytest.mark.timeout(20)
+def test_completions_for_a_list_of_prompts_with_n_2_have_the_vllm_shape(engine, reference):
+    _, tokenizer = reference
+    prompts = PROMPTS[:3]
+    body = _complete(engine, prompt=prompts, n=2, max_tokens=6, logprobs=2, seed=3, return_token_ids=True)
+
+    assert body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-")
+    assert body["model"] == MODEL_NAME
+    assert isinstance(body["created"], int)
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for c in choices:
+        # index = prompt_index * n + sample_index, as vLLM numbers them
+        assert c["prompt_token_ids"] == tokenizer(prompts[c["index"] // 2])["input_ids"]
+        assert c["finish_reason"] in ("stop", "length")
+        assert isinstance(c["text"], str)
+        lp = c["logprobs"]
+        assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(c["token_ids"])
+        assert lp["tokens"] == [tokenizer.decode([t]) for t in c["token_ids"]]
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        for token, token_lp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert token_lp <= 0
+            assert next(iter(top)) == token and top[token] == token_lp  # the sampled token comes first
+            assert 2 <= len(top) <= 3
+        if c["finish_reason"] == "length":
+            assert len(c["token_ids"]) == 6
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == sum(len(tokenizer(p)["input_ids"]) for p in prompts)  # once per prompt
+    assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+@pytest.mark.timeout(20)
+def test_completions_without_logprobs_have_null_logprobs(engine):
+    body = _complete(engine, prompt="1+1=", max_tokens=3)
+    assert body["choices"][0]["logprobs"] is None
+    assert body["choices"][0]["token_ids"] is None
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"{not json", "invalid JSON"),
+        (b"[1, 2]", "JSON object"),
+        ({"prompt": "1+1=", "echo": True}, "unsupported field(s): echo"),
+        ({"max_tokens": 4}, "'prompt' is required"),
+        ({"prompt": []}, "'prompt' must be"),
+        ({"prompt": [[1, 5, 6]]}, "token-id prompts are not supported"),
+        ({"prompt": "1+1=", "n": 0}, "n must be at least 1"),
+        ({"prompt": "1+1=", "n": 1.5}, "'n' must be an integer"),
+        ({"prompt": "1+1=", "temperature": -0.5}, "temperature must be >= 0"),
+        ({"prompt": "1+1=", "top_p": 0}, "top_p must be in (0, 1]"),
+        ({"prompt": "1+1=", "max_tokens": "4"}, "'max_tokens' must be an integer"),
+        ({"prompt": "1+1=", "max_tokens": None}, "'max_tokens' must be an integer"),
+        ({"prompt": "1+1=", "logprobs": 21}, "logprobs must be between 0 and 20"),
+        ({"prompt": "1+1=", "stop": [""]}, "stop strings must not be empty"),
+        ({"prompt": "1+1=", "stop": 5}, "'stop' must be"),
+        ({"prompt": "1+1=", "seed": True}, "'seed' must be an integer"),
+        ({"prompt": "1+1=", "max_tokens": 64}, "maximum context length is 64 tokens"),
+        ({"prompt": ["1+1=", "9" * 70], "max_tokens": 1}, "maximum context length is 64 tokens"),
+    ],
+    ids=lambda v: None if isinstance(v, str) else re.sub(r"\W+", "_", str(v))[:40],
+)
+def test_bad_requests_get_400_with_an_openai_error_body(engine, body, says):
+    status, raw = _http(engine.url + "/v1/completions", "POST", body)
+    assert status == 400, raw
+    error = json.loads(raw)["error"]
+    assert error["type"] == "BadRequestError"
+    assert error["code"] == 400
+    assert says in error["message"]
+
+
+@pytest.mark.timeout(20)
+def test_unknown_path_is_404_and_unknown_model_is_404_as_vllm_does(engine):
+    status, raw = _http(engine.url + "/v1/chat/completions", "POST", {"messages": []})
+    assert status == 404
+    assert json.loads(raw)["error"]["code"] == 404
+    status, raw = _http(engine.url + "/v1/completions", "POST", {"model": "other", "prompt": "1"})
+    assert status == 404
+    assert "`other` does not exist" in json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.timeout(20)
+def test_the_server_logs_one_line_per_request(engine):
+    _http(engine.url + "/health")
+    _complete(engine, prompt="3+3=", max_tokens=2)
+    lines = engine.log().splitlines()
+    assert any(re.search(r"POST /v1/completions 200 .* prompts=1 n=1 max_tokens=2", line) for line in lines)
+    assert any(re.search(r"GET /health 200", line) for line in lines)
+
+
+# --- sampling semantics ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(20)
+def test_the_same_seed_gives_identical_texts_and_logprobs(client):
+    kwargs = dict(n=3, temperature=1.0, max_tokens=12, seed=1234, logprobs=0)
+    first = client.complete(PROMPTS, **kwargs)
+    again = client.complete(PROMPTS, **kwargs)
+    assert first == again
+
+
+@pytest.mark.timeout(20)
+def test_a_different_seed_gives_different_samples(client):
+    kwargs = dict(n=2, temperature=1.0, max_tokens=12, logprobs=0)
+    a = client.complete(PROMPTS, seed=1, **kwargs)
+    b = client.complete(PROMPTS, seed=2, **kwargs)
+    assert [[c.text for c in g] for g in a] != [[c.text for c in g] for g in b]
+    # Unseeded requests draw fresh randomness too.
+    c = client.complete(PROMPTS, **kwargs)
+    d = client.complete(PROMPTS, **kwargs)
+    assert c != d
+
+
+@pytest.mark.timeout(20)
+def test_greedy_is_deterministic_across_requests_and_samples(client):
+    first = client.complete(PROMPTS, n=2, temperature=0, max_tokens=20, logprobs=0)
+    again = client.complete(PROMPTS, n=2, temperature=0, max_tokens=20, logprobs=0, seed=99)
+    assert first == again
+    for a, b in first:
+        # Batch rows may differ in the last float bits (kernel blocking), never in the choice.
+        assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
+
+
+def _forward_logprobs(reference, prompt_ids: list[int], token_ids: list[int]):
+    import torch
+
+    m, _ = reference
+    with torch.inference_mode():
+        logits = m(input_ids=torch.tensor([prompt_ids + token_ids])).logits[0].float()
+    # The distribution that produced generated token i sits at the position before it.
+    return torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1 : -1]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (0.0, 1.0)])
+def test_logprobs_are_those_of_the_raw_model_distribution(engine, reference, temperature, top_p):
+    # Prompts of different lengths, so the batch is left-padded; n=2 exercises the repeated cache.
+    body = _complete(
+        engine, prompt=PROMPTS, n=2, temperature=temperature, top_p=top_p, max_tokens=30, seed=7, logprobs=3,
+        return_token_ids=True,
+    )
+    checked = 0
+    for c in body["choices"]:
+        expected = _forward_logprobs(reference, c["prompt_token_ids"], c["token_ids"])
+        got = c["logprobs"]["token_logprobs"]
+        for i, token in enumerate(c["token_ids"]):
+            assert got[i] == pytest.approx(expected[i, token].item(), abs=1e-4)
+            top_values = expected[i].topk(3).values.tolist()
+            listed = sorted(c["logprobs"]["top_logprobs"][i].values(), reverse=True)[:3]
+            assert listed == pytest.approx(top_values, abs=1e-4)
+            checked += 1
+    assert checked > 30
+
+
+@pytest.mark.timeout(20)
+def test_a_stop_string_ends_the_sample_and_is_cut_from_the_text(engine, client, reference):
+    _, tokenizer = reference
+    greedy = [g[0] for g in client.complete(PROMPTS, temperature=0, max_tokens=30)]
+    prompt, text = next((p, c.text) for p, c in zip(PROMPTS, greedy) if len(c.text) >= 6)
+    for stop in (text[3], text[3:5]):
+        body = _complete(
+            engine, prompt=prompt, temperature=0, max_tokens=30, stop=["never", stop], return_token_ids=True
+        )
+        choice = body["choices"][0]
+        assert choice["text"] == text[: text.index(stop)]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+        # As in vLLM, the tokens that made the stop string are returned; nothing after them.
+        assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == text[: text.index(stop) + len(stop)]
+
+
+@pytest.mark.timeout(20)
+def test_max_tokens_ends_a_sample_with_finish_reason_length(client):
+    groups = client.complete(PROMPTS, n=4, temperature=1.0, max_tokens=3, seed=5, logprobs=0)
+    completions = [c for g in groups for c in g]
+    ran_out = [c for c in completions if c.tokens[-1] != "</s>"]
+    assert ran_out, "some sample should not end in EOS within 3 tokens"
+    for c in ran_out:
+        assert (c.finish_reason, len(c.tokens)) == ("length", 3)
+    for c in completions:
+        if c.tokens[-1] == "</s>":  # EOS ends a sample, is in the tokens and not in the text
+            assert c.finish_reason == "stop" and "</s>" not in c.text
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(20)
+def test_client_groups_completions_per_prompt_in_prompt_order(client):
+    together = client.complete(PROMPTS, n=2, temperature=0, max_tokens=10, logprobs=0, return_token_ids=True)
+    assert len(together) == len(PROMPTS) and all(len(g) == 2 for g in together)
+    for prompt, group in zip(PROMPTS, together):
+        alone = client.complete([prompt], n=1, temperature=0, max_tokens=10, logprobs=0, return_token_ids=True)
+        assert group[0].text == alone[0][0].text
+        assert group[0].token_ids == alone[0][0].token_ids
+        assert group[0].token_logprobs == pytest.approx(alone[0][0].token_logprobs, abs=1e-5)
+
+
+@pytest.mark.timeout(20)
+def test_client_raises_engine_error_with_the_server_message_on_400(client):
+    with pytest.raises(EngineHTTPError) as raised:
+        client.complete(["1+1="], n=0)
+    assert raised.value.status == 400
+    assert "n must be at least 1" in raised.value.server_message
+    assert "/v1/completions" in str(raised.value) and "400" in str(raised.value)
+
+
+@pytest.mark.timeout(20)
+def test_client_health_and_wait_healthy_against_a_running_engine(client):
+    assert client.health()
+    client.wait_healthy(deadline_s=5)
+    assert client.models() == [MODEL_NAME]
+
+
+@pytest.mark.timeout(10)
+def test_wait_healthy_fails_fast_when_nothing_listens():
+    port = _free_port()
+    idle = EngineClient(f"http://127.0.0.1:{port}", timeout_s=5)
+    assert not idle.health()
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable) as raised:
+        idle.wait_healthy(deadline_s=0.5)
+    assert time.monotonic() - started < 2.0
+    message = str(raised.value)
+    assert f"http://127.0.0.1:{port}/health" in message and "refused" in message.lower()
+    with pytest.raises(EngineUnavailable, match="stopped waiting"):
+        idle.wait_healthy(deadline_s=30, should_stop=lambda: True)
+    with pytest.raises(EngineUnavailable, match="cannot reach"):
+        idle.complete(["1+1="])
+
+
+# --- lifecycle -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_makes_the_server_exit_0_within_seconds(model_dir, tmp_path):
+    e = Engine(model_dir, tmp_path / "engine.log")
+    try:
+        os.kill(e.proc.pid, signal.SIGTERM)
+        assert e.proc.wait(timeout=5) == 0, e.log()[-3000:]
+        assert "SIGTERM received: shutting down" in e.log()
+        assert not EngineClient(e.url, timeout_s=2).health()
+    finally:
+        e.kill()
