@@ -219,9 +219,17 @@ def test_unknown_path_is_404_and_unknown_model_is_404_as_vllm_does(engine):
 def test_the_server_logs_one_line_per_request(engine):
     _http(engine.url + "/health")
     _complete(engine, prompt="3+3=", max_tokens=2)
-    lines = engine.log().splitlines()
-    assert any(re.search(r"POST /v1/completions 200 .* prompts=1 n=1 max_tokens=2", line) for line in lines)
-    assert any(re.search(r"GET /health 200", line) for line in lines)
+
+    def logged(pattern):  # the line is written just after the response is sent
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if any(re.search(pattern, line) for line in engine.log().splitlines()):
+                return True
+            time.sleep(0.02)
+        return False
+
+    assert logged(r"POST /v1/completions 200 .* prompts=1 n=1 max_tokens=2")
+    assert logged(r"GET /health 200")
 
 
 # --- sampling semantics ----------------------------------------------------------------------
