@@ -105,6 +105,62 @@ class RehearsalConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RLConfig:
+    train_tasks: int = 128
+    """Train tasks (prompts) per iteration, sampled from tasks/train.jsonl, split by weight."""
+    samples_per_prompt: int = 16
+    """Completions drawn per prompt: one GRPO group."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 8
+    """Longest completion, in tokens."""
+    eval_tasks: int = 200
+    """Eval tasks, the first of tasks/test.jsonl: the same set every evaluated iteration."""
+    eval_samples: int = 4
+    """Completions per eval task: accuracy is their mean reward, pass@k their best."""
+    eval_temperature: float = 0.5
+    reward: str = "orchestrator.rewards:exact_match"
+    """The reward function, as module:function (task dict, completion text) -> float."""
+    lr: float = 3e-4
+    epochs: int = 2
+    """Passes over the iteration's trajectories per update."""
+    micro_batch: int = 16
+    """Prompts (GRPO groups) per optimiser step per rank."""
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the base model (0: none)."""
+    max_grad_norm: float = 1.0
+    engine: str = "embedded"
+    """Inference engine: "embedded" (this package's server)."""
+    engine_port: int = 0
+    """Port of this node's engine; 0 lets the engine take any free one and report it."""
+    engine_url: str = "http://127.0.0.1:8000"
+    """With --debug-mode: the engine already running, used as it is."""
+    engine_start_timeout_s: float = 300.0
+    train_port: int = 29500
+    """First TCP port the master tries for the training rendezvous."""
+    train_timeout_s: float = 600.0
+    """Collective timeout of the training process group: a lost peer fails the step."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_tasks", "samples_per_prompt", "max_tokens", "eval_tasks", "eval_samples", "epochs", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rl.{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rl.top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < 0 or self.eval_temperature < 0:
+            raise ConfigError("rl.temperature and rl.eval_temperature must be >= 0")
+        if self.engine not in ("embedded",):
+            raise ConfigError(f"rl.engine={self.engine!r}: valid engines are embedded")
+        from orchestrator import rewards
+
+        try:
+            rewards.load(self.reward)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     data_path: Path
     log_path: Path
@@ -122,6 +178,7 @@ class RunConfig:
     coordination: CoordinationConfig = field(default_factory=CoordinationConfig)
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)  # type: ignore[valid-type]
     rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def __post_init__(self) -> None:
         for name in ("data_path", "log_path"):
@@ -146,8 +203,22 @@ class RunConfig:
             raise ConfigError("--rl-phase rollout needs --rollout-split train-only|eval-only")
         if self.max_iterations is not None and self.max_iterations < 1:
             raise ConfigError(f"--max-iterations must be at least 1, got {self.max_iterations}")
-        if self.workload is not Workload.REHEARSAL:
-            raise ConfigError("the RL workload is not part of this version yet: add --rehearsal to walk the protocol with simulated work")
+        if self.workload is Workload.RL:
+            missing = [p for p in (self.model_path / "config.json", self.tasks_path / "train.jsonl", self.tasks_path / "test.jsonl") if not p.is_file()]
+            if missing:
+                raise ConfigError(
+                    f"--data-path {self.data_path} lacks {', '.join(map(str, missing))}: make the demo data with "
+                    f"`orchestrator demo-data --data-path {self.data_path}`, or add --rehearsal for simulated work"
+                )
+
+    @property
+    def model_path(self) -> Path:
+        """The base model: a Hugging Face directory under --data-path."""
+        return Path(self.data_path) / "model"
+
+    @property
+    def tasks_path(self) -> Path:
+        return Path(self.data_path) / "tasks"
 
     @property
     def is_master(self) -> bool:
@@ -165,6 +236,8 @@ class RunConfig:
             "workload": self.workload.value,
             "seed": self.seed,
             "rehearsal": dataclasses.asdict(self.rehearsal) if self.workload is Workload.REHEARSAL else None,
+            "rl": {k: v for k, v in dataclasses.asdict(self.rl).items() if k not in ("engine_url", "engine_start_timeout_s")}
+            if self.workload is Workload.RL else None,
         }
 
 
@@ -174,13 +247,14 @@ def _fmt(x: float) -> str:
 
 # --- dotted overrides -------------------------------------------------------------------
 
-_SECTIONS = ("coordination", "deadlines", "rehearsal")
+_SECTIONS = ("coordination", "deadlines", "rehearsal", "rl")
 _TOP_LEVEL_OVERRIDABLE = ("seed",)
+_SECTION_CLASSES = {"coordination": CoordinationConfig, "deadlines": DeadlineConfig, "rehearsal": RehearsalConfig, "rl": RLConfig}
 
 
 def valid_override_keys() -> list[str]:
     keys = list(_TOP_LEVEL_OVERRIDABLE)
-    defaults = {"coordination": CoordinationConfig, "deadlines": DeadlineConfig, "rehearsal": RehearsalConfig}
+    defaults = _SECTION_CLASSES
     for section in _SECTIONS:
         keys += [f"{section}.{f.name}" for f in dataclasses.fields(defaults[section])]
     return keys
@@ -191,7 +265,7 @@ def parse_overrides(items: typing.Iterable[str]) -> dict[str, dict[str, object] 
     valid = valid_override_keys()
     sections: dict[str, dict[str, object]] = {s: {} for s in _SECTIONS}
     top: dict[str, object] = {}
-    classes = {"coordination": CoordinationConfig, "deadlines": DeadlineConfig, "rehearsal": RehearsalConfig}
+    classes = _SECTION_CLASSES
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -231,8 +305,7 @@ def _coerce(key: str, raw: str, ftype: type) -> object:
 
 
 def build_sections(overrides: dict) -> dict[str, object]:
-    classes = {"coordination": CoordinationConfig, "deadlines": DeadlineConfig, "rehearsal": RehearsalConfig}
-    built: dict[str, object] = {name: classes[name](**values) for name, values in overrides["sections"].items()}
+    built: dict[str, object] = {name: _SECTION_CLASSES[name](**values) for name, values in overrides["sections"].items()}
     built.update(overrides["top"])
     return built
 

@@ -12,6 +12,10 @@
     attempts/<A>/arrivals/r<R>.json           rank R: latest barrier it arrived at
     attempts/<A>/failures/r<R>.json           rank R: why it stopped, written before it exits
     attempts/<A>/events/r<R>.jsonl            rank R: its event log (phase and barrier times)
+    attempts/<A>/rendezvous.json              master: the training rendezvous address (RL)
+    attempts/<A>/train/config-r<R>.json       rank R: its trainer's config (RL)
+    attempts/<A>/train/trainer-r<R>.log       rank R: its trainer's output (RL)
+    engines/r<R>/engine.log, engine.port      rank R: its engine's output and bound port (RL)
     iterations/<I>/plan.json                  master: tasks per rank, eval due (durable)
     iterations/<I>/summary.json               master: counts and metrics shown by `status`
     iterations/<I>/rollout/<split>/r<R>.jsonl rank R: its shard of trajectories
@@ -21,6 +25,7 @@
     iterations/<I>/train_config.json          master: the training config decision
     checkpoints/iter-<I>/                     master: checkpoint of iteration I
     checkpoints/current.json                  master: pointer to the current checkpoint
+    metrics.jsonl                             master: one line of eval metrics per evaluated iteration
 
 Sync files live under ``attempts/<A>/``: a file from another attempt can never release a
 barrier of this one (fencing). Work products live under ``iterations/`` and
@@ -74,6 +79,13 @@ class RunLayout:
     @property
     def current_checkpoint(self) -> Path:
         return self.checkpoints / "current.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    def engine_dir(self, rank: int) -> Path:
+        return self.root / "engines" / f"r{rank:05d}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +141,20 @@ class AttemptLayout:
 
     def events(self, rank: int) -> Path:
         return self.root / "events" / f"r{rank:05d}.jsonl"
+
+    @property
+    def rendezvous(self) -> Path:
+        return self.root / "rendezvous.json"
+
+    def trainer_config(self, rank: int) -> Path:
+        return self.root / "train" / f"config-r{rank:05d}.json"
+
+    def trainer_log(self, rank: int) -> Path:
+        return self.root / "train" / f"trainer-r{rank:05d}.log"
+
+    def trainer_scratch(self, rank: int) -> Path:
+        """Where a non-master trainer would write a checkpoint (it writes none)."""
+        return self.root / "train" / f"scratch-r{rank:05d}"
 
 
 @dataclass(frozen=True, slots=True)

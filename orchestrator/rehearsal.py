@@ -45,7 +45,7 @@ class RehearsalWorkload:
     def task_ids(self, split: str, iteration: int) -> list[str]:
         return [f"{split}-{iteration:06d}-{k:06d}" for k in range(self.tasks_per_iteration(split))]
 
-    def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[dict]:
+    def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
         if not task_ids:
             return
         batch = max(1, len(task_ids) // 20)
@@ -54,17 +54,19 @@ class RehearsalWorkload:
         for start in range(0, len(task_ids), batch):
             chunk = task_ids[start : start + batch]
             ctx.cancel.sleep(per_task * len(chunk))
-            for task_id in chunk:
-                correct = _spread(self.config.seed, task_id) < p_correct
-                yield {
-                    "task_id": task_id,
-                    "split": split,
-                    "iteration": ctx.iteration,
-                    "rank": ctx.rank,
-                    "attempt": ctx.attempt_id,
-                    "reward": 1.0 if correct else 0.0,
-                    "response": "x" * self.r.record_bytes,
-                }
+            yield [self._record(ctx, split, task_id, p_correct) for task_id in chunk]
+
+    def _record(self, ctx: PhaseContext, split: str, task_id: str, p_correct: float) -> dict:
+        correct = _spread(self.config.seed, task_id) < p_correct
+        return {
+            "task_id": task_id,
+            "split": split,
+            "iteration": ctx.iteration,
+            "rank": ctx.rank,
+            "attempt": ctx.attempt_id,
+            "reward": 1.0 if correct else 0.0,
+            "response": "x" * self.r.record_bytes,
+        }
 
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
         n, correct = 0, 0.0

@@ -204,10 +204,13 @@ class Rank:
 
 
 def _make_workload(config: RunConfig, children: Children):
-    assert config.workload is Workload.REHEARSAL, "RunConfig validation admits only the rehearsal workload"
-    from orchestrator.rehearsal import RehearsalWorkload
+    if config.workload is Workload.REHEARSAL:
+        from orchestrator.rehearsal import RehearsalWorkload
 
-    return RehearsalWorkload(config, children)
+        return RehearsalWorkload(config, children)
+    from orchestrator.rl.workload import RLWorkload
+
+    return RLWorkload(config, children)
 
 
 def _raise_interrupted(signum, _frame) -> None:

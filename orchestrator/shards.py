@@ -165,7 +165,7 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     seen: set[str] = set()
     counts: dict[str, int] = {}
-    total, h, size = 0, hashlib.sha256(), 0
+    total, trajectories, h, size = 0, 0, hashlib.sha256(), 0
     try:
         with open(tmp, "wb") as out:
             for label, shard in sources:
@@ -177,7 +177,9 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
                     for raw in f:
                         sh.update(raw)
                         try:
-                            task_id = json.loads(raw)["task_id"]
+                            record = json.loads(raw)
+                            task_id = record["task_id"]
+                            trajectories += len(record.get("samples") or [record])
                         except (ValueError, KeyError, TypeError):
                             raise ShardError(f"{label}: shard {shard} has an invalid record after record {n}") from None
                         if task_id in seen:
@@ -202,7 +204,8 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    manifest = Manifest(total, size, h.hexdigest(), {"per_source": counts, **extra})
+    # A record is one task; its trajectories are its samples (a record without samples is one).
+    manifest = Manifest(total, size, h.hexdigest(), {"per_source": counts, "trajectories": trajectories, **extra})
     fsio.write_record(manifest_path(dest), manifest.to_json())
     return manifest
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 from orchestrator import fsio
 from orchestrator.layout import RunLayout
 
@@ -23,3 +26,19 @@ def update(layout: RunLayout, iteration: int, **fields) -> dict:
     body.update(fields)
     fsio.write_record(layout.iteration(iteration).summary, body)
     return body
+
+
+def append_metrics(layout: RunLayout, iteration: int, metrics: dict) -> None:
+    """Add the iteration's eval metrics to ``metrics.jsonl`` once, even if the phase that
+    computes them runs again after a crash (a line for the iteration is never repeated)."""
+    path = layout.metrics
+    try:
+        seen = {json.loads(line)["iteration"] for line in path.read_text().splitlines() if line.strip()}
+    except FileNotFoundError:
+        seen = set()
+    if iteration in seen:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"iteration": iteration, **metrics}, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

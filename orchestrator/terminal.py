@@ -41,3 +41,41 @@ def setup_logging(rank: int | None, host: str) -> None:
     who = f"rank {rank} {host}" if rank is not None else host
     fmt = f"%(asctime)s.%(msecs)03d [{who}] %(levelname)s %(message)s"
     logging.basicConfig(level=os.environ.get("ORCHESTRATOR_LOG_LEVEL", "INFO"), format=fmt, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+
+
+class _NoProgress:
+    def update(self, done: int) -> None:
+        pass
+
+    def __enter__(self) -> "_NoProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class _Progress:
+    """A rich progress bar on stderr for long work (rollout, eval)."""
+
+    def __init__(self, description: str, total: int, done: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                             console=err, transient=True)
+        self._task = self._bar.add_task(description, total=total, completed=done)
+
+    def update(self, done: int) -> None:
+        self._bar.update(self._task, completed=done)
+
+    def __enter__(self) -> "_Progress":
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.stop()
+
+
+def progress(description: str, total: int, done: int = 0):
+    """A progress bar when a person watches stderr; nothing when it goes to a file or a pipe
+    (rank logs, `orchestrator local`), where the heartbeat's counts serve `status` instead."""
+    return _Progress(description, total, done) if err.is_terminal else _NoProgress()

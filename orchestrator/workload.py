@@ -20,8 +20,9 @@ class Workload(Protocol):
     def task_ids(self, split: str, iteration: int) -> list[str]:
         """The iteration's task ids of ``split``, the same on every rank."""
 
-    def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[dict]:
-        """One scored record per task (with its ``task_id``); checks ``ctx.cancel``."""
+    def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
+        """Batches of scored records, one record per task (with its ``task_id``). Each batch
+        is made durable and counted before the next is asked for; checks ``ctx.cancel``."""
 
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
         """Eval metrics (at least ``accuracy``) from the iteration's merged eval records."""

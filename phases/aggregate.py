@@ -46,5 +46,6 @@ def merge_train_shards(ctx: PhaseContext) -> None:
     if not ctx.plan["train"]["enabled"]:
         return
     m = merge_split(ctx, "train")
-    summary.update(ctx.layout, ctx.iteration, trajectories=m.count)
-    ctx.log.info("aggregated %d train trajectories of iteration %d", m.count, ctx.iteration)
+    trajectories = m.extra.get("trajectories", m.count)
+    summary.update(ctx.layout, ctx.iteration, trajectories=trajectories)
+    ctx.log.info("aggregated %d train trajectories (%d tasks) of iteration %d", trajectories, m.count, ctx.iteration)

@@ -26,5 +26,6 @@ def aggregate_results(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     merge_split(ctx, "eval")
     metrics = ctx.workload.metrics(ctx, ctx.it.aggregate("eval"))
     summary.update(ctx.layout, ctx.iteration, evaluated=True, metrics=metrics)
+    summary.append_metrics(ctx.layout, ctx.iteration, metrics)
     ctx.log.info("eval of iteration %d: %s", ctx.iteration, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return {"metrics": metrics}

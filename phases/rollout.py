@@ -6,13 +6,8 @@ already holds and generates only the missing tasks. A sealed shard is never rege
 
 from __future__ import annotations
 
-import time
-
-from orchestrator import shards
+from orchestrator import shards, terminal
 from orchestrator.context import PhaseContext
-
-PROGRESS_EVERY_S = 0.5  # also bounds what a crash can lose of a slow rollout
-
 
 def generate_shard(ctx: PhaseContext, split: str) -> None:
     path = ctx.it.shard(split, ctx.rank)
@@ -28,15 +23,14 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
         if done:
             ctx.log.info("resuming %s shard: %d of %d tasks already there", split, done, count)
         ctx.progress(done, count)
-        last = time.monotonic()
-        for record in ctx.workload.rollout(ctx, split, todo):
-            writer.append(record)
-            done += 1
-            if time.monotonic() - last > PROGRESS_EVERY_S:
-                writer.flush()  # progress shown is progress kept
+        with terminal.progress(f"iteration {ctx.iteration} {split} rollout", count, done) as bar:
+            for batch in ctx.workload.rollout(ctx, split, todo):
+                for record in batch:
+                    writer.append(record)
+                writer.flush()  # each batch is durable before it is counted: progress shown is progress kept
+                done += len(batch)
                 ctx.progress(done, count)
-                last = time.monotonic()
-    ctx.progress(done, count)
+                bar.update(done)
 
 
 def seal_shard(ctx: PhaseContext, split: str) -> dict:

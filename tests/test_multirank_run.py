@@ -1,5 +1,7 @@
 """Three ranks as separate processes walk the full protocol (issue 2, done-when 2)."""
 
+import json
+
 import pytest
 
 from tests.harness import assert_default_three_iteration_run, run_flags, status_json
@@ -14,6 +16,8 @@ def test_three_rank_rehearsal_completes_with_weighted_split_and_eval_schedule(cl
     assert codes == [0, 0, 0], "\n".join(p.output() for p in procs)
 
     assert_default_three_iteration_run(cluster.log_path)
+    lines = (cluster.log_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [1, 3]
 
 
 def test_largest_remainder_split_is_visible_in_status(cluster):

@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -314,12 +315,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (safetensors)")
     parser.add_argument("--port", required=True, type=int, help="port to listen on; 0 picks a free one")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port-file", type=Path, help="once listening, write the port there (useful with --port 0)")
     parser.add_argument("--served-model-name", help="model name in the API (default: the --model argument)")
     args = parser.parse_args(argv)
     if not (args.model / "config.json").is_file():
         # Otherwise transformers reads the path as a Hub repo id and says something confusing.
         parser.error(f"--model {args.model}: no config.json there; expected a Hugging Face model directory")
     return args
+
+
+def _publish_port(path: Path, port: int) -> None:
+    """Write the bound port atomically, so a reader sees no file or the whole number."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
 
 
 def _weights_sha256(model_dir: Path) -> str:
@@ -354,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         serving = True
         host, port = server.server_address[:2]
         log.info("listening on http://%s:%d serving model %r", host, port, name)
+        if args.port_file is not None:
+            _publish_port(args.port_file, port)
         threading.Event().wait()
     except _Stopped as e:
         log.info("%s: shutting down", e)

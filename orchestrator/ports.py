@@ -1,0 +1,18 @@
+"""Finding a free TCP port on this node (engines, the training rendezvous)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(first: int, tries: int = 200) -> int:
+    """The first port from ``first`` on that nothing listens on. Another process can still
+    take it before we bind it: users of the port check that they reached their own server."""
+    for port in range(first, first + tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {first}..{first + tries - 1}")

@@ -1,0 +1,47 @@
+"""The training rendezvous address, published by the master on the shared filesystem.
+
+Not a ``file://`` store (it failed 4 of 14 runs across sshfs mounts, SHARED-FS.md): the
+master picks an address and a free port, writes them into the attempt's rendezvous file
+(per attempt, so a crashed attempt's address is never used), and every rank's trainer
+connects over TCP.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from orchestrator import fsio, identity
+from orchestrator.ports import free_port
+from orchestrator.context import PhaseContext
+from orchestrator.waiting import Deadline, poll
+
+ADDR_ENV = "MASTER_ADDR"
+
+
+def master_address() -> str:
+    """``MASTER_ADDR`` if set, else this host's resolved address (loopback only serves
+    ranks on this same host, as with `orchestrator local`)."""
+    if os.environ.get(ADDR_ENV):
+        return os.environ[ADDR_ENV]
+    try:
+        return socket.gethostbyname(identity.host())
+    except OSError:
+        return "127.0.0.1"
+
+
+def publish_or_read(ctx: PhaseContext) -> dict:
+    """Master: choose and publish the address of this iteration's training; others: read it."""
+    path = ctx.coordinator.attempt.rendezvous
+    if ctx.is_master:
+        record = {"iteration": ctx.iteration, "addr": master_address(), "port": free_port(ctx.config.rl.train_port)}
+        fsio.write_record(path, record)
+        return record
+
+    def probe():
+        fsio.refresh_dir(path.parent)
+        r = fsio.read_record(path)
+        return r if r is not None and r["iteration"] == ctx.iteration else None
+
+    return poll(probe, deadline=Deadline.after(ctx.config.coordination.node_timeout_s, str(path)),
+                cancel=ctx.cancel, backoff=ctx.coordinator.backoff)

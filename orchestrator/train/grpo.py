@@ -1,0 +1,271 @@
+"""GRPO as pure functions: records, group advantages, batching, token log-probs, the loss,
+and the deterministic split of records over ranks and steps.
+
+The trajectory aggregate is JSON lines, one record per task, and a record's samples are
+one GRPO group::
+
+    {"task_id": "train-000042", "prompt": "17+25=", "answer": "42",
+     "samples": [{"text": "42", "reward": 1.0, "finish_reason": "stop", "logprobs": null}, ...]}
+
+Other keys may be present and are ignored; so are the engine's ``logprobs``: the trainer
+computes the old policy's log-probs itself, so that the ratio compares like with like.
+
+Token layout of one sample: ``tokenizer(prompt)`` (starts with ``<s>``), then
+``tokenizer(text, add_special_tokens=False)``, then ``</s>`` when the engine stopped on it
+(``finish_reason == "stop"``; a ``"length"`` sample was cut off and has no ``</s>``).
+
+Every per-token tensor here (log-probs, old and reference log-probs, advantages) is flat,
+holding the completion tokens of a batch in (sequence, position) order: the order in which
+``tensor[target_mask]`` reads a right-padded batch. Concatenating per-record tensors in
+batch order therefore lines them up with the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+FINISH_REASONS = ("stop", "length")
+STD_EPS = 1e-6
+
+
+# --- records -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    text: str
+    reward: float
+    finish_reason: str  # one of FINISH_REASONS
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One task and its group of sampled completions."""
+
+    task_id: str
+    prompt: str
+    samples: tuple[Sample, ...]
+
+
+def parse_record(obj: object) -> Record:
+    """A record from one decoded JSON line; raises ValueError saying which field is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    for key in ("task_id", "prompt"):
+        if not isinstance(obj.get(key), str):
+            raise ValueError(f"{key!r} must be a string")
+    raw = obj.get("samples")
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("'samples' must be a non-empty list")
+    samples = []
+    for i, s in enumerate(raw):
+        if not isinstance(s, dict):
+            raise ValueError(f"samples[{i}] is not an object")
+        if not isinstance(s.get("text"), str):
+            raise ValueError(f"samples[{i}].text must be a string")
+        reward = s.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise ValueError(f"samples[{i}].reward must be a finite number, got {reward!r}")
+        if s.get("finish_reason") not in FINISH_REASONS:
+            raise ValueError(f"samples[{i}].finish_reason must be one of {FINISH_REASONS}, got {s.get('finish_reason')!r}")
+        samples.append(Sample(s["text"], float(reward), s["finish_reason"]))
+    return Record(obj["task_id"], obj["prompt"], tuple(samples))
+
+
+def read_records(path: Path) -> list[Record]:
+    """Records of an aggregate file in file order; raises ValueError naming ``path:line``."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(parse_record(json.loads(line)))
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                raise ValueError(f"{path}:{n}: bad trajectory record: {e}") from None
+    return records
+
+
+# --- advantages ----------------------------------------------------------------------------
+
+
+def group_advantages(rewards: Sequence[float]) -> list[float]:
+    """``(r - mean) / (std + 1e-6)`` within one group, with the population std.
+
+    A group whose rewards are all equal carries no signal: its advantages are exactly zero
+    (computed, ``r - mean`` can be a rounding error that ``1e-6`` would blow up). The
+    population std keeps a group of one well defined (it is all-equal, so zero).
+    """
+    if max(rewards) == min(rewards):
+        return [0.0] * len(rewards)
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + STD_EPS) for r in rewards]
+
+
+# --- batching ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One sample as token ids, with its group-normalised advantage."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    advantage: float
+
+
+def encode_record(tokenizer, record: Record) -> list[Completion]:
+    """The record's samples as token ids, in sample order (layout: module docstring)."""
+    prompt = tuple(tokenizer(record.prompt)["input_ids"])
+    texts = [s.text for s in record.samples]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    advantages = group_advantages([s.reward for s in record.samples])
+    out = []
+    for sample, ids, advantage in zip(record.samples, encoded, advantages):
+        ids = list(ids) + ([tokenizer.eos_token_id] if sample.finish_reason == "stop" else [])
+        out.append(Completion(prompt, tuple(ids), advantage))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    input_ids: "torch.Tensor"  # [B, T] long, right-padded
+    attention_mask: "torch.Tensor"  # [B, T] long
+    target_mask: "torch.Tensor"  # [B, T-1] bool: input_ids[:, 1:] is a completion token
+    advantages: "torch.Tensor"  # [N] float32, one per completion token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.advantages.numel()
+
+    def to(self, device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask, self.advantages)))
+
+
+def collate(completions: Sequence[Completion], pad_id: int) -> Batch:
+    """Right-pad completions into one batch (right padding keeps the default position ids right)."""
+    import torch
+
+    rows = [c.prompt_ids + c.completion_ids for c in completions]
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    target_mask = torch.zeros((len(rows), max(width - 1, 0)), dtype=torch.bool)
+    advantages = []
+    for i, (c, row) in enumerate(zip(completions, rows)):
+        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, : len(row)] = 1
+        # target position t predicts input_ids[t + 1]: the completion starts at len(prompt) - 1
+        target_mask[i, len(c.prompt_ids) - 1 : len(row) - 1] = True
+        advantages.extend([c.advantage] * len(c.completion_ids))
+    return Batch(input_ids, attention_mask, target_mask, torch.tensor(advantages, dtype=torch.float32))
+
+
+# --- log-probs and loss --------------------------------------------------------------------
+
+
+def completion_logprobs(model, batch: Batch) -> "torch.Tensor":
+    """``log p(token | prefix)`` of every completion token, flat [N], in float32.
+
+    Only the completion positions' logits go through log_softmax, which keeps the [N, vocab]
+    float32 copy as small as the completions are.
+    """
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    picked = logits[:, :-1][batch.target_mask].float()
+    targets = batch.input_ids[:, 1:][batch.target_mask]
+    return picked.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps: float):
+    """Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``, ``ratio = exp(new - old)``."""
+    import torch
+
+    ratio = (logprobs - old_logprobs).exp()
+    return torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+
+
+def k3_kl(logprobs, ref_logprobs):
+    """Per token k3 estimate of KL(policy || reference): ``exp(d) - d - 1``, ``d = ref - new``.
+
+    Non-negative, zero where the two agree, and unbiased for tokens sampled from the policy.
+    """
+    d = ref_logprobs - logprobs
+    return d.exp() - d - 1
+
+
+@dataclass(frozen=True, slots=True)
+class LossParts:
+    loss: "torch.Tensor"  # scalar, differentiable
+    kl: float | None  # token-mean k3 when the KL term is on
+    clip_fraction: float  # share of tokens whose ratio left [1 - eps, 1 + eps]
+    tokens: int
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: float = 0.0, ref_logprobs=None) -> LossParts:
+    """Token-mean over the batch of ``-clipped_surrogate + kl_coef * k3``.
+
+    The KL term is on only with ``kl_coef > 0`` and reference log-probs. A batch without
+    completion tokens gives a zero loss that is still attached to the graph, so every rank
+    runs the same backward (DDP needs that).
+    """
+    import torch
+
+    per_token = -clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps)
+    kl = None
+    if kl_coef > 0 and ref_logprobs is not None:
+        k3 = k3_kl(logprobs, ref_logprobs)
+        per_token = per_token + kl_coef * k3
+        kl = k3.detach().mean().item() if k3.numel() else 0.0
+    n = per_token.numel()
+    with torch.no_grad():
+        clipped = ((logprobs - old_logprobs).exp() - 1).abs() > clip_eps
+        clip_fraction = clipped.float().mean().item() if n else 0.0
+    return LossParts(per_token.sum() / max(n, 1), kl, clip_fraction, n)
+
+
+# --- sharding ------------------------------------------------------------------------------
+
+
+def shard(n_records: int, world_size: int, rank: int) -> list[int]:
+    """Record k (file order) belongs to rank ``k % world_size``."""
+    return list(range(rank, n_records, world_size))
+
+
+def steps_per_epoch(n_records: int, world_size: int, micro_batch: int) -> int:
+    """Enough steps for the largest shard; every rank takes this many."""
+    return math.ceil(math.ceil(n_records / world_size) / micro_batch)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"grpo-shuffle:{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
+
+
+def epoch_batches(n_records: int, world_size: int, rank: int, micro_batch: int, *, seed: int, epoch: int) -> list[list[int]]:
+    """This rank's micro-batches (record indices) for one epoch.
+
+    All ranks draw the same permutation of all records from a generator seeded by
+    (seed, epoch) and keep their own shard in that order. Shards differ in size by at most
+    one, and the last micro-batch may be short: a rank wraps around its own shuffled shard to
+    fill ``steps_per_epoch * micro_batch`` slots, so every rank takes the same number of full
+    steps and no record is dropped (a few are seen twice in the epoch). With fewer records
+    than ranks, a rank whose shard is empty trains on record ``rank % n_records``.
+    """
+    import torch
+
+    if n_records == 0:
+        raise ValueError("no records to train on")
+    generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+    order = torch.randperm(n_records, generator=generator).tolist()
+    mine = [k for k in order if k % world_size == rank] or [rank % n_records]
+    slots = steps_per_epoch(n_records, world_size, micro_batch) * micro_batch
+    cycled = [mine[i % len(mine)] for i in range(slots)]
+    return [cycled[i : i + micro_batch] for i in range(0, slots, micro_batch)]

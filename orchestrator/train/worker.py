@@ -1,0 +1,443 @@
+"""The trainer process: ``python -m orchestrator.train.worker --train-config PATH``.
+
+One process per node, launched by the orchestrator. The processes form a torch.distributed
+group over a TCP rendezvous (never ``file://``: see SHARED-FS.md), run a GRPO update of the
+init checkpoint with DDP, and rank 0 writes the new checkpoint.
+
+Train config (JSON, written by the orchestrator; every key is required, unknown keys are
+logged and ignored): see ``TrainConfig``.
+
+Environment:
+    MASTER_ADDR, MASTER_PORT    the rendezvous (rank 0 listens there)
+    WORLD_SIZE, RANK            this process's place in the group
+    TRAIN_BACKEND               gloo | nccl (default: nccl when CUDA is available, else gloo)
+    TRAIN_TIMEOUT_S             rendezvous and collective timeout in seconds (default 600)
+    LOCAL_RANK                  GPU index with nccl (default 0)
+
+What rank 0 writes into ``output``: ``config.json``, ``generation_config.json``,
+``model.safetensors``, the tokenizer files, and last ``train_stats.json`` (temp + rename,
+after everything else), so ``train_stats.json`` vouches for the rest.
+
+Exit status: 0 done (all ranks passed the final barrier); 2 bad config, environment or
+trajectory data; 1 anything else (rendezvous failed, a peer died, a collective timed out).
+The last line on stderr says which rank failed and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from pathlib import Path
+
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+from orchestrator.train import grpo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+STATS_FILE = "train_stats.json"
+
+
+class TrainerError(Exception):
+    """A failure this process can explain; ``exit_code`` is what it exits with."""
+
+    exit_code = EXIT_ERROR
+
+
+class BadTrainInput(TrainerError):
+    """The train config, the environment or the trajectory data is unusable."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class RendezvousFailed(TrainerError):
+    """The process group could not be formed (a peer never came, or the address is wrong)."""
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    iteration: int
+    """The RL iteration this update belongs to (for logs and stats)."""
+    data: Path
+    """The trajectory aggregate (.jsonl), one record per task (format: ``grpo``)."""
+    init_checkpoint: Path
+    """Hugging Face directory the policy starts from; also the 'old' policy of the ratio."""
+    reference_checkpoint: Path | None
+    """Hugging Face directory of the KL reference, or None for no KL term."""
+    output: Path
+    """Staging directory for the new checkpoint (rank 0 writes it)."""
+    seed: int
+    """Seeds torch and the per-epoch shuffle (same on every rank)."""
+    lr: float
+    """AdamW learning rate (no weight decay, no schedule: one update per iteration)."""
+    epochs: int
+    """Passes over the aggregate."""
+    micro_batch: int
+    """Records (whole groups) per optimizer step per rank."""
+    clip_eps: float
+    """PPO clip range of the ratio."""
+    kl_coef: float
+    """Weight of the k3 KL term; 0 turns it off."""
+    max_grad_norm: float
+    """Gradient-norm clip."""
+
+    def __post_init__(self) -> None:
+        for name in ("data", "init_checkpoint", "reference_checkpoint", "output"):
+            path = getattr(self, name)
+            if path is not None and not path.is_absolute():
+                raise ValueError(f"{name} must be an absolute path, got {str(path)!r}")
+        for name in ("lr", "clip_eps", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        for name in ("epochs", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {self.iteration}")
+
+    @property
+    def uses_kl(self) -> bool:
+        return self.kl_coef > 0 and self.reference_checkpoint is not None
+
+    @classmethod
+    def from_json(cls, raw: object) -> "TrainConfig":
+        """Raises ValueError naming the key at fault."""
+        if not isinstance(raw, dict):
+            raise ValueError("the train config is not a JSON object")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise ValueError(f"the train config lacks {', '.join(missing)}")
+        unknown = sorted(set(raw) - set(names))
+        if unknown:
+            log.warning("ignoring unknown train config keys: %s", ", ".join(unknown))
+        values = {}
+        for name in names:
+            value = raw[name]
+            if name in ("iteration", "seed", "epochs", "micro_batch"):
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif name in ("lr", "clip_eps", "kl_coef", "max_grad_norm"):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                value = float(value) if ok else value
+            else:
+                ok = isinstance(value, str) or (name == "reference_checkpoint" and value is None)
+                value = Path(value) if isinstance(value, str) else value
+            if not ok:
+                raise ValueError(f"train config key {name!r} has the wrong type: {raw[name]!r}")
+            values[name] = value
+        return cls(**values)
+
+    @classmethod
+    def read(cls, path: Path) -> "TrainConfig":
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            return cls.from_json(raw)
+        except (OSError, ValueError) as e:
+            raise BadTrainInput(f"train config {path}: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rendezvous:
+    addr: str
+    port: int
+    world_size: int
+    rank: int
+    backend: str  # "gloo" | "nccl"
+    timeout_s: float
+    local_rank: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"TRAIN_BACKEND must be gloo or nccl, got {self.backend!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"MASTER_PORT={self.port} is not a port")
+        if not self.timeout_s > 0:
+            raise ValueError(f"TRAIN_TIMEOUT_S must be > 0, got {self.timeout_s}")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"tcp://{host}:{self.port}"
+
+    @classmethod
+    def from_env(cls, env) -> "Rendezvous":
+        """Raises BadTrainInput naming the variable at fault."""
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if not env.get(v)]
+        if missing:
+            raise BadTrainInput(f"environment lacks {', '.join(missing)} (set by the orchestrator's launch)")
+        backend = env.get("TRAIN_BACKEND") or _default_backend()
+        try:
+            return cls(
+                addr=env["MASTER_ADDR"],
+                port=int(env["MASTER_PORT"]),
+                world_size=int(env["WORLD_SIZE"]),
+                rank=int(env["RANK"]),
+                backend=backend,
+                timeout_s=float(env.get("TRAIN_TIMEOUT_S") or DEFAULT_TIMEOUT_S),
+                local_rank=int(env.get("LOCAL_RANK") or 0),
+            )
+        except ValueError as e:
+            raise BadTrainInput(f"bad rendezvous environment: {e}") from None
+
+
+def _default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+# --- the process group ---------------------------------------------------------------------
+
+
+def join(rdv: Rendezvous):
+    """Form the process group; returns this rank's device. Raises RendezvousFailed."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if rdv.backend == "nccl":
+        device = torch.device("cuda", rdv.local_rank)
+        torch.cuda.set_device(device)
+    started = time.monotonic()
+    log.info("joining rendezvous %s as rank %d of %d (%s, timeout %.0fs)", rdv.url, rdv.rank, rdv.world_size, rdv.backend, rdv.timeout_s)
+    try:
+        dist.init_process_group(
+            rdv.backend,
+            init_method=rdv.url,
+            world_size=rdv.world_size,
+            rank=rdv.rank,
+            timeout=timedelta(seconds=rdv.timeout_s),
+            device_id=device if rdv.backend == "nccl" else None,
+        )
+    except Exception as e:  # torch raises DistStoreError, DistNetworkError, RuntimeError, ...
+        raise RendezvousFailed(
+            f"rendezvous at {rdv.url} (world size {rdv.world_size}) failed after {time.monotonic() - started:.1f}s: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. Check that every trainer rank was launched, that rank 0's host "
+            f"resolves and its port is reachable from this node."
+        ) from None
+    log.info("process group formed in %.1fs", time.monotonic() - started)
+    return device
+
+
+# --- training ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Shard:
+    """What this rank trains on: its micro-batches per epoch, the encoded records they use, and
+    those records' per-token log-probs under the init policy and the reference."""
+
+    batches: list[list[list[int]]]  # [epoch][step] -> record indices
+    completions: dict[int, list[grpo.Completion]]
+    old_logprobs: dict[int, "torch.Tensor"]  # noqa: F821
+    ref_logprobs: dict[int, "torch.Tensor"] | None  # noqa: F821
+
+    def micro_batch(self, keys: list[int], pad_id: int, device):
+        """The batch of these records' samples, with its old and reference log-probs lined up."""
+        import torch
+
+        batch = grpo.collate([c for k in keys for c in self.completions[k]], pad_id).to(device)
+        old = torch.cat([self.old_logprobs[k] for k in keys])
+        ref = torch.cat([self.ref_logprobs[k] for k in keys]) if self.ref_logprobs is not None else None
+        return batch, old, ref
+
+
+def _load_model(path: Path, device):
+    from transformers import AutoModelForCausalLM
+
+    # Eval mode throughout: no dropout, so the first step's ratio is exactly what the
+    # precomputed old log-probs say it is. Gradients (and DDP's reduction) do not depend on it.
+    return AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).to(device).eval()
+
+
+def _record_logprobs(model, completions: dict[int, list[grpo.Completion]], pad_id: int, device) -> dict:
+    """Per record, the flat completion-token log-probs under ``model`` (no grad)."""
+    import torch
+
+    with torch.no_grad():
+        return {k: grpo.completion_logprobs(model, grpo.collate(group, pad_id).to(device)) for k, group in completions.items()}
+
+
+def _prepare_shard(config: TrainConfig, rdv: Rendezvous, records: list[grpo.Record], tokenizer, model, pad_id: int, device) -> _Shard:
+    n = len(records)
+    batches = [grpo.epoch_batches(n, rdv.world_size, rdv.rank, config.micro_batch, seed=config.seed, epoch=e) for e in range(config.epochs)]
+    needed = sorted({k for epoch in batches for keys in epoch for k in keys})
+    completions = {k: grpo.encode_record(tokenizer, records[k]) for k in needed}
+    old = _record_logprobs(model, completions, pad_id, device)
+    ref = None
+    if config.uses_kl:
+        if config.reference_checkpoint.resolve() == config.init_checkpoint.resolve():
+            ref = old
+        else:
+            reference = _load_model(config.reference_checkpoint, device)
+            ref = _record_logprobs(reference, completions, pad_id, device)
+            del reference
+    elif config.kl_coef > 0:
+        log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.kl_coef)
+    return _Shard(batches, completions, old, ref)
+
+
+def _read_records(path: Path) -> list[grpo.Record]:
+    try:
+        records = grpo.read_records(path)
+    except (OSError, ValueError) as e:
+        raise BadTrainInput(f"trajectory aggregate: {e}") from None
+    if not records:
+        raise BadTrainInput(f"trajectory aggregate {path} holds no records")
+    return records
+
+
+def _all_equal(record: grpo.Record) -> bool:
+    rewards = [s.reward for s in record.samples]
+    return max(rewards) == min(rewards)
+
+
+def train(config: TrainConfig, rdv: Rendezvous, device, started: float) -> dict:
+    """The GRPO update inside a formed process group; rank 0 writes the checkpoint.
+
+    Returns the stats (complete on rank 0). ``started`` is when ``run`` began (monotonic
+    clock), for the stats' ``seconds``.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(config.seed)
+
+    records = _read_records(config.data)
+    tokenizer = AutoTokenizer.from_pretrained(config.init_checkpoint)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = _load_model(config.init_checkpoint, device)
+    shard = _prepare_shard(config, rdv, records, tokenizer, model, pad_id, device)
+
+    # The aggregate's token count: every rank counts its own (disjoint) part, which its
+    # micro-batches always cover, then one all_reduce.
+    own = grpo.shard(len(records), rdv.world_size, rdv.rank)
+    total_tokens = torch.tensor([sum(len(c.completion_ids) for k in own for c in shard.completions[k])], dtype=torch.float64, device=device)
+    dist.all_reduce(total_tokens)
+
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr, weight_decay=0.0)
+    steps = len(shard.batches[0])
+    log.info("rank %d: %d of %d records, %d epochs x %d steps of %d records", rdv.rank, len(own), len(records), config.epochs, steps, config.micro_batch)
+
+    per_step: dict[str, list] = {"loss": [], "kl": [], "clip_fraction": [], "grad_norm": [], "tokens": []}
+    for epoch, micro_batches in enumerate(shard.batches):
+        for step, keys in enumerate(micro_batches):
+            batch, old_lp, ref_lp = shard.micro_batch(keys, pad_id, device)
+            new_lp = grpo.completion_logprobs(ddp, batch)
+            parts = grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=config.clip_eps, kl_coef=config.kl_coef, ref_logprobs=ref_lp)
+            optimizer.zero_grad(set_to_none=True)
+            parts.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), config.max_grad_norm).item()
+            optimizer.step()
+
+            # Means over ranks of the loss (what DDP's averaged gradient follows), kl and
+            # clip fraction; the token count is a sum.
+            summary = torch.tensor([parts.loss.item(), parts.kl or 0.0, parts.clip_fraction, parts.tokens], dtype=torch.float64, device=device)
+            dist.all_reduce(summary)
+            loss, kl, clip_fraction = (x / rdv.world_size for x in summary[:3].tolist())
+            tokens = int(summary[3].item())
+            for key, value in zip(per_step, (loss, kl if config.uses_kl else None, clip_fraction, grad_norm, tokens)):
+                per_step[key].append(value)
+            if rdv.rank == 0:
+                log.info(
+                    "iteration %d epoch %d step %d/%d: loss %.5f%s clip %.3f grad_norm %.3f tokens %d",
+                    config.iteration, epoch, step + 1, steps, loss, f" kl {kl:.5f}" if config.uses_kl else "", clip_fraction, grad_norm, tokens,
+                )
+
+    samples = [s for r in records for s in r.samples]
+    stats = {
+        "iteration": config.iteration,
+        "world_size": rdv.world_size,
+        "records": len(records),
+        "samples": len(samples),
+        "completion_tokens": int(total_tokens.item()),
+        "mean_reward": sum(s.reward for s in samples) / len(samples),
+        "zero_advantage_groups": sum(1 for r in records if _all_equal(r)),
+        "epochs": config.epochs,
+        "steps_per_epoch": steps,
+        "micro_batch": config.micro_batch,
+        **per_step,
+        "seconds": None,  # set just before writing
+    }
+    if rdv.rank == 0:
+        _write_checkpoint(ddp.module, tokenizer, config.output, stats, started)
+    return stats
+
+
+def _write_checkpoint(model, tokenizer, output: Path, stats: dict, started: float) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    # A stats file left by an earlier attempt would vouch for weights being rewritten now.
+    (output / STATS_FILE).unlink(missing_ok=True)
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    stats["seconds"] = round(time.monotonic() - started, 3)
+    tmp = output / f".{STATS_FILE}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(stats, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output / STATS_FILE)
+    log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def run(config_path: Path, env) -> None:
+    """Join, train, write (rank 0), and pass the final barrier. Raises TrainerError."""
+    started = time.monotonic()
+    import torch.distributed as dist
+
+    rdv = Rendezvous.from_env(env)
+    config = TrainConfig.read(config_path)
+    device = join(rdv)
+    train(config, rdv, device, started)
+    # Peers wait here while rank 0 writes; a rank 0 that dies on the way makes this fail.
+    try:
+        if device.type == "cuda":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+    except Exception as e:
+        raise TrainerError(f"final barrier failed (a peer died or timed out): {type(e).__name__}: {e}") from None
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.train.worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train-config", required=True, type=Path, help="the train config JSON written by the orchestrator")
+    args = parser.parse_args(argv)
+    who = f"rank {os.environ.get('RANK', '?')}/{os.environ.get('WORLD_SIZE', '?')}"
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s trainer {who} %(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        run(args.train_config, os.environ)
+    except TrainerError as e:
+        log.error("trainer %s failed: %s", who, e)
+        return e.exit_code
+    except Exception as e:
+        log.exception("trainer %s failed: %s: %s", who, type(e).__name__, e)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""The GRPO pieces as pure functions: advantages, batching, log-probs, loss, sharding."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from orchestrator.train import grpo
+
+
+def _completion(prompt, completion, advantage=0.0):
+    return grpo.Completion(tuple(prompt), tuple(completion), advantage)
+
+
+# --- advantages ----------------------------------------------------------------------------
+
+
+def test_advantages_are_normalised_within_the_group():
+    adv = grpo.group_advantages([1.0, 0.0, 0.0, 1.0])
+    assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert sum(adv) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_advantages_use_the_population_std():
+    rewards = [0.0, 1.0, 3.0]
+    mean = sum(rewards) / 3
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / 3)
+    assert grpo.group_advantages(rewards) == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards])
+
+
+@pytest.mark.parametrize("rewards", [[0.0, 0.0, 0.0], [1.0, 1.0], [0.1, 0.1, 0.1], [0.7]])
+def test_advantages_are_exactly_zero_when_rewards_are_all_equal(rewards):
+    assert grpo.group_advantages(rewards) == [0.0] * len(rewards)
+
+
+# --- records -------------------------------------------------------------------------------
+
+
+def test_records_keep_file_order_and_ignore_unknown_keys(tmp_path):
+    path = tmp_path / "agg.jsonl"
+    lines = [
+        {"task_id": "b", "prompt": "1+1=", "answer": "2", "extra": 1, "samples": [{"text": "2", "reward": 1, "finish_reason": "stop", "logprobs": None}]},
+        {"task_id": "a", "prompt": "2+2=", "answer": "4", "samples": [{"text": "44", "reward": 0.0, "finish_reason": "length", "logprobs": [-0.1, -0.2]}]},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    records = grpo.read_records(path)
+    assert [r.task_id for r in records] == ["b", "a"]
+    assert records[0].samples == (grpo.Sample("2", 1.0, "stop"),)
+    assert records[1].samples[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "line, complaint",
+    [
+        ("{not json", "bad trajectory record"),
+        ('{"task_id": "a", "prompt": "1+1=", "samples": []}', "'samples' must be a non-empty list"),
+        ('{"task_id": "a", "prompt": "1+1=", "samples": [{"text": "2", "reward": "1", "finish_reason": "stop"}]}', "reward must be a finite number"),
+        ('{"task_id": "a", "prompt": "1+1=", "samples": [{"text": "2", "reward": 1, "finish_reason": "abort"}]}', "finish_reason must be one of"),
+        ('{"prompt": "1+1=", "samples": [{"text": "2", "reward": 1, "finish_reason": "stop"}]}', "'task_id' must be a string"),
+    ],
+)
+def test_a_bad_record_is_reported_with_file_and_line(tmp_path, line, complaint):
+    path = tmp_path / "agg.jsonl"
+    good = '{"task_id": "z", "prompt": "0+0=", "samples": [{"text": "0", "reward": 1, "finish_reason": "stop"}]}'
+    path.write_text(good + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=complaint) as e:
+        grpo.read_records(path)
+    assert f"{path}:2:" in str(e.value)
+
+
+# --- batching ------------------------------------------------------------------------------
+
+
+class _CharTokenizer:
+    """Enough of a Hugging Face tokenizer for encode_record: <s>=1, </s>=2, digit d = 10 + d."""
+
+    eos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=True):
+        def ids(t):
+            return ([1] if add_special_tokens else []) + [10 + int(ch) for ch in t]
+
+        return {"input_ids": [ids(t) for t in text] if isinstance(text, list) else ids(text)}
+
+
+def test_encode_record_appends_eos_only_to_stopped_samples():
+    record = grpo.Record("t", "12", (grpo.Sample("3", 1.0, "stop"), grpo.Sample("45", 0.0, "length")))
+    a, b = grpo.encode_record(_CharTokenizer(), record)
+    assert a.prompt_ids == b.prompt_ids == (1, 11, 12)
+    assert a.completion_ids == (13, 2)
+    assert b.completion_ids == (14, 15)
+    assert a.advantage > 0 > b.advantage
+
+
+def test_collate_right_pads_and_marks_the_targets_that_are_completion_tokens():
+    batch = grpo.collate([_completion([1, 5], [6, 7], 0.5), _completion([1, 5, 5, 5], [8], -1.0)], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 5, 6, 7, 0], [1, 5, 5, 5, 8]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert batch.input_ids[:, 1:][batch.target_mask].tolist() == [6, 7, 8]
+    assert batch.advantages.tolist() == [0.5, 0.5, -1.0]
+    assert batch.num_tokens == 3
+
+
+def test_collate_of_an_empty_completion_has_no_tokens():
+    batch = grpo.collate([_completion([1, 5], [])], pad_id=0)
+    assert batch.num_tokens == 0
+    assert not batch.target_mask.any()
+
+
+# --- log-probs -----------------------------------------------------------------------------
+
+
+class _ToyLM(torch.nn.Module):
+    """A causal LM in miniature: the logits at t depend on tokens <= t only."""
+
+    def __init__(self, vocab=20):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, 8)
+        self.head = torch.nn.Linear(8, vocab)
+
+    def forward(self, input_ids, attention_mask, use_cache):
+        hidden = self.embed(input_ids).cumsum(1)
+        return type("Out", (), {"logits": self.head(hidden)})
+
+
+def test_completion_logprobs_equal_a_manual_log_softmax_gather():
+    model = _ToyLM()
+    completions = [_completion([1, 5], [6, 7, 2]), _completion([1, 5, 9, 9], [3])]
+    batch = grpo.collate(completions, pad_id=0)
+    got = grpo.completion_logprobs(model, batch)
+
+    expected = []
+    for c in completions:
+        ids = torch.tensor([c.prompt_ids + c.completion_ids])
+        logits = model(ids, torch.ones_like(ids), False).logits[0]
+        for pos in range(len(c.prompt_ids), ids.shape[1]):
+            expected.append(torch.log_softmax(logits[pos - 1], -1)[ids[0, pos]].item())
+    assert got.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_completion_logprobs_of_the_tiny_llama_ignore_right_padding(tmp_path):
+    from orchestrator.demo import model as demo_model
+
+    model = demo_model.create(0).eval()
+    demo_model.save(model, tmp_path)
+    _, tokenizer = demo_model.load(tmp_path)
+    record = grpo.Record("t", "12+3=", (grpo.Sample("15", 1.0, "stop"), grpo.Sample("1", 0.0, "length")))
+    long = grpo.Record("u", "40+40=", (grpo.Sample("80", 1.0, "stop"),))
+    short, padded = grpo.encode_record(tokenizer, record), grpo.encode_record(tokenizer, long)
+    with torch.no_grad():
+        alone = grpo.completion_logprobs(model, grpo.collate(short, tokenizer.pad_token_id))
+        together = grpo.completion_logprobs(model, grpo.collate(short + padded, tokenizer.pad_token_id))
+    assert alone.numel() == 3 + 1
+    assert together[: alone.numel()].tolist() == pytest.approx(alone.tolist(), abs=1e-5)
+
+
+# --- loss ----------------------------------------------------------------------------------
+
+
+def test_loss_is_minus_the_mean_advantage_when_the_ratio_is_one():
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    parts = grpo.grpo_loss(lp, lp.detach().clone(), adv, clip_eps=0.2)
+    assert parts.loss.item() == pytest.approx(-adv.mean().item())
+    assert parts.clip_fraction == 0.0
+    assert parts.kl is None
+
+
+def test_clipping_stops_the_gain_beyond_one_plus_eps_for_positive_advantages():
+    old = torch.zeros(2)
+    new = torch.log(torch.tensor([1.5, 0.5])).requires_grad_()
+    surrogate = grpo.clipped_surrogate(new, old, torch.tensor([1.0, 1.0]), clip_eps=0.2)
+    assert surrogate.tolist() == pytest.approx([1.2, 0.5])  # min(1.5, 1.2), min(0.5, 0.8)
+    surrogate.sum().backward()
+    assert new.grad.tolist() == pytest.approx([0.0, 0.5])  # the clipped token gets no gradient
+
+
+def test_clipping_stops_the_gain_below_one_minus_eps_for_negative_advantages():
+    old = torch.zeros(2)
+    new = torch.log(torch.tensor([0.5, 1.5])).requires_grad_()
+    surrogate = grpo.clipped_surrogate(new, old, torch.tensor([-1.0, -1.0]), clip_eps=0.2)
+    assert surrogate.tolist() == pytest.approx([-0.8, -1.5])  # min(-0.5, -0.8), min(-1.5, -1.2)
+    surrogate.sum().backward()
+    assert new.grad.tolist() == pytest.approx([0.0, -1.5])
+
+
+def test_clip_fraction_counts_tokens_outside_the_range():
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.0, 1.1, 1.5, 0.5]))
+    parts = grpo.grpo_loss(new, old, torch.ones(4), clip_eps=0.2)
+    assert parts.clip_fraction == pytest.approx(0.5)
+
+
+def test_k3_is_zero_at_the_reference_and_positive_elsewhere():
+    ref = torch.tensor([-1.0, -1.0, -1.0])
+    new = torch.tensor([-1.0, -0.5, -3.0])
+    k3 = grpo.k3_kl(new, ref)
+    assert k3[0].item() == 0.0
+    assert (k3[1:] > 0).all()
+    d = ref - new
+    assert k3.tolist() == pytest.approx((d.exp() - d - 1).tolist())
+
+
+def test_kl_term_is_added_only_with_a_coefficient_and_reference():
+    new = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    adv = torch.zeros(2)
+    k3_mean = grpo.k3_kl(new, ref).mean().item()
+    with_kl = grpo.grpo_loss(new, new, adv, clip_eps=0.2, kl_coef=0.1, ref_logprobs=ref)
+    assert with_kl.loss.item() == pytest.approx(0.1 * k3_mean)
+    assert with_kl.kl == pytest.approx(k3_mean)
+    assert grpo.grpo_loss(new, new, adv, clip_eps=0.2, kl_coef=0.0, ref_logprobs=ref).loss.item() == 0.0
+    assert grpo.grpo_loss(new, new, adv, clip_eps=0.2, kl_coef=0.1).loss.item() == 0.0
+
+
+def test_a_batch_without_tokens_gives_a_zero_loss_that_still_backpropagates():
+    weight = torch.ones(3, requires_grad=True)
+    lp = (weight * 0)[:0]
+    parts = grpo.grpo_loss(lp, lp.detach(), torch.zeros(0), clip_eps=0.2)
+    assert parts.loss.item() == 0.0 and parts.tokens == 0
+    parts.loss.backward()
+    assert weight.grad.tolist() == [0.0, 0.0, 0.0]
+
+
+# --- sharding ------------------------------------------------------------------------------
+
+
+def test_record_k_belongs_to_rank_k_mod_world():
+    assert grpo.shard(7, 3, 0) == [0, 3, 6]
+    assert grpo.shard(7, 3, 2) == [2, 5]
+
+
+@pytest.mark.parametrize("n, world, micro", [(9, 2, 2), (8, 2, 3), (7, 3, 1), (5, 2, 8), (2, 4, 1)])
+def test_every_rank_takes_the_same_number_of_full_steps_over_its_own_records(n, world, micro):
+    per_rank = [grpo.epoch_batches(n, world, r, micro, seed=1, epoch=0) for r in range(world)]
+    steps = grpo.steps_per_epoch(n, world, micro)
+    for rank, batches in enumerate(per_rank):
+        assert len(batches) == steps
+        assert all(len(b) == micro for b in batches)
+        seen = {k for b in batches for k in b}
+        own = set(grpo.shard(n, world, rank))
+        assert seen == (own or {rank % n})  # wrap-around: every own record, nothing foreign
+
+
+def test_shuffle_depends_on_seed_and_epoch_and_nothing_else():
+    def order(seed, epoch):
+        return grpo.epoch_batches(40, 2, 0, 4, seed=seed, epoch=epoch)
+
+    assert order(3, 0) == order(3, 0)
+    assert order(3, 0) != order(3, 1)
+    assert order(3, 0) != order(4, 0)
+
+
+def test_no_records_is_an_error():
+    with pytest.raises(ValueError, match="no records"):
+        grpo.epoch_batches(0, 2, 0, 1, seed=0, epoch=0)
