@@ -171,3 +171,22 @@ def test_a_pickle_where_a_shard_belongs_is_refused_and_never_unpickled(tmp_path)
     with pytest.raises(shards.ShardError, match="torn or invalid line"):
         shards.seal(shard)  # sealing parses JSON lines too
     assert not marker.exists()
+
+
+def test_debug_mode_uses_the_running_engine_and_never_starts_or_stops_one(demo_data, tmp_path):
+    port_file = tmp_path / "engine.port"
+    engine = subprocess.Popen([sys.executable, "-m", "orchestrator.engine.server", f"--model={demo_data / 'model'}",
+                               "--port=0", f"--port-file={port_file}", "--served-model-name=external"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        port = int(wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 60, "the external engine's port"))
+        log_path = tmp_path / "run"
+        result = _local(_flags(demo_data, log_path, num_nodes=1, weights="1", rl_phase="rollout",
+                               extra=["--rollout-split=train-only", "--max-iterations=1", "--debug-mode",
+                                      f"rl.engine_url=http://127.0.0.1:{port}"]))
+        assert result.returncode == 0, result.stdout[-4000:]
+        assert len(_aggregate(RunLayout(log_path), 1)) == 8
+        assert not (log_path / "engines").exists(), "no engine may be started in debug mode"
+        assert engine.poll() is None, "the external engine must be left running"
+    finally:
+        kill_tree(engine.pid)
