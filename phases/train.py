@@ -24,6 +24,7 @@ def _train_config(ctx: PhaseContext) -> dict:
 def train(ctx: PhaseContext) -> None:
     cfg = _train_config(ctx)
     final = ctx.layout.checkpoint(ctx.iteration)
+    fsio.refresh_dir(final.parent)  # every rank must see a checkpoint an earlier attempt renamed into place
     if final.is_dir():
         ctx.log.info("checkpoint of iteration %d exists already: not training again", ctx.iteration)
         return

@@ -419,7 +419,10 @@ def run(config_path: Path, env) -> None:
             dist.barrier()
     except Exception as e:
         raise TrainerError(f"final barrier failed (a peer died or timed out): {type(e).__name__}: {e}") from None
-    dist.destroy_process_group()
+    # No destroy_process_group(): rank 0 hosts the TCPStore, and when it tears down and exits
+    # while a peer is still inside its own teardown, the peer's store thread aborts the process
+    # ("terminate called without an active exception", exit -6). Everything durable is
+    # written before the barrier above, so the process simply ends (see __main__).
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,4 +443,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: c10d's C++ threads must not be destroyed under a live group.
+    os._exit(code)
