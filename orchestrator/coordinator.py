@@ -24,7 +24,7 @@ from typing import Callable
 from orchestrator import faults, fsio, identity, lease as lease_mod
 from orchestrator.config import RunConfig
 from orchestrator.events import EventLog
-from orchestrator.errors import BadInput, Culprit, DeadlineExceeded, PeerFailed
+from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, Culprit, DeadlineExceeded, PeerFailed
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.layout import AttemptLayout, RunLayout
 from orchestrator.monitor import Monitor, publish_abort
@@ -368,7 +368,7 @@ class Coordinator:
         }
         try:
             fsio.write_record(self.attempt.failure(self.rank), body)
-            if self.is_master and kind in ("error", "interrupted", "deadline"):
+            if self.is_master and kind in ROOT_CAUSE_KINDS:
                 publish_abort(self.attempt, Culprit(self.rank, body["host"], iteration, phase, kind, error))
         except OSError as e:
             log.error("could not write the failure record: %s", e)

@@ -23,6 +23,10 @@ class BadInput(OrchestratorError):
     exit_code = EXIT_BAD_INPUT
 
 
+# Failure kinds that are a root cause of an attempt's end (a "peer" record only reports one).
+ROOT_CAUSE_KINDS = frozenset({"error", "interrupted", "deadline", "join"})
+
+
 @dataclass(frozen=True, slots=True)
 class Culprit:
     """Who caused an attempt to end, where it was, and what happened."""

@@ -39,6 +39,9 @@ class LivenessTracker:
             seen.changed_at = now
         seen.last = heartbeat
 
+    def watched(self) -> list[int]:
+        return sorted(self._seen)
+
     def silent_for(self, rank: int, now: float) -> float:
         return now - self._seen[rank].changed_at
 

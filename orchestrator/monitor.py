@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from orchestrator import fsio
-from orchestrator.errors import Culprit, DeadlineExceeded, PeerFailed
+from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, PeerFailed
 from orchestrator.layout import AttemptLayout
 from orchestrator.liveness import LivenessTracker
 from orchestrator.waiting import CancelToken, Deadline
@@ -56,7 +56,7 @@ def master_verdict(
     (it knows why), else the first rank whose heartbeat stopped."""
     for rank in sorted(failures):
         f = failures[rank]
-        if f.get("kind") in ("error", "interrupted", "deadline", "join"):
+        if f.get("kind") in ROOT_CAUSE_KINDS:
             return culprit_from_failure(rank, f)
     dead = tracker.dead(now)
     if dead:
@@ -149,7 +149,7 @@ class Monitor:
     def _read_heartbeats(self, now: float) -> None:
         fsio.refresh_dir(self.attempt.heartbeats)
         with self._lock:
-            ranks = [r for r in range(self.num_nodes) if r in self.tracker._seen] if self.is_master else [0]
+            ranks = self.tracker.watched() if self.is_master else [0]
             for r in ranks:
                 self.tracker.observe(r, fsio.read_record(self.attempt.heartbeat(r)), now)
 

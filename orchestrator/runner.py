@@ -122,7 +122,6 @@ class Rank:
             log.warning("%s; re-run the same command to continue", cause)
             return EXIT_OK
         if isinstance(cause, Interrupted):
-            self._stop_children()
             self.coordinator.record_failure("interrupted", cause.signal_name)
             log.error("interrupted by %s at %s; re-run the same command to resume", cause.signal_name, where)
             return EXIT_INTERRUPTED

@@ -13,11 +13,10 @@ from pathlib import Path
 
 from orchestrator import fsio, identity, lease as lease_mod, summary
 from orchestrator.config import CoordinationConfig
-from orchestrator.errors import BadInput
+from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput
 from orchestrator.layout import RunLayout
 from orchestrator.liveness import TERMINAL_STATES
 
-ROOT_CAUSE_KINDS = ("error", "interrupted", "deadline", "join")
 
 
 def _server_now(directory: Path) -> float | None:
