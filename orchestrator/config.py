@@ -130,13 +130,6 @@ class RLConfig:
     kl_coef: float = 0.0
     """Weight of the KL penalty to the base model (0: none)."""
     max_grad_norm: float = 1.0
-    engine: str = "embedded"
-    """Inference engine: "embedded" (this package's server)."""
-    engine_port: int = 0
-    """Port of this node's engine; 0 lets the engine take any free one and report it."""
-    engine_url: str = "http://127.0.0.1:8000"
-    """With --debug-mode: the engine already running, used as it is."""
-    engine_start_timeout_s: float = 300.0
     train_port: int = 29500
     """First TCP port the master tries for the training rendezvous."""
     train_timeout_s: float = 600.0
@@ -150,14 +143,82 @@ class RLConfig:
             raise ConfigError(f"rl.top_p must be in (0, 1], got {self.top_p}")
         if self.temperature < 0 or self.eval_temperature < 0:
             raise ConfigError("rl.temperature and rl.eval_temperature must be >= 0")
-        if self.engine not in ("embedded",):
-            raise ConfigError(f"rl.engine={self.engine!r}: valid engines are embedded")
         from orchestrator import rewards
 
         try:
             rewards.load(self.reward)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+ENGINES = ("embedded", "vllm")
+WEIGHT_UPDATES = ("auto", "restart")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainPlacementConfig:
+    device_mapping: str = ""
+    """Global GPU ranks of the train workers, one GPU each: "0-15", "0,1,2,3" (empty: CPU, one
+    worker per node). See docs/placement.md."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    engine: str = "embedded"
+    """Inference engine: "embedded" (this package's server, CPU) or "vllm"."""
+    device_mapping: str = ""
+    """Global GPU ranks of the inference engines (empty: CPU, one engine per node)."""
+    gpus_per_engine: int = 1
+    """GPUs per engine: tensor_parallel_size x pipeline_parallel_size."""
+    pipeline_parallel_size: int = 1
+    """vLLM pipeline stages per engine; tensor parallel size is gpus_per_engine / this."""
+    engine_port: int = 8000
+    """Port of a node's first engine; its next engines take the next ports (the first free one
+    from there at start)."""
+    engine_url: str = "http://127.0.0.1:8000"
+    """With --debug-mode: the engine already running, used as it is."""
+    engine_start_timeout_s: float = 300.0
+    gpu_memory_utilization: float = 0.9
+    """vLLM: fraction of each GPU's memory the engine may take."""
+    max_model_len: int = 0
+    """vLLM: longest sequence (0: the model's own)."""
+    dtype: str = "auto"
+    """vLLM: weight dtype (float32 on CPU)."""
+    engine_args: str = ""
+    """vLLM: more serve arguments, as one shell-quoted string (e.g. "--enforce-eager")."""
+    weight_update: str = "auto"
+    """How a running engine moves to a new checkpoint: "auto" reloads the weights in place
+    (vLLM's reload_weights) and restarts when that fails; "restart" always restarts."""
+    memory_release_timeout_s: float = 120.0
+    """Colocated GPUs: how long training waits for the engines' GPU memory to be released."""
+    memory_released_mib: int = 2048
+    """Colocated GPUs: memory in use per GPU below which it counts as released."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"rollout.engine={self.engine!r}: valid engines are {', '.join(ENGINES)}")
+        if self.weight_update not in WEIGHT_UPDATES:
+            raise ConfigError(f"rollout.weight_update={self.weight_update!r}: valid values are {', '.join(WEIGHT_UPDATES)}")
+        if self.gpus_per_engine < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("rollout.gpus_per_engine and rollout.pipeline_parallel_size must be at least 1")
+        if self.gpus_per_engine % self.pipeline_parallel_size:
+            raise ConfigError(
+                f"rollout.pipeline_parallel_size={self.pipeline_parallel_size} does not divide rollout.gpus_per_engine="
+                f"{self.gpus_per_engine} (tensor parallel size = gpus_per_engine / pipeline_parallel_size)"
+            )
+        if not 0 <= self.engine_port <= 65535:
+            raise ConfigError(f"rollout.engine_port must be a TCP port (0-65535), got {self.engine_port}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len < 0:
+            raise ConfigError(f"rollout.max_model_len must be >= 0, got {self.max_model_len}")
+        for name in ("engine_start_timeout_s", "memory_release_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"rollout.{name} must be a positive number of seconds")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.gpus_per_engine // self.pipeline_parallel_size
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,6 +240,8 @@ class RunConfig:
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)  # type: ignore[valid-type]
     rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    train: TrainPlacementConfig = field(default_factory=TrainPlacementConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         for name in ("data_path", "log_path"):
@@ -203,6 +266,17 @@ class RunConfig:
             raise ConfigError("--rl-phase rollout needs --rollout-split train-only|eval-only")
         if self.max_iterations is not None and self.max_iterations < 1:
             raise ConfigError(f"--max-iterations must be at least 1, got {self.max_iterations}")
+        from orchestrator import placement
+
+        placement.check_mappings(self.train.device_mapping, self.rollout.device_mapping, self.rollout.gpus_per_engine)
+        if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise ConfigError(
+                    "rollout.engine=vllm but vLLM is not installed in this Python: pip install 'orchestrator[vllm]' "
+                    "on a GPU node, or run scripts/setup-vllm.sh for vLLM on CPU"
+                )
         if self.workload is Workload.RL:
             missing = [p for p in (self.model_path / "config.json", self.tasks_path / "train.jsonl", self.tasks_path / "test.jsonl") if not p.is_file()]
             if missing:
@@ -236,8 +310,9 @@ class RunConfig:
             "workload": self.workload.value,
             "seed": self.seed,
             "rehearsal": dataclasses.asdict(self.rehearsal) if self.workload is Workload.REHEARSAL else None,
-            "rl": {k: v for k, v in dataclasses.asdict(self.rl).items() if k not in ("engine_url", "engine_start_timeout_s")}
-            if self.workload is Workload.RL else None,
+            "rl": dataclasses.asdict(self.rl) if self.workload is Workload.RL else None,
+            "train": dataclasses.asdict(self.train),
+            "rollout": {k: v for k, v in dataclasses.asdict(self.rollout).items() if k not in ("engine_url", "engine_start_timeout_s")},
         }
 
 
@@ -247,9 +322,16 @@ def _fmt(x: float) -> str:
 
 # --- dotted overrides -------------------------------------------------------------------
 
-_SECTIONS = ("coordination", "deadlines", "rehearsal", "rl")
+_SECTIONS = ("coordination", "deadlines", "rehearsal", "rl", "train", "rollout")
 _TOP_LEVEL_OVERRIDABLE = ("seed",)
-_SECTION_CLASSES = {"coordination": CoordinationConfig, "deadlines": DeadlineConfig, "rehearsal": RehearsalConfig, "rl": RLConfig}
+_SECTION_CLASSES = {
+    "coordination": CoordinationConfig,
+    "deadlines": DeadlineConfig,
+    "rehearsal": RehearsalConfig,
+    "rl": RLConfig,
+    "train": TrainPlacementConfig,
+    "rollout": RolloutConfig,
+}
 
 
 def valid_override_keys() -> list[str]:

@@ -21,8 +21,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator import faults, fsio, identity, lease as lease_mod
-from orchestrator.config import RunConfig
+from orchestrator import faults, fsio, gpus, identity, lease as lease_mod, placement as placement_mod
+from orchestrator.config import ConfigError, RunConfig
 from orchestrator.events import EventLog
 from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, Culprit, DeadlineExceeded, PeerFailed
 from orchestrator.heartbeat import Heartbeat
@@ -48,6 +48,7 @@ class Start:
     phase: Phase
     plan: dict | None
     hosts: dict[int, str]
+    placement: placement_mod.Placement
 
 
 class Coordinator:
@@ -67,6 +68,8 @@ class Coordinator:
         self.monitor: Monitor | None = None
         self.hosts: dict[int, str] = {}
         self.where: tuple[int | None, str | None] = (None, None)
+        self.gpus = gpus.detect()
+        self.placement: placement_mod.Placement | None = None
 
     @property
     def is_master(self) -> bool:
@@ -97,7 +100,7 @@ class Coordinator:
         self.heartbeat.start()
         fsio.write_record(
             self.attempt.join(self.rank),
-            {**identity.me(), "rank": self.rank, "attempt": attempt_id, "fingerprint": self.config.fingerprint()},
+            {**identity.me(), "rank": self.rank, "attempt": attempt_id, "fingerprint": self.config.fingerprint(), "gpus": self.gpus},
         )
 
     def _start_monitor(self) -> None:
@@ -160,6 +163,8 @@ class Coordinator:
                 culprit = Culprit(r, j["host"], None, None, "error", f"configuration differs from the master's ({detail})")
                 publish_abort(self.attempt, culprit)
                 raise BadInput(f"rank {r} on host {j['host']} runs a different configuration: {detail}")
+        reports = {0: {**self.gpus, "host": self.hosts[0]}, **{r: {**j["gpus"], "host": j["host"]} for r, j in joins.items()}}
+        self.placement = self._place(reports)
         start = {
             "attempt": self.attempt_id,
             "iteration": iteration,
@@ -171,9 +176,33 @@ class Coordinator:
             "num_nodes": self.config.num_nodes,
             "rl_phase": self.config.rl_phase.value,
             "coordination": {"node_timeout_s": self.c.node_timeout_s, "heartbeat_interval_s": self.c.heartbeat_interval_s},
+            "gpus": {str(r): rep for r, rep in sorted(reports.items())},
+            "placement": self.placement.to_json(),
         }
         fsio.write_record(self.attempt.start, start)
-        return Start(self.attempt_id, iteration, phase, plan, dict(self.hosts))
+        return Start(self.attempt_id, iteration, phase, plan, dict(self.hosts), self.placement)
+
+    def _place(self, reports: dict[int, dict]) -> placement_mod.Placement:
+        """The placement for the GPUs the nodes reported, decided once by the master before
+        any work; a cluster that does not fit the mappings ends the attempt (exit 2)."""
+        train, rollout = self.config.train, self.config.rollout
+        try:
+            gpus_per_node = placement_mod.cluster_gpus(reports) if train.device_mapping else 0
+            resolved = placement_mod.resolve(
+                num_nodes=self.config.num_nodes, gpus_per_node=gpus_per_node, train_mapping=train.device_mapping,
+                rollout_mapping=rollout.device_mapping, gpus_per_engine=rollout.gpus_per_engine, engine_port=rollout.engine_port,
+            )
+            placement_mod.check_runnable(resolved, [reports[n]["host"] for n in sorted(reports)])
+        except ConfigError as e:
+            seen = "; ".join(f"node {n} ({r['host']}): {r['count']} GPU(s) ({r['source']})" for n, r in sorted(reports.items()))
+            culprit_node = _short_node(reports)
+            message = f"the cluster does not fit the GPU placement: {e}. The nodes report: {seen}"
+            publish_abort(self.attempt, Culprit(culprit_node, reports[culprit_node]["host"], None, None, "error", message))
+            raise BadInput(message) from None
+        if resolved.on_gpu:
+            log.info("placement: %d train worker(s), %d engine(s), %s", len(resolved.train_workers), len(resolved.engines),
+                     "colocated" if resolved.colocated else "disaggregated")
+        return resolved
 
     def _join_as_worker(self) -> Start:
         # The master reports missing ranks at its join deadline; the worker waits a little longer.
@@ -232,8 +261,9 @@ class Coordinator:
         self.hosts.update({int(r): h for r, h in start["hosts"].items()})
         if start["fingerprint"] != self.config.fingerprint():
             raise BadInput(f"this rank's configuration differs from the master's: master {start['fingerprint']} vs {self.config.fingerprint()}")
+        self.placement = placement_mod.Placement.from_json(start["placement"])
         self._start_monitor()
-        return Start(start["attempt"], start["iteration"], Phase(start["phase"]), start["plan"], dict(self.hosts))
+        return Start(start["attempt"], start["iteration"], Phase(start["phase"]), start["plan"], dict(self.hosts), self.placement)
 
     def _check_rank_free(self, attempt_id: str) -> None:
         other = fsio.read_record(self.layout.attempt(attempt_id).join(self.rank))
@@ -389,6 +419,14 @@ def _matching(record: dict | None, iteration: int, phase: Phase) -> dict | None:
     if record is None or record.get("iteration") != iteration or record.get("phase") != int(phase):
         return None
     return record
+
+
+def _short_node(reports: dict[int, dict]) -> int:
+    """The node to blame: the one with the fewest GPUs when counts differ, else node 0."""
+    counts = {n: r["count"] for n, r in reports.items()}
+    if len(set(counts.values())) > 1:
+        return min(counts, key=lambda n: (counts[n], n))
+    return 0
 
 
 def _ranks(ranks) -> str:

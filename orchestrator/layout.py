@@ -12,10 +12,10 @@
     attempts/<A>/arrivals/r<R>.json           rank R: latest barrier it arrived at
     attempts/<A>/failures/r<R>.json           rank R: why it stopped, written before it exits
     attempts/<A>/events/r<R>.jsonl            rank R: its event log (phase and barrier times)
-    attempts/<A>/rendezvous.json              master: the training rendezvous address (RL)
-    attempts/<A>/train/config-r<R>.json       rank R: its trainer's config (RL)
-    attempts/<A>/train/trainer-r<R>.log       rank R: its trainer's output (RL)
-    engines/r<R>/engine.log, engine.port      rank R: its engine's output and bound port (RL)
+    attempts/<A>/rendezvous.json              node of train worker 0: the training rendezvous address (RL)
+    attempts/<A>/train/config-w<W>.json       train worker W's config, written by its node (RL)
+    attempts/<A>/train/trainer-w<W>.log       train worker W's output (RL)
+    engines/r<R>/engine<E>.log, engine<E>.port  rank R: engine E's output and bound port (RL)
     iterations/<I>/plan.json                  master: tasks per rank, eval due (durable)
     iterations/<I>/summary.json               master: counts and metrics shown by `status`
     iterations/<I>/rollout/<split>/r<R>.jsonl rank R: its shard of trajectories
@@ -87,6 +87,12 @@ class RunLayout:
     def engine_dir(self, rank: int) -> Path:
         return self.root / "engines" / f"r{rank:05d}"
 
+    def engine_log(self, rank: int, engine: int) -> Path:
+        return self.engine_dir(rank) / f"engine{engine}.log"
+
+    def engine_port_file(self, rank: int, engine: int) -> Path:
+        return self.engine_dir(rank) / f"engine{engine}.port"
+
 
 @dataclass(frozen=True, slots=True)
 class AttemptLayout:
@@ -146,15 +152,15 @@ class AttemptLayout:
     def rendezvous(self) -> Path:
         return self.root / "rendezvous.json"
 
-    def trainer_config(self, rank: int) -> Path:
-        return self.root / "train" / f"config-r{rank:05d}.json"
+    def trainer_config(self, worker: int) -> Path:
+        return self.root / "train" / f"config-w{worker:05d}.json"
 
-    def trainer_log(self, rank: int) -> Path:
-        return self.root / "train" / f"trainer-r{rank:05d}.log"
+    def trainer_log(self, worker: int) -> Path:
+        return self.root / "train" / f"trainer-w{worker:05d}.log"
 
-    def trainer_scratch(self, rank: int) -> Path:
-        """Where a non-master trainer would write a checkpoint (it writes none)."""
-        return self.root / "train" / f"scratch-r{rank:05d}"
+    def trainer_scratch(self, worker: int) -> Path:
+        """Where a train worker other than 0 would write a checkpoint (it writes none)."""
+        return self.root / "train" / f"scratch-w{worker:05d}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import socket
 
 
-def free_port(first: int, tries: int = 200) -> int:
-    """The first port from ``first`` on that nothing listens on. Another process can still
-    take it before we bind it: users of the port check that they reached their own server."""
+def free_port(first: int, tries: int = 200, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+    """The first port from ``first`` on that nothing listens on (skipping ``exclude``: ports
+    promised to servers still starting). Another process can still take it before we bind it:
+    users of the port check that they reached their own server."""
     for port in range(first, first + tries):
+        if port in exclude:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("", port))

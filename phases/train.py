@@ -1,5 +1,6 @@
-"""Phase 10: every rank trains; the master writes the checkpoint to a temp directory and
-renames it into place, so a checkpoint directory is either complete or absent."""
+"""Phase 10: every rank trains; the node of train worker 0 (the master unless the placement
+says otherwise) writes the checkpoint to a temp directory and renames it into place, so a
+checkpoint directory is either complete or absent."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def train(ctx: PhaseContext) -> None:
     if final.is_dir():
         ctx.log.info("checkpoint of iteration %d exists already: not training again", ctx.iteration)
         return
-    if not ctx.is_master:
+    if ctx.rank != ctx.coordinator.placement.checkpoint_node:
         ctx.workload.train(ctx, cfg, None)
         return
     staging = final.with_name(f".{final.name}.{ctx.attempt_id}.tmp")

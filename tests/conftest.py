@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -35,3 +37,13 @@ def sshfs_mounts(tmp_path):
         yield make
     finally:
         mounts.close()
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory):
+    """Demo data with a briefly warmed-up model (100 steps): shared by the RL tests."""
+    path = tmp_path_factory.mktemp("demo") / "data"
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={path}", "--warm-steps=100"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return path

@@ -31,15 +31,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo") / "data"
-    result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={path}", "--warm-steps=100"],
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr
-    return path
-
-
 def _flags(data, log_path, *, num_nodes=3, weights="2,1,1", rl_phase="both", extra=()):
     flags = [f"--data-path={data}", f"--log-path={log_path}", f"--rl-phase={rl_phase}",
              f"--num-nodes={num_nodes}", f"--rank-weights={weights}", *SMALL, *extra]
@@ -64,7 +55,7 @@ def _aggregate(layout, iteration, split="train"):
 def _served_hashes(log_path):
     """sha256 of the weights each rank's engine loaded, in order, from the engine logs."""
     out = {}
-    for log in sorted((log_path / "engines").glob("r*/engine.log")):
+    for log in sorted((log_path / "engines").glob("r*/engine*.log")):
         out[int(log.parent.name[1:])] = re.findall(r"model.safetensors sha256 ([0-9a-f]{64})", log.read_text())
     return out
 
@@ -82,7 +73,7 @@ def test_three_ranks_two_iterations_train_across_processes_and_every_engine_serv
         assert stats  # the trainer's own account
     # three trainer processes formed one group in each iteration
     for i in (1, 2):
-        logs = sorted(log_path.glob("attempts/*/train/trainer-r*.log"))
+        logs = sorted(log_path.glob("attempts/*/train/trainer-w*.log"))
         assert len(logs) == 3
     # after iteration 1's publish, every engine restarted on the same new weights
     new = _sha(layout.checkpoint(1) / "model.safetensors")
@@ -185,7 +176,7 @@ def test_debug_mode_uses_the_running_engine_and_never_starts_or_stops_one(demo_d
         log_path = tmp_path / "run"
         result = _local(_flags(demo_data, log_path, num_nodes=1, weights="1", rl_phase="rollout",
                                extra=["--rollout-split=train-only", "--max-iterations=1", "--debug-mode",
-                                      f"rl.engine_url=http://127.0.0.1:{port}"]))
+                                      f"rollout.engine_url=http://127.0.0.1:{port}"]))
         assert result.returncode == 0, result.stdout[-4000:]
         assert len(_aggregate(RunLayout(log_path), 1)) == 8
         assert not (log_path / "engines").exists(), "no engine may be started in debug mode"

@@ -1,4 +1,4 @@
-"""The one CLI: `orchestrator run|local|status|stop` (one module per command)."""
+"""The one CLI: `orchestrator run|local|status|stop|plan|demo-data` (one module per command)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import click
 from orchestrator import __version__
 from orchestrator.cli.demo_data import demo_data
 from orchestrator.cli.local import local
+from orchestrator.cli.plan import plan
 from orchestrator.cli.run import run
 from orchestrator.cli.status import status
 from orchestrator.cli.stop import stop
@@ -23,6 +24,7 @@ cli.add_command(local)
 cli.add_command(status)
 cli.add_command(stop)
 cli.add_command(demo_data)
+cli.add_command(plan)
 
 
 def main() -> None:

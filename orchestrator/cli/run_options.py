@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from orchestrator.config import (
+    ENGINES,
     ConfigError,
     RolloutSplit,
     RunConfig,
@@ -28,6 +29,8 @@ RUN_OPTIONS = [
     click.option("--rank-weights", default=None, help='One positive weight per node, e.g. "2,1,1"; tasks split by largest remainder.'),
     click.option("--max-iterations", type=int, default=None, help="Stop after this iteration (default: unbounded)."),
     click.option("--rehearsal", is_flag=True, help="Walk the full protocol with simulated work: no GPU or model needed."),
+    click.option("--engine", type=click.Choice(ENGINES), default=None,
+                 help="Inference engine (default embedded; same as rollout.engine=...). vllm needs the vllm extra."),
     click.option("--debug-mode", is_flag=True, help="Do not start or stop the inference engine; use one already running."),
     click.option("--resume", is_flag=True, help="Accepted for compatibility: resuming is automatic."),
     click.argument("overrides", nargs=-1),
@@ -53,7 +56,14 @@ def build_config(params: dict, rank: int | None = None) -> RunConfig:
     num_nodes = params["num_nodes"]
     if rank is None:
         rank = resolve_rank(params.get("master", False), params.get("worker"), num_nodes)
-    sections = build_sections(parse_overrides(params["overrides"]))
+    overrides = parse_overrides(params["overrides"])
+    engine = params.get("engine")
+    if engine is not None:
+        given = overrides["sections"]["rollout"].get("engine")
+        if given is not None and given != engine:
+            raise ConfigError(f"--engine {engine} contradicts rollout.engine={given}: give one of them")
+        overrides["sections"]["rollout"]["engine"] = engine
+    sections = build_sections(overrides)
     return RunConfig(
         data_path=Path(params["data_path"]),
         log_path=Path(params["log_path"]),

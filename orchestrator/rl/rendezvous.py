@@ -1,6 +1,7 @@
 """The training rendezvous address, published by the master on the shared filesystem.
 
-Not a ``file://`` store (it failed 4 of 14 runs across sshfs mounts, SHARED-FS.md): the
+The node that hosts train worker 0 publishes it (the master, unless the placement puts
+worker 0 elsewhere). Not a ``file://`` store (it failed 4 of 14 runs across sshfs mounts, SHARED-FS.md): the
 master picks an address and a free port, writes them into the attempt's rendezvous file
 (per attempt, so a crashed attempt's address is never used), and every rank's trainer
 connects over TCP.
@@ -31,9 +32,10 @@ def master_address() -> str:
 
 
 def publish_or_read(ctx: PhaseContext) -> dict:
-    """Master: choose and publish the address of this iteration's training; others: read it."""
+    """The node of train worker 0 (the master on CPU) chooses and publishes the address of
+    this iteration's training; the others read it."""
     path = ctx.coordinator.attempt.rendezvous
-    if ctx.is_master:
+    if ctx.rank == ctx.coordinator.placement.checkpoint_node:
         record = {"iteration": ctx.iteration, "addr": master_address(), "port": free_port(ctx.config.rl.train_port)}
         fsio.write_record(path, record)
         return record

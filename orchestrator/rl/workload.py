@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -26,7 +28,7 @@ from orchestrator.engine.client import EngineClient
 from orchestrator.layout import RunLayout
 from orchestrator.procs import Children
 from orchestrator.rl import rendezvous
-from orchestrator.rl.engine_process import EngineProcess
+from orchestrator.rl.engine_process import NodeEngines
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +48,8 @@ class RLWorkload:
         self.tasks = {split: read_tasks(config.tasks_path / f"{name}.jsonl") for split, name in (("train", "train"), ("eval", "test"))}
         self.by_id = {t["id"]: t for tasks in self.tasks.values() for t in tasks}
         self.layout = RunLayout(config.log_path)
-        self.engine = EngineProcess(children, first_port=self.rl.engine_port,
-                                    log_dir=self.layout.engine_dir(config.rank),
-                                    start_timeout_s=self.rl.engine_start_timeout_s)
-        self.client: EngineClient | None = None
+        self.engines: NodeEngines | None = None  # built from the placement at the first start
+        self.clients: list[EngineClient] = []
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -71,40 +71,102 @@ class RLWorkload:
         current = fsio.read_record(self.layout.current_checkpoint)
         return self.layout.root / current["path"] if current else self.config.model_path
 
+    def _node_engines(self, ctx: PhaseContext) -> NodeEngines:
+        if self.engines is None:
+            specs = ctx.coordinator.placement.engines_on(ctx.rank)
+            self.engines = NodeEngines(self.children, specs, self.config.rollout, self.layout, ctx.rank, seed=self.config.seed)
+        return self.engines
+
     def engine_start(self, ctx: PhaseContext) -> None:
         if self.config.debug_mode:
-            self.client = EngineClient(self.rl.engine_url, timeout_s=600)
+            self.clients = [EngineClient(self.config.rollout.engine_url, timeout_s=600)]
             return
-        self.client = self.engine.ensure(self.checkpoint(), ctx.cancel)
+        self.clients = self._node_engines(ctx).ensure(self.checkpoint(), ctx.cancel)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
-        if not self.config.debug_mode:
-            self.engine.stop()
-            self.client = None
+        """Phase 7: free the GPUs training shares with the engines (colocated, and always on
+        CPU); disaggregated engines keep their GPUs and serve on until phase 12 moves them."""
+        if self.config.debug_mode:
+            return
+        placement = ctx.coordinator.placement
+        if not placement.colocated:
+            ctx.log.info("disaggregated placement: the engines keep their GPUs and serve on through training")
+            return
+        if self.engines is not None:
+            train_gpus = [w.gpu for w in placement.train_workers_on(ctx.rank) if w.gpu is not None]
+            self.engines.release(train_gpus, ctx.cancel)
+        self.clients = []
 
     def close(self) -> None:
-        self.engine.stop()
+        if self.engines is not None:
+            self.engines.stop()
 
     # -- rollout and eval ----------------------------------------------------------------------
 
     def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
+        """Batches of records in completion order; a node's engines share the batches."""
         if not task_ids:
             return
-        if self.client is None:
+        if not self.clients:
             self.engine_start(ctx)
+        batches = [task_ids[i : i + PROMPTS_PER_REQUEST] for i in range(0, len(task_ids), PROMPTS_PER_REQUEST)]
+        if len(self.clients) == 1:
+            for batch in batches:
+                ctx.cancel.check()
+                yield self._complete(ctx, split, self.clients[0], batch)
+            return
+        yield from self._rollout_parallel(ctx, split, batches)
+
+    def _rollout_parallel(self, ctx: PhaseContext, split: str, batches: list[list[str]]) -> Iterator[list[dict]]:
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for b in batches:
+            todo.put(b)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        stop = threading.Event()
+
+        def serve(client: EngineClient) -> None:
+            while not stop.is_set():
+                try:
+                    batch = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    done.put(self._complete(ctx, split, client, batch))
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                    done.put(e)
+                    return
+
+        threads = [threading.Thread(target=serve, args=(c,), name=f"rollout-{i}", daemon=True) for i, c in enumerate(self.clients)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in batches:
+                while True:
+                    ctx.cancel.check()
+                    try:
+                        item = done.get(timeout=0.2)
+                        break
+                    except queue.Empty:
+                        if not any(t.is_alive() for t in threads) and done.empty():
+                            raise RuntimeError("every rollout thread ended with batches left") from None
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+    def _complete(self, ctx: PhaseContext, split: str, client: EngineClient, task_ids: list[str]) -> list[dict]:
         train = split == "train"
         n = self.rl.samples_per_prompt if train else self.rl.eval_samples
         temperature = self.rl.temperature if train else self.rl.eval_temperature
         policy = str(self.checkpoint())
-        for start in range(0, len(task_ids), PROMPTS_PER_REQUEST):
-            ctx.cancel.check()
-            batch = [self.by_id[t] for t in task_ids[start : start + PROMPTS_PER_REQUEST]]
-            seed = random.Random(f"{self.config.seed}:{split}:{ctx.iteration}:{batch[0]['id']}").randrange(2**31)
-            began = time.monotonic()
-            groups = self.client.complete([t["prompt"] for t in batch], n=n, temperature=temperature, top_p=self.rl.top_p,
-                                          max_tokens=self.rl.max_tokens, seed=seed, logprobs=0)
-            seconds = (time.monotonic() - began) / len(batch)
-            yield [self._record(ctx, split, task, group, policy, seconds) for task, group in zip(batch, groups)]
+        batch = [self.by_id[t] for t in task_ids]
+        seed = random.Random(f"{self.config.seed}:{split}:{ctx.iteration}:{batch[0]['id']}").randrange(2**31)
+        began = time.monotonic()
+        groups = client.complete([t["prompt"] for t in batch], n=n, temperature=temperature, top_p=self.rl.top_p,
+                                 max_tokens=self.rl.max_tokens, seed=seed, logprobs=0)
+        seconds = (time.monotonic() - began) / len(batch)
+        return [self._record(ctx, split, task, group, policy, seconds) for task, group in zip(batch, groups)]
 
     def _record(self, ctx: PhaseContext, split: str, task: dict, group, policy: str, seconds: float) -> dict:
         return {
@@ -157,16 +219,58 @@ class RLWorkload:
     # -- training ------------------------------------------------------------------------------
 
     def train(self, ctx: PhaseContext, train_config: dict, checkpoint_dir: Path | None) -> None:
+        """Run this node's train workers (one per GPU the placement gives it; one on CPU) as
+        part of one torch.distributed job; worker 0 writes into ``checkpoint_dir``."""
+        placement = ctx.coordinator.placement
+        workers = placement.train_workers_on(ctx.rank)
+        if not workers:
+            return
         rdv = rendezvous.publish_or_read(ctx)
         attempt = ctx.coordinator.attempt
-        config_path, log_path = attempt.trainer_config(ctx.rank), attempt.trainer_log(ctx.rank)
-        config_path.parent.mkdir(parents=True, exist_ok=True)
-        config = {
+        log.info("training iteration %d: workers %s of %d on this node, rendezvous %s:%d", ctx.iteration,
+                 ",".join(str(w.rank) for w in workers), len(placement.train_workers), rdv["addr"], rdv["port"])
+        procs = []
+        for w in workers:
+            config_path, log_path = attempt.trainer_config(w.rank), attempt.trainer_log(w.rank)
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            output = checkpoint_dir if w.rank == 0 and checkpoint_dir is not None else attempt.trainer_scratch(w.rank)
+            config_path.write_text(json.dumps(self._trainer_config(ctx, train_config, output), indent=2))
+            env = {
+                **os.environ,
+                "MASTER_ADDR": rdv["addr"],
+                "MASTER_PORT": str(rdv["port"]),
+                "WORLD_SIZE": str(len(placement.train_workers)),
+                "RANK": str(w.rank),
+                "LOCAL_RANK": "0",
+                "TRAIN_TIMEOUT_S": str(self.rl.train_timeout_s),
+            }
+            if w.gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(w.gpu)
+            with open(log_path, "ab") as out:
+                procs.append((w, log_path, self.children.start(
+                    [sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(config_path)],
+                    env=env, stdout=out, stderr=subprocess.STDOUT)))
+        failed = []
+        try:
+            while not failed and any(p.poll() is None for _, _, p in procs):
+                ctx.cancel.sleep(0.2)
+                failed = [(w, lp, p) for w, lp, p in procs if p.poll() not in (None, 0)]
+            failed = failed or [(w, lp, p) for w, lp, p in procs if p.returncode != 0]
+        finally:
+            for _, _, p in procs:
+                self.children.stop(p)  # the others of a failed step: they would wait out the collective timeout
+        if failed:
+            w, log_path, p = failed[0]
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise TrainerFailed(f"train worker {w.rank} of rank {ctx.rank} exited with code {p.returncode}; {log_path} ends:\n{tail}")
+
+    def _trainer_config(self, ctx: PhaseContext, train_config: dict, output: Path) -> dict:
+        return {
             "iteration": ctx.iteration,
             "data": str(self.config.log_path / train_config["data"]),
             "init_checkpoint": str(self.checkpoint()),
             "reference_checkpoint": str(self.config.model_path) if self.rl.kl_coef > 0 else None,
-            "output": str(checkpoint_dir if checkpoint_dir is not None else attempt.trainer_scratch(ctx.rank)),
+            "output": str(output),
             "seed": self.config.seed + ctx.iteration,
             "lr": self.rl.lr,
             "epochs": self.rl.epochs,
@@ -175,23 +279,3 @@ class RLWorkload:
             "kl_coef": self.rl.kl_coef,
             "max_grad_norm": self.rl.max_grad_norm,
         }
-        config_path.write_text(json.dumps(config, indent=2))
-        env = {
-            **os.environ,
-            "MASTER_ADDR": rdv["addr"],
-            "MASTER_PORT": str(rdv["port"]),
-            "WORLD_SIZE": str(self.config.num_nodes),
-            "RANK": str(ctx.rank),
-            "TRAIN_TIMEOUT_S": str(self.rl.train_timeout_s),
-        }
-        log.info("training iteration %d: rank %d of %d, rendezvous %s:%d", ctx.iteration, ctx.rank, self.config.num_nodes, rdv["addr"], rdv["port"])
-        with open(log_path, "ab") as out:
-            proc = self.children.start([sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(config_path)],
-                                       env=env, stdout=out, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            ctx.cancel.sleep(0.2)
-        self.children.stop(proc)
-        if proc.returncode != 0:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise TrainerFailed(f"the trainer of rank {ctx.rank} exited with code {proc.returncode}; {log_path} ends:\n{tail}")
-
