@@ -78,3 +78,13 @@ def memory_used_mib(local_ids: list[int], environ: Mapping[str, str] = os.enviro
             used[int(parts[0])] = int(parts[2])
     visible = _visible(physical, environ)
     return {local: used[visible[local]["index"]] for local in local_ids if local < len(visible)}
+
+
+def child_visible_devices(local_ids, environ: Mapping[str, str] = os.environ) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a child that gets these node-local ids: the ids index what
+    this process sees, so under ``CUDA_VISIBLE_DEVICES=4,5,6,7`` local GPU 1 is device 5."""
+    spec = environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return ",".join(str(i) for i in local_ids)
+    entries = [s.strip() for s in spec.split(",")]
+    return ",".join(entries[i] for i in local_ids)

@@ -69,7 +69,8 @@ class Engine:
     gpus: tuple[int, ...]
     """Node-local GPU ids: the engine's CUDA_VISIBLE_DEVICES (empty on CPU)."""
     port: int
-    """Planned port, node-local: the first engine of a node gets the base port, the next +1."""
+    """Planned port, node-local: the first engine of a node gets the base port, the next +1
+    (0: any free port, chosen when the engine starts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +178,8 @@ def resolve(
         node = nodes[0]
         k = per_node.get(node, 0)
         per_node[node] = k + 1
-        engines.append(Engine(engine=e, node=node, gpus=tuple(g % gpus_per_node for g in chunk), port=engine_port + k))
+        port = engine_port + k if engine_port else 0  # 0: any free port, chosen at start
+        engines.append(Engine(engine=e, node=node, gpus=tuple(g % gpus_per_node for g in chunk), port=port))
     return Placement(
         num_nodes=num_nodes,
         gpus_per_node=gpus_per_node,

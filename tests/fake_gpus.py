@@ -3,8 +3,9 @@ orchestrator and the GPU driver. Everything behind it (reports through the share
 filesystem, the master's validation, placement of engines and train workers) is real.
 
 ``fake_nvidia_smi(dir)`` writes an executable ``nvidia-smi`` into ``dir``; put ``dir`` first
-on a rank's PATH and set ``FAKE_GPUS=N`` (and optionally ``FAKE_GPU_MEMORY_MIB=M``) in its
-environment.
+on a rank's PATH and set ``FAKE_GPUS=N`` in its environment; optionally
+``FAKE_GPU_MEMORY_MIB=M``, or ``FAKE_GPU_MEMORY_FILE=PATH`` holding the MiB in use, which a
+test can change while the orchestrator polls.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 SCRIPT = """#!/bin/sh
 n="${FAKE_GPUS:-0}"
 mem="${FAKE_GPU_MEMORY_MIB:-0}"
+if [ -n "$FAKE_GPU_MEMORY_FILE" ] && [ -f "$FAKE_GPU_MEMORY_FILE" ]; then mem=$(cat "$FAKE_GPU_MEMORY_FILE"); fi
 i=0
 case "$1" in
   -L)

@@ -242,3 +242,66 @@ def test_detection_without_nvidia_smi_reports_no_gpus(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     report = gpus.detect({})
     assert report["count"] == 0 and "not found" in report["source"]
+
+
+def test_children_get_the_devices_their_local_ids_name_in_this_process():
+    assert gpus.child_visible_devices([0, 1], {}) == "0,1"
+    assert gpus.child_visible_devices([1, 2], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5,6"
+    assert gpus.child_visible_devices([0], {"CUDA_VISIBLE_DEVICES": "GPU-abc, GPU-def"}) == "GPU-abc"
+
+
+def test_engine_port_0_leaves_every_engine_to_pick_a_free_port():
+    p = resolve(1, 4, "0-3", "0-3", port=0)
+    assert [e.port for e in p.engines] == [0, 0, 0, 0]
+
+
+# -- colocated: training waits until the engines' GPU memory is released ----------------------------
+
+def _rollout(**kw):
+    from orchestrator.config import RolloutConfig
+
+    return RolloutConfig(**kw)
+
+
+def test_training_waits_until_gpu_memory_is_released(tmp_path, monkeypatch):
+    import threading
+
+    from orchestrator.rl.engine_process import wait_memory_released
+    from orchestrator.waiting import CancelToken
+
+    env = gpu_env(fake_nvidia_smi(tmp_path / "bin"), 2)
+    memory = tmp_path / "used"
+    memory.write_text("30000")
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.setenv("FAKE_GPUS", "2")
+    monkeypatch.setenv("FAKE_GPU_MEMORY_FILE", str(memory))
+    polls = []
+    real = gpus.memory_used_mib
+
+    def counted(ids, *a):
+        used = real(ids, *a)
+        polls.append(used)
+        if len(polls) == 3:
+            threading.Thread(target=memory.write_text, args=("500",)).start()  # the engine's memory goes
+        return used
+
+    monkeypatch.setattr(gpus, "memory_used_mib", counted)
+    wait_memory_released([0, 1], _rollout(memory_release_timeout_s=30), CancelToken())
+    assert polls[0] == {0: 30000, 1: 30000} and polls[-1] == {0: 500, 1: 500}
+
+
+def test_memory_never_released_fails_within_the_bound_naming_the_gpu(tmp_path, monkeypatch):
+    import time
+
+    from orchestrator.errors import DeadlineExceeded
+    from orchestrator.rl.engine_process import wait_memory_released
+    from orchestrator.waiting import CancelToken
+
+    env = gpu_env(fake_nvidia_smi(tmp_path / "bin"), 2)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.setenv("FAKE_GPUS", "2")
+    monkeypatch.setenv("FAKE_GPU_MEMORY_MIB", "30000")
+    began = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"GPU 1 uses 30000 MiB \(limit rollout.memory_released_mib=2048\)"):
+        wait_memory_released([1], _rollout(memory_release_timeout_s=1), CancelToken())
+    assert time.monotonic() - began < 10

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from orchestrator import gpus
 from orchestrator.config import RolloutConfig
+from orchestrator.engine import vllm
 from orchestrator.engine.client import EngineClient
 from orchestrator.errors import DeadlineExceeded
 from orchestrator.layout import RunLayout
@@ -60,7 +61,10 @@ class EngineProcess:
         """Start the process (not waiting for it). ``taken``: ports of this node's other engines."""
         self.stop()
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        self.port = free_port(self.spec.port, exclude=taken) if self.spec.port else 0
+        if self.rollout.engine == "vllm":  # vLLM cannot report a port it picked: choose one for it
+            self.port = free_port(self.spec.port or 8000, exclude=taken)
+        else:  # the embedded server reports the port it bound (any free one with 0)
+            self.port = free_port(self.spec.port, exclude=taken) if self.spec.port else 0
         self.name = f"policy-{uuid.uuid4().hex[:12]}"
         argv, env = self._command(checkpoint)
         log.info("starting engine %d (%s, GPUs %s, port %s) on %s; log %s", self.spec.engine, self.rollout.engine,
@@ -76,8 +80,6 @@ class EngineProcess:
 
     def _command(self, checkpoint: Path) -> tuple[list[str], dict]:
         if self.rollout.engine == "vllm":
-            from orchestrator.engine import vllm
-
             argv = vllm.serve_command(
                 model=str(checkpoint), served_model_name=self.name, port=self.port,
                 tensor_parallel_size=self.rollout.tensor_parallel_size, pipeline_parallel_size=self.rollout.pipeline_parallel_size,
@@ -87,7 +89,7 @@ class EngineProcess:
             return argv, vllm.serve_env(gpus=self.spec.gpus, base=os.environ)
         env = dict(os.environ)
         if self.spec.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.spec.gpus))
+            env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices(self.spec.gpus)
         argv = [sys.executable, "-m", "orchestrator.engine.server", "--model", str(checkpoint), "--port", str(self.port),
                 "--served-model-name", self.name, "--port-file", str(self._port_file)]
         self._port_file.unlink(missing_ok=True)
@@ -150,8 +152,6 @@ class EngineProcess:
         """Serve ``checkpoint`` without a restart (wake first if asleep); False: restart instead."""
         if not self.running or self.client is None or self.rollout.engine != "vllm" or self.rollout.weight_update != "auto":
             return False
-        from orchestrator.engine import vllm
-
         began = time.monotonic()
         try:
             if self.asleep and not vllm.wake_up(self.client.base_url, timeout_s=self.rollout.engine_start_timeout_s):
@@ -166,15 +166,21 @@ class EngineProcess:
         log.info("engine %d reloaded %s in place in %.1f s", self.spec.engine, checkpoint, time.monotonic() - began)
         return True
 
-    def release(self) -> None:
-        """Free the GPUs for training: put vLLM to sleep where it can, else stop the engine."""
-        if self.running and self.client is not None and self.rollout.engine == "vllm" and self.rollout.weight_update == "auto":
-            from orchestrator.engine import vllm
+    def _can_sleep(self) -> bool:
+        """vLLM frees GPU memory in sleep only when started with --enable-sleep-mode (without
+        it, /sleep answers 200 and frees nothing). On CPU there is nothing to free: sleeping
+        just keeps the engine loaded for an in-place reload."""
+        if self.rollout.engine != "vllm" or self.rollout.weight_update != "auto":
+            return False
+        return not self.spec.gpus or "--enable-sleep-mode" in self.rollout.engine_args.split()
 
+    def release(self) -> None:
+        """Free the GPUs for training: put vLLM to sleep where that frees them, else stop."""
+        if self.running and self.client is not None and self._can_sleep():
             try:
                 if vllm.sleep(self.client.base_url, level=2, timeout_s=60.0):
                     self.asleep = True
-                    log.info("engine %d sleeps (weights and KV cache released)", self.spec.engine)
+                    log.info("engine %d sleeps until phase 12 brings the new weights", self.spec.engine)
                     return
             except Exception as e:  # noqa: BLE001
                 log.warning("engine %d could not sleep (%s); stopping it", self.spec.engine, e)

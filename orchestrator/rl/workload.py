@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from orchestrator import fsio, rewards
+from orchestrator import fsio, gpus, rewards
 from orchestrator.config import RunConfig
 from orchestrator.context import PhaseContext
 from orchestrator.demo.tasks import read_tasks
@@ -245,7 +245,7 @@ class RLWorkload:
                 "TRAIN_TIMEOUT_S": str(self.rl.train_timeout_s),
             }
             if w.gpu is not None:
-                env["CUDA_VISIBLE_DEVICES"] = str(w.gpu)
+                env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices([w.gpu])
             with open(log_path, "ab") as out:
                 procs.append((w, log_path, self.children.start(
                     [sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(config_path)],
