@@ -130,6 +130,9 @@ class RLConfig:
     kl_coef: float = 0.0
     """Weight of the KL penalty to the base model (0: none)."""
     max_grad_norm: float = 1.0
+    train_on_partial: bool = False
+    """Train on an aggregate that `orchestrator recover --salvage` marked partial (some
+    planned tasks missing). Off: such an iteration is refused in phase 8."""
     train_port: int = 29500
     """First TCP port the master tries for the training rendezvous."""
     train_timeout_s: float = 600.0
@@ -272,6 +275,11 @@ class RunConfig:
         if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:
             import importlib.util
 
+            for temp, n, what in ((self.rl.temperature, self.rl.samples_per_prompt, "rl.temperature/rl.samples_per_prompt"),
+                                  (self.rl.eval_temperature, self.rl.eval_samples, "rl.eval_temperature/rl.eval_samples")):
+                if temp == 0 and n > 1:
+                    raise ConfigError(f"{what} = 0/{n}: vLLM refuses more than one sample per prompt at temperature 0 "
+                                      f"(greedy sampling gives one answer); raise the temperature or use 1 sample")
             if importlib.util.find_spec("vllm") is None:
                 raise ConfigError(
                     "rollout.engine=vllm but vLLM is not installed in this Python: pip install 'orchestrator[vllm]' "

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator import faults, fsio, gpus, identity, lease as lease_mod, placement as placement_mod
+from orchestrator import doctor, faults, fsio, gpus, identity, lease as lease_mod, placement as placement_mod
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.events import EventLog
 from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, Culprit, DeadlineExceeded, PeerFailed
@@ -68,6 +68,7 @@ class Coordinator:
         self.monitor: Monitor | None = None
         self.hosts: dict[int, str] = {}
         self.where: tuple[int | None, str | None] = (None, None)
+        self._phase_began = time.monotonic()
         self.gpus = gpus.detect()
         self.placement: placement_mod.Placement | None = None
 
@@ -100,7 +101,8 @@ class Coordinator:
         self.heartbeat.start()
         fsio.write_record(
             self.attempt.join(self.rank),
-            {**identity.me(), "rank": self.rank, "attempt": attempt_id, "fingerprint": self.config.fingerprint(), "gpus": self.gpus},
+            {**identity.me(), "rank": self.rank, "attempt": attempt_id, "fingerprint": self.config.fingerprint(), "gpus": self.gpus,
+             "doctor": self._quick_facts()},
         )
 
     def _start_monitor(self) -> None:
@@ -163,6 +165,7 @@ class Coordinator:
                 culprit = Culprit(r, j["host"], None, None, "error", f"configuration differs from the master's ({detail})")
                 publish_abort(self.attempt, culprit)
                 raise BadInput(f"rank {r} on host {j['host']} runs a different configuration: {detail}")
+        self._preflight(joins)
         reports = {0: {**self.gpus, "host": self.hosts[0]}, **{r: {**j["gpus"], "host": j["host"]} for r, j in joins.items()}}
         self.placement = self._place(reports)
         start = {
@@ -181,6 +184,30 @@ class Coordinator:
         }
         fsio.write_record(self.attempt.start, start)
         return Start(self.attempt_id, iteration, phase, plan, dict(self.hosts), self.placement)
+
+    def _quick_facts(self) -> dict | None:
+        """What the master's preflight compares (doctor's quick subset: versions, NCCL/Gloo
+        settings, interfaces, GPUs, free space); never a reason not to join."""
+        try:
+            return doctor.collect(rank=self.rank, num_nodes=self.config.num_nodes, log_path=self.config.log_path, quick=True,
+                                  gpus=self.gpus)
+        except Exception as e:  # noqa: BLE001 - a preflight must not stop the run
+            log.warning("could not collect this node's facts for the preflight: %s", e)
+            return None
+
+    def _preflight(self, joins: dict[int, dict]) -> None:
+        """Warn about what usually breaks multi-node runs later (`orchestrator doctor` checks more)."""
+        facts = {r: j["doctor"] for r, j in joins.items() if j.get("doctor")}
+        mine = fsio.read_record(self.attempt.join(0)) or {}
+        if mine.get("doctor"):
+            facts[0] = mine["doctor"]
+        try:
+            problems = doctor.quick_problems(facts, doctor.Thresholds(node_timeout_s=self.c.node_timeout_s))
+        except Exception as e:  # noqa: BLE001
+            log.warning("preflight checks failed to run: %s", e)
+            return
+        for p in problems:
+            log.warning("preflight: %s", doctor.describe(p))
 
     def _place(self, reports: dict[int, dict]) -> placement_mod.Placement:
         """The placement for the GPUs the nodes reported, decided once by the master before
@@ -282,6 +309,7 @@ class Coordinator:
         """This rank starts ``phase``; its monitor cancels it if the work outlives ``work_deadline``."""
         self.where = (iteration, phase.label)
         self.monitor.work_deadline = work_deadline
+        self._phase_began = time.monotonic()
         self.events.emit("phase", iteration=iteration, phase=int(phase))
         self.heartbeat.update(iteration=iteration, phase=phase.label, state="working", progress=None)
 
@@ -307,12 +335,14 @@ class Coordinator:
             self.attempt.arrive(self.rank),
             {"attempt": self.attempt_id, "iteration": iteration, "phase": int(phase), "payload": payload or {}},
         )
-        self.events.emit("arrive", iteration=iteration, phase=int(phase))
+        arrived = time.monotonic()
+        self.events.emit("arrive", iteration=iteration, phase=int(phase), work_s=round(arrived - self._phase_began, 4),
+                         payload=_counts(payload))
         self.heartbeat.update(state="waiting")
         self.fault_point("hold-after-arrive", iteration, phase)
         if self.is_master:
             decision = self._release(iteration, phase, deadline, decide)
-            self.events.emit("released", iteration=iteration, phase=int(phase))
+            self.events.emit("released", iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
             return decision
         def probe():
             fsio.refresh_dir(self.attempt.root)
@@ -325,7 +355,7 @@ class Coordinator:
             backoff=self.backoff,
             on_timeout=lambda: self._deadline(iteration, phase, f"the master did not release {phase.label} in time", culprit_rank=0),
         )
-        self.events.emit("released", iteration=iteration, phase=int(phase))
+        self.events.emit("released", iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
         return release["decision"]
 
     def _release(self, iteration, phase, deadline, decide) -> dict:
@@ -396,6 +426,9 @@ class Coordinator:
             "culprit": culprit.to_json() if culprit is not None else None,
             "at": time.time(),
         }
+        if self.events is not None:
+            self.events.emit("error", iteration=iteration, phase=phase, kind=kind, error=error[:2000],
+                             culprit=culprit.rank if culprit is not None else None)
         try:
             fsio.write_record(self.attempt.failure(self.rank), body)
             if self.is_master and kind in ROOT_CAUSE_KINDS:
@@ -413,6 +446,11 @@ class Coordinator:
             self.events.close()
         if self.lease is not None:
             lease_mod.release(self.layout, self.lease)
+
+
+def _counts(payload: dict | None) -> dict:
+    """The numbers of a barrier payload (counts, sizes), for the event log."""
+    return {k: v for k, v in (payload or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _matching(record: dict | None, iteration: int, phase: Phase) -> dict | None:

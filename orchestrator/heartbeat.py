@@ -1,7 +1,7 @@
 """This rank's heartbeat: a counter rewritten every ``heartbeat_interval_s`` by a thread.
 
-The file also says where the rank is (iteration, phase, state, progress), which is what
-``orchestrator status`` shows. Heartbeats are not fsynced: a crash makes them stale anyway,
+The file also says where the rank is (iteration, phase, state, progress, and how long it has
+been in that phase and state), which is what ``orchestrator status`` shows. Heartbeats are not fsynced: a crash makes them stale anyway,
 and close() already makes them visible to other NFS clients.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 from orchestrator import fsio, identity
@@ -33,6 +34,7 @@ class Heartbeat:
             "state": "joining",
             "progress": None,
         }
+        self._phase_since = self._state_since = time.monotonic()
 
     def start(self) -> None:
         self.beat()
@@ -42,13 +44,20 @@ class Heartbeat:
     def update(self, **fields) -> None:
         """Change what the heartbeat says and publish it now."""
         with self._lock:
+            now = time.monotonic()
+            if "phase" in fields or "iteration" in fields:
+                self._phase_since = now
+            if "state" in fields and fields["state"] != self._state.get("state"):
+                self._state_since = now
             self._state.update(fields)
         self.beat()
 
     def beat(self) -> None:
         with self._lock:
             self._state["counter"] += 1
-            body = dict(self._state)
+            now = time.monotonic()
+            # Durations on this rank's own clock, so readers never compare two machines' clocks.
+            body = {**self._state, "in_phase_s": round(now - self._phase_since, 3), "in_state_s": round(now - self._state_since, 3)}
             try:
                 fsio.write_record(self._path, body, durable=False)
             except OSError as e:

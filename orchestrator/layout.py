@@ -3,6 +3,7 @@
     control/lease.json                        master lease: holder, generation, attempt
     control/claims/gen-<G>                    O_EXCL claim of lease generation G
     control/progress.json                     last released barrier (durable resume point)
+    control/recovered/<stamp>/lease.json      `recover --apply`: a dead master's lease, moved aside
     attempts/<A>/start.json                   master: the attempt's plan (release of the join)
     attempts/<A>/release.json                 master: latest barrier release + its decision
     attempts/<A>/abort.json                   master: why the attempt ended (root cause)
@@ -26,6 +27,9 @@
     checkpoints/iter-<I>/                     master: checkpoint of iteration I
     checkpoints/current.json                  master: pointer to the current checkpoint
     metrics.jsonl                             master: one line of eval metrics per evaluated iteration
+    doctor/session.json                       `doctor` master: the current doctor session (id, addresses, open/closed)
+    doctor/<S>/r<R>.json, replace.json, new.json, result.json, {new,replace}-acks/r<R>.json   `doctor` session S: facts, probes, answers, verdict
+    report/                                   `orchestrator report`: charts, report.json, index.html (default --out)
 
 Sync files live under ``attempts/<A>/``: a file from another attempt can never release a
 barrier of this one (fencing). Work products live under ``iterations/`` and
@@ -55,6 +59,10 @@ class RunLayout:
     def lease(self) -> Path:
         return self.control / "lease.json"
 
+    def recovered(self, stamp: str) -> Path:
+        """Where `orchestrator recover --apply` moves sync state aside."""
+        return self.control / "recovered" / stamp
+
     def claim(self, generation: int) -> Path:
         return self.control / "claims" / f"gen-{generation:06d}"
 
@@ -63,11 +71,11 @@ class RunLayout:
         return self.control / "progress.json"
 
     def attempt(self, attempt_id: str) -> "AttemptLayout":
-        return AttemptLayout(self.root / "attempts" / attempt_id)
+        return AttemptLayout(self.attempts / attempt_id)
 
     # -- work products ---------------------------------------------------------------------
     def iteration(self, iteration: int) -> "IterationLayout":
-        return IterationLayout(self.root / "iterations" / iteration_dir_name(iteration))
+        return IterationLayout(self.iterations / iteration_dir_name(iteration))
 
     @property
     def checkpoints(self) -> Path:
@@ -84,6 +92,18 @@ class RunLayout:
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
+    @property
+    def iterations(self) -> Path:
+        return self.root / "iterations"
+
+    @property
+    def attempts(self) -> Path:
+        return self.root / "attempts"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report"
+
     def engine_dir(self, rank: int) -> Path:
         return self.root / "engines" / f"r{rank:05d}"
 
@@ -92,6 +112,45 @@ class RunLayout:
 
     def engine_port_file(self, rank: int, engine: int) -> Path:
         return self.engine_dir(rank) / f"engine{engine}.port"
+
+    # -- `orchestrator doctor` -------------------------------------------------------------
+    @property
+    def doctor(self) -> Path:
+        return self.root / "doctor"
+
+    @property
+    def doctor_session(self) -> Path:
+        """The master's pointer to the current doctor session (rewritten per session)."""
+        return self.doctor / "session.json"
+
+    def doctor_dir(self, session: str) -> Path:
+        return self.doctor / session
+
+    def doctor_facts(self, session: str, rank: int) -> Path:
+        return self.doctor_dir(session) / f"r{rank:05d}.json"
+
+    def doctor_probe_new(self, session: str) -> Path:
+        """Created by the master once: how soon each worker sees a new file."""
+        return self.doctor_dir(session) / "new.json"
+
+    def doctor_probe_replace(self, session: str) -> Path:
+        """Written by the master before the session opens, replaced once: how soon workers see new content."""
+        return self.doctor_dir(session) / "replace.json"
+
+    def doctor_new_acks(self, session: str) -> Path:
+        return self.doctor_dir(session) / "new-acks"
+
+    def doctor_new_ack(self, session: str, rank: int) -> Path:
+        return self.doctor_new_acks(session) / f"r{rank:05d}.json"
+
+    def doctor_replace_acks(self, session: str) -> Path:
+        return self.doctor_dir(session) / "replace-acks"
+
+    def doctor_replace_ack(self, session: str, rank: int) -> Path:
+        return self.doctor_replace_acks(session) / f"r{rank:05d}.json"
+
+    def doctor_result(self, session: str) -> Path:
+        return self.doctor_dir(session) / "result.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +204,12 @@ class AttemptLayout:
     def failure(self, rank: int) -> Path:
         return self.failures / f"r{rank:05d}.json"
 
+    @property
+    def events_dir(self) -> Path:
+        return self.root / "events"
+
     def events(self, rank: int) -> Path:
-        return self.root / "events" / f"r{rank:05d}.jsonl"
+        return self.events_dir / f"r{rank:05d}.jsonl"
 
     @property
     def rendezvous(self) -> Path:

@@ -161,6 +161,48 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
     Returns the aggregate's manifest, with per-source counts and the task ids seen once
     each (duplicates raise).
     """
+    return _merge(sources, dest, _sealed_lines, extra)
+
+
+def salvage(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
+    """Like :func:`merge`, for what survived a crash: every complete record of every shard,
+    sealed or not (an unsealed shard up to its first torn or invalid line; an absent one adds
+    nothing). The manifest says ``partial: true`` and, per source, whether it was sealed."""
+    sources = list(sources)
+    states = {label: ("sealed" if sealed(shard) else "partial" if shard.exists() else "absent") for label, shard in sources}
+    return _merge(sources, dest, _surviving_lines, {**extra, "partial": True, "source_state": states})
+
+
+def _sealed_lines(label: str, shard: Path) -> Iterator[tuple[bytes, dict]]:
+    m = read_manifest(shard)
+    if m is None:
+        raise ShardError(f"{label}: shard {shard} is not sealed (no valid manifest)")
+    sh, n = hashlib.sha256(), 0
+    with open(shard, "rb") as f:
+        for raw in f:
+            sh.update(raw)
+            try:
+                record = json.loads(raw)
+                record["task_id"]
+            except (ValueError, KeyError, TypeError):
+                raise ShardError(f"{label}: shard {shard} has an invalid record after record {n}") from None
+            yield raw, record
+            n += 1
+    if sh.hexdigest() != m.sha256 or n != m.count:
+        raise ShardError(
+            f"{label}: shard {shard} does not match its manifest "
+            f"(sha256 {sh.hexdigest()[:12]} vs {m.sha256[:12]}, {n} vs {m.count} records); "
+            f"delete the shard and its manifest to regenerate it"
+        )
+
+
+def _surviving_lines(label: str, shard: Path) -> Iterator[tuple[bytes, dict]]:
+    if shard.exists():
+        for _end, raw, record in iter_valid_lines(shard):
+            yield raw, record
+
+
+def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict) -> Manifest:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     seen: set[str] = set()
@@ -169,32 +211,16 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
     try:
         with open(tmp, "wb") as out:
             for label, shard in sources:
-                m = read_manifest(shard)
-                if m is None:
-                    raise ShardError(f"{label}: shard {shard} is not sealed (no valid manifest)")
-                sh, n = hashlib.sha256(), 0
-                with open(shard, "rb") as f:
-                    for raw in f:
-                        sh.update(raw)
-                        try:
-                            record = json.loads(raw)
-                            task_id = record["task_id"]
-                            trajectories += len(record.get("samples") or [record])
-                        except (ValueError, KeyError, TypeError):
-                            raise ShardError(f"{label}: shard {shard} has an invalid record after record {n}") from None
-                        if task_id in seen:
-                            raise ShardError(f"{label}: task {task_id} appears twice (in {shard})")
-                        seen.add(task_id)
-                        out.write(raw)
-                        h.update(raw)
-                        size += len(raw)
-                        n += 1
-                if sh.hexdigest() != m.sha256 or n != m.count:
-                    raise ShardError(
-                        f"{label}: shard {shard} does not match its manifest "
-                        f"(sha256 {sh.hexdigest()[:12]} vs {m.sha256[:12]}, {n} vs {m.count} records); "
-                        f"delete the shard and its manifest to regenerate it"
-                    )
+                n = 0
+                for raw, record in lines(label, shard):
+                    if record["task_id"] in seen:
+                        raise ShardError(f"{label}: task {record['task_id']} appears twice (in {shard})")
+                    seen.add(record["task_id"])
+                    trajectories += len(record.get("samples") or [record])
+                    out.write(raw)
+                    h.update(raw)
+                    size += len(raw)
+                    n += 1
                 counts[label] = n
                 total += n
             out.flush()

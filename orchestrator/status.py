@@ -8,14 +8,16 @@ server (on a local disk, by this machine).
 from __future__ import annotations
 
 import os
+import statistics
 import uuid
 from pathlib import Path
 
-from orchestrator import fsio, identity, lease as lease_mod, summary
+from orchestrator import events as events_mod, fsio, identity, lease as lease_mod, summary
 from orchestrator.config import CoordinationConfig
 from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput
 from orchestrator.layout import RunLayout
 from orchestrator.liveness import TERMINAL_STATES
+from orchestrator.phase_table import Phase, RLPhase
 
 
 
@@ -57,6 +59,9 @@ def snapshot(log_path: Path) -> dict:
         age = round(max(0.0, now - mtime), 3) if (now is not None and mtime is not None) else None
         state = hb.get("state") if hb else "absent"
         alive = bool(hb) and state not in TERMINAL_STATES and age is not None and age < node_timeout
+        # Time in the phase on the rank's clock, plus the heartbeat's age while it still runs.
+        in_phase = round(hb["in_phase_s"] + (age or 0.0 if alive else 0.0), 3) if hb and hb.get("in_phase_s") is not None else None
+        progress = hb.get("progress") if hb else None
         ranks.append({
             "rank": r,
             "host": (hb or join).get("host"),
@@ -65,7 +70,9 @@ def snapshot(log_path: Path) -> dict:
             "state": state,
             "iteration": hb.get("iteration") if hb else None,
             "phase": hb.get("phase") if hb else None,
-            "progress": hb.get("progress") if hb else None,
+            "progress": progress,
+            "rate": round(progress["done"] / in_phase, 3) if progress and in_phase else None,
+            "in_phase_s": in_phase,
             "heartbeat_age_s": age,
         })
     progress = fsio.read_record(layout.progress)
@@ -77,6 +84,7 @@ def snapshot(log_path: Path) -> dict:
         s = summary.read(layout, i)
         if s is not None:
             iterations.append({k: s.get(k) for k in ("iteration", "tasks_per_rank", "trajectories", "evaluated", "metrics", "checkpoint", "complete")})
+    barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks) if not current.released else None
     return {
         "log_path": str(log_path),
         "attempt": current.attempt,
@@ -87,7 +95,87 @@ def snapshot(log_path: Path) -> dict:
         "last_released": progress,
         "ranks": ranks,
         "failure": root_cause(attempt, num_nodes),
+        "barrier": barrier,
+        "waiting_for": barrier["waiting_for"] if barrier else [],
+        "eta": eta(layout, ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
         "iterations": iterations,
+    }
+
+
+def barrier_state(attempt, attempt_id: str, num_nodes: int, now: float | None, ranks: list[dict]) -> dict | None:
+    """The barrier ranks are waiting at: the latest one some rank arrived at and the master
+    has not released; who has arrived, and whom it still waits for, since when."""
+    released = fsio.read_record(attempt.release)
+    last = (released["iteration"], released["phase"]) if released else (0, -1)
+    arrivals: dict[int, tuple[tuple[int, int], float | None]] = {}
+    fsio.refresh_dir(attempt.arrivals)
+    for r in range(num_nodes):
+        a = fsio.read_record(attempt.arrive(r))
+        if a is not None and a.get("attempt") == attempt_id:
+            arrivals[r] = ((a["iteration"], a["phase"]), _mtime(attempt.arrive(r)))
+    pending = [key for key, _ in arrivals.values() if key > last]
+    if not pending:
+        return None
+    key = max(pending)
+    arrived = sorted(r for r, (k, _) in arrivals.items() if k == key)
+    stamps = [m for r, (k, m) in arrivals.items() if k == key and m is not None]
+    waited = round(max(0.0, now - min(stamps)), 3) if stamps and now is not None else None
+    return {
+        "iteration": key[0],
+        "phase": key[1],
+        "label": Phase(key[1]).label,
+        "arrived": arrived,
+        "waiting_for": [{"rank": r, "host": ranks[r]["host"], "at": ranks[r]["phase"], "state": ranks[r]["state"],
+                         "waited_s": waited} for r in range(num_nodes) if r not in arrived],
+    }
+
+
+def phase_durations(layout: RunLayout) -> dict[tuple[int, int], float]:
+    """Seconds from the master starting each (iteration, phase) to its release, measured on
+    the master's own monotonic clock, over every attempt of the run (a later attempt wins)."""
+    durations: dict[tuple[int, int], float] = {}
+    try:
+        attempts = sorted(p for p in layout.attempts.iterdir() if p.is_dir())
+    except FileNotFoundError:
+        return durations
+    for root in attempts:
+        began: dict[tuple[int, int], float] = {}
+        for e in events_mod.read_events(layout.attempt(root.name).events(0)):
+            key = (e.get("iteration"), e.get("phase"))
+            if e["event"] == "phase":
+                began[key] = e["mono"]
+            elif e["event"] == "released" and key in began:
+                durations[key] = e["mono"] - began[key]
+    return durations
+
+
+def eta(layout: RunLayout, master: dict | None, rl_phase: str | None) -> dict | None:
+    """How long the master's current phase and the rest of its iteration should take,
+    from the median of the same phases in earlier iterations. None without history."""
+    if not master or not master.get("phase") or master.get("iteration") is None or master.get("in_phase_s") is None:
+        return None
+    if master["state"] in TERMINAL_STATES:
+        return None
+    current = Phase(int(str(master["phase"]).split(":")[0]))
+    iteration = master["iteration"]
+    durations = phase_durations(layout)
+    typical: dict[int, float] = {}
+    for phase in Phase:
+        past = [d for (i, p), d in durations.items() if p == int(phase) and i < iteration] if phase >= current else []
+        if past:
+            typical[int(phase)] = statistics.median(past)
+    if int(current) not in typical:
+        return None
+    remaining = max(0.0, typical[int(current)] - master["in_phase_s"])
+    walks = RLPhase(rl_phase) if rl_phase else RLPhase.BOTH
+    later = sum(d for p, d in typical.items() if p > int(current) and walks.includes(Phase(p)))
+    return {
+        "iteration": iteration,
+        "phase": current.label,
+        "typical_s": round(typical[int(current)], 3),
+        "elapsed_s": master["in_phase_s"],
+        "remaining_s": round(remaining, 3),
+        "iteration_remaining_s": round(remaining + later, 3),
     }
 
 

@@ -23,13 +23,17 @@ def abort(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def display_table(title: str | None, columns: list[str], rows: list[list[object]]) -> None:
-    table = Table(title=title, title_justify="left")
+def table(title: str | None, columns: list[str], rows: list[list[object]]) -> Table:
+    t = Table(title=title, title_justify="left")
     for c in columns:
-        table.add_column(c)
+        t.add_column(c)
     for r in rows:
-        table.add_row(*("" if v is None else str(v) for v in r))
-    out.print(table)
+        t.add_row(*("" if v is None else str(v) for v in r))
+    return t
+
+
+def display_table(title: str | None, columns: list[str], rows: list[list[object]]) -> None:
+    out.print(table(title, columns, rows))
 
 
 def _markup_ok(message: str) -> bool:

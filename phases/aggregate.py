@@ -29,8 +29,8 @@ def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
     """The split's aggregate: reused if sealed, else merged and checked against the plan."""
     dest = ctx.it.aggregate(split)
     existing = shards.sealed(dest)
-    if existing is not None:
-        return existing
+    if existing is not None and not existing.extra.get("partial"):
+        return existing  # a salvaged partial one is replaced by the full merge
     planned = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
     m = shards.merge(_sources(ctx, split), dest, split=split, iteration=ctx.iteration, partial=False)
     if m.count != len(planned):

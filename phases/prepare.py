@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from orchestrator import fsio, shards
 from orchestrator.context import PhaseContext
+from orchestrator.errors import BadInput
 
 
 class MissingTrainingData(Exception):
@@ -11,10 +12,18 @@ class MissingTrainingData(Exception):
 
 
 def check_training_data(ctx: PhaseContext) -> None:
-    if shards.sealed(ctx.it.aggregate("train")) is None:
+    m = shards.sealed(ctx.it.aggregate("train"))
+    if m is None:
         raise MissingTrainingData(
             f"iteration {ctx.iteration} has no sealed train aggregate ({ctx.it.aggregate('train')}); "
             f"run --rl-phase rollout --rollout-split train-only for it first"
+        )
+    if m.extra.get("partial") and not ctx.config.rl.train_on_partial:
+        per_source = ", ".join(f"{label}: {n}" for label, n in m.extra.get("per_source", {}).items())
+        raise BadInput(
+            f"the train aggregate of iteration {ctx.iteration} is partial: {m.count} of {m.extra.get('planned', '?')} "
+            f"planned tasks ({per_source}), salvaged by `orchestrator recover`. Add rl.train_on_partial=true to train "
+            f"on it, or re-run the rollout (--rl-phase rollout --rollout-split train-only) to complete it"
         )
 
 

@@ -15,6 +15,7 @@ import psutil
 
 from orchestrator import fsio
 from orchestrator.layout import RunLayout
+from orchestrator.phase_table import Phase
 
 # Fast protocol settings for tests: a dead rank is detected within 3 s.
 FAST = [
@@ -127,6 +128,24 @@ def descendants(pid: int) -> list[int]:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def start_ranks(flags: list[str], n: int) -> list[subprocess.Popen]:
+    """``orchestrator run`` for ranks 0..n-1, output discarded (tests that only need exit codes)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return [subprocess.Popen([sys.executable, "-m", "orchestrator", "run", *flags, rank_flag(r)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+            for r in range(n)]
+
+
+def wait_mid_rollout(layout: RunLayout, rank: int, timeout: float = 120) -> None:
+    """Until ``rank`` has rolled out some but not all of its tasks."""
+    def mid_rollout():
+        hb = heartbeat(layout, rank)
+        p = hb and hb.get("phase") == Phase.ROLLOUT.label and hb.get("progress")
+        return p and 0 < p["done"] < p["total"]
+
+    wait_for(mid_rollout, timeout, f"rank {rank} to be part-way through its rollout")
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):

@@ -13,8 +13,7 @@ import pytest
 
 from orchestrator import fsio
 from orchestrator.layout import RunLayout
-from orchestrator.phase_table import Phase
-from tests.harness import NODE_TIMEOUT_S, heartbeat, kill_tree, status_json, wait_for
+from tests.harness import NODE_TIMEOUT_S, kill_tree, start_ranks, status_json, wait_for, wait_mid_rollout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -113,19 +112,10 @@ def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, t
     # 192 tasks: rank 0 (weight 2 of 4) sends 96 prompts in 6 requests, so "part-way" lasts
     # five requests, long enough for the poll below to see it even on a loaded machine.
     flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192"])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", "run", *flags, "--master" if r == 0 else f"--worker={r}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-             for r in range(3)]
+    procs = start_ranks(flags, 3)
     try:
         layout = RunLayout(log_path)
-
-        def mid_rollout():
-            hb = heartbeat(layout, 0)
-            p = hb and hb.get("phase") == Phase.ROLLOUT.label and hb.get("progress")
-            return p and 0 < p["done"] < p["total"]
-
-        wait_for(mid_rollout, 120, "rank 0 to be part-way through its rollout")
+        wait_mid_rollout(layout, 0)
         os.kill(procs[0].pid, signal.SIGKILL)
         procs[0].wait(timeout=10)
         assert [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs[1:]] == [3, 3]

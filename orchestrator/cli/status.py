@@ -7,53 +7,84 @@ import time
 from pathlib import Path
 
 import click
+from rich.console import Group
+from rich.live import Live
+from rich.text import Text
 
 from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, BadInput
 from orchestrator.status import snapshot
 
+WATCH_INTERVAL_S = 2.0
+
 
 @click.command()
 @click.option("--log-path", required=True, type=click.Path(path_type=Path), help="The run's --log-path.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in docs/operations.md).")
-@click.option("--watch", is_flag=True, help="Refresh every 2 s until Ctrl+C.")
+@click.option("--watch", is_flag=True, help="Refresh every 2 s until the run ends or Ctrl+C (with --json: one object per line).")
 def status(log_path: Path, as_json: bool, watch: bool) -> None:
-    """Show where every rank of the run is."""
+    """Show where every rank of the run is, whom a barrier waits for, and the last failure."""
     if not log_path.is_absolute():
         terminal.abort(f"--log-path must be absolute, got {log_path}", EXIT_BAD_INPUT)
-    while True:
-        try:
-            snap = snapshot(log_path)
-        except BadInput as e:
-            terminal.abort(str(e), EXIT_BAD_INPUT)
+    snap = _snapshot(log_path)
+    if not watch:
         if as_json:
-            terminal.out.print_json(json.dumps(snap)) if not watch else terminal.out.print(json.dumps(snap), markup=False)
+            terminal.out.print_json(json.dumps(snap))
         else:
-            render(snap)
-        if not watch:
-            return
-        try:
-            time.sleep(2)
-        except KeyboardInterrupt:
-            return
-        terminal.out.clear()
+            terminal.out.print(view(snap))
+        return
+    try:
+        if as_json or not terminal.out.is_terminal:
+            while True:
+                if as_json:
+                    terminal.out.print(json.dumps(snap), markup=False, soft_wrap=True)
+                else:
+                    terminal.out.print(view(snap))
+                if snap["master"]["released"]:
+                    return
+                time.sleep(WATCH_INTERVAL_S)
+                snap = _snapshot(log_path)
+        with Live(view(snap), console=terminal.out, auto_refresh=False) as live:
+            while not snap["master"]["released"]:
+                time.sleep(WATCH_INTERVAL_S)
+                snap = _snapshot(log_path)
+                live.update(view(snap), refresh=True)
+    except KeyboardInterrupt:
+        return
 
 
-def render(snap: dict) -> None:
+def _snapshot(log_path: Path) -> dict:
+    try:
+        return snapshot(log_path)
+    except BadInput as e:
+        terminal.abort(str(e), EXIT_BAD_INPUT)
+
+
+def view(snap: dict) -> Group:
+    """The status screen as one rich renderable."""
     m = snap["master"]
-    terminal.out.print(
-        f"run {snap['log_path']}  attempt {snap['attempt']}  master {m['host']} pid {m['pid']}"
-        f"{' (finished)' if m['released'] else ''}  rl-phase {snap['rl_phase']}  nodes {snap['num_nodes']}",
-        markup=False,
-    )
+    parts: list = [Text(f"run {snap['log_path']}  attempt {snap['attempt']}  master {m['host']} pid {m['pid']}"
+                        f"{' (finished)' if m['released'] else ''}  rl-phase {snap['rl_phase']}  nodes {snap['num_nodes']}")]
+    waiting = {w["rank"] for w in snap["waiting_for"]}
     rows = []
     for r in snap["ranks"]:
         p = r["progress"]
         rows.append([
             r["rank"], r["host"], r["pid"], "yes" if r["alive"] else "no", r["state"], r["iteration"], r["phase"],
-            f"{p['done']}/{p['total']}" if p else "", "" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f}s",
+            _duration(r["in_phase_s"]), f"{p['done']}/{p['total']}" if p else "", f"{r['rate']:.1f}/s" if r["rate"] else "",
+            "" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f}s", "<- barrier waits" if r["rank"] in waiting else "",
         ])
-    terminal.display_table(None, ["rank", "host", "pid", "alive", "state", "iter", "phase", "progress", "heartbeat"], rows)
+    parts.append(terminal.table(None, ["rank", "host", "pid", "alive", "state", "iter", "phase", "for", "progress", "rate",
+                                       "heartbeat", ""], rows))
+    b = snap["barrier"]
+    if b and b["waiting_for"]:
+        who = ", ".join(f"rank {w['rank']} ({w['host']}, at {w['at']}, {w['state']})" for w in b["waiting_for"])
+        parts.append(Text(f"barrier {b['label']} of iteration {b['iteration']}: {len(b['arrived'])} arrived, waits for {who} "
+                          f"for {_duration(b['waiting_for'][0]['waited_s'])}"))
+    e = snap["eta"]
+    if e:
+        parts.append(Text(f"eta: phase {e['phase']} usually takes {_duration(e['typical_s'])}, {_duration(e['remaining_s'])} left; "
+                          f"iteration {e['iteration']} ends in about {_duration(e['iteration_remaining_s'])}"))
     its = []
     for it in snap["iterations"]:
         metrics = it.get("metrics") or {}
@@ -63,10 +94,21 @@ def render(snap: dict) -> None:
             "yes" if it.get("complete") else "",
         ])
     if its:
-        terminal.display_table(None, ["iter", "tasks/rank", "trajectories", "eval", "accuracy", "complete"], its)
+        parts.append(terminal.table(None, ["iter", "tasks/rank", "trajectories", "eval", "accuracy", "complete"], its))
     f = snap["failure"]
     if f:
-        terminal.out.print(
-            f"failure: rank {f['rank']} on {f['host']} at iteration {f['iteration']}, phase {f['phase']}: {f['error']}",
-            markup=False,
-        )
+        parts.append(Text(f"failure: rank {f['rank']} on {f['host']} at iteration {f['iteration']}, phase {f['phase']}: {f['error']}"))
+        if not any(r["alive"] for r in snap["ranks"]):
+            parts.append(Text(f"to recover: fix what the failure names, then re-run the same commands on every node (the run "
+                              f"resumes from its last finished phase); `orchestrator recover --log-path {snap['log_path']}` "
+                              f"shows what survived"))
+    return Group(*parts)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
