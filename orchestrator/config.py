@@ -43,12 +43,18 @@ class CoordinationConfig:
     60 s, blobfuse2 120 s by default), GC pauses and server stalls."""
     join_timeout_s: float = 900.0
     """How long ranks wait for every rank to join an attempt before failing, naming the absent."""
+    master_wait_s: float = 0.0
+    """After the master dies, how long the workers wait for a new one (restart only rank 0
+    with the same command) before they exit; 0: they exit at once (exit 3) and every node
+    is re-run."""
     poll_min_s: float = 0.002
     """First poll interval of a wait; it doubles up to poll_max_s."""
     poll_max_s: float = 0.1
     """Longest interval between two polls of a known file name."""
 
     def __post_init__(self) -> None:
+        if self.master_wait_s < 0:
+            raise ConfigError(f"coordination.master_wait_s must be >= 0 seconds, got {self.master_wait_s}")
         for name in ("heartbeat_interval_s", "node_timeout_s", "join_timeout_s", "poll_min_s", "poll_max_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"coordination.{name} must be a positive number of seconds, got {getattr(self, name)}")

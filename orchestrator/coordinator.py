@@ -71,6 +71,8 @@ class Coordinator:
         self._phase_began = time.monotonic()
         self.gpus = gpus.detect()
         self.placement: placement_mod.Placement | None = None
+        self._left: set[str] = set()  # attempts of dead masters this worker left
+        self._join_timeout_s: float | None = None
 
     @property
     def is_master(self) -> bool:
@@ -231,9 +233,28 @@ class Coordinator:
                      "colocated" if resolved.colocated else "disaggregated")
         return resolved
 
+    def leave(self, cancel: CancelToken, join_timeout_s: float) -> None:
+        """A worker leaves the attempt of a master that died, to join the next master's:
+        the old attempt is never joined again, and the next join waits ``join_timeout_s``."""
+        if self.monitor is not None:
+            self.monitor.halt()
+            self.monitor = None
+        if self.heartbeat is not None:
+            self.heartbeat.close("failed")
+            self.heartbeat = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+        if self.attempt_id is not None:
+            self._left.add(self.attempt_id)
+        self.attempt_id = None
+        self.cancel = cancel
+        self._join_timeout_s = join_timeout_s
+
     def _join_as_worker(self) -> Start:
         # The master reports missing ranks at its join deadline; the worker waits a little longer.
-        deadline = Deadline.after(self.c.join_timeout_s + WORKER_DEADLINE_GRACE_S, "the master to start an attempt")
+        timeout = self._join_timeout_s if self._join_timeout_s is not None else self.c.join_timeout_s
+        deadline = Deadline.after(timeout + WORKER_DEADLINE_GRACE_S, "the master to start an attempt")
         said: set[str] = set()
 
         def say_once(message: str) -> None:
@@ -257,6 +278,9 @@ class Coordinator:
                 say_once(f"waiting for the master (rank 0) to start an attempt under {self.layout.root}")
                 return None
             attempt = self.layout.attempt(current.attempt)
+            if current.attempt in self._left:
+                say_once(f"the master of attempt {current.attempt} died; waiting for a new master (restart rank 0)")
+                return None
             if fsio.read_record(attempt.abort) is not None:
                 say_once(f"attempt {current.attempt} has ended; waiting for a new master")
                 return None

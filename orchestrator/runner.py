@@ -90,9 +90,16 @@ class Rank:
         _install_signal_handlers()
         state = "failed"
         try:
-            start = self.coordinator.join(self._resume_point)
-            log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
-            self._walk(start.iteration, start.phase, start.plan)
+            while True:
+                try:
+                    start = self.coordinator.join(self._resume_point)
+                    log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
+                    self._walk(start.iteration, start.phase, start.plan)
+                    break
+                except PeerFailed as e:
+                    if not self._may_wait_for_master(e):
+                        raise
+                    self._leave_for_new_master(e)
             state = "done"
             log.info("run complete")
             return EXIT_OK
@@ -105,6 +112,23 @@ class Rank:
             self.cancel.cancel(OrchestratorError("rank is ending"))
             self._stop_children()
             self.coordinator.close(state)
+
+    def _may_wait_for_master(self, e: PeerFailed) -> bool:
+        """A worker whose master died waits for a new one (coordination.master_wait_s > 0)."""
+        c = e.culprit
+        return not self.config.is_master and self.config.coordination.master_wait_s > 0 and c.rank == 0 and c.kind == "dead"
+
+    def _leave_for_new_master(self, e: PeerFailed) -> None:
+        """Leave the dead master's attempt (its children stopped, its work durable as always)
+        and join the next one; the worker's join deadline bounds the wait."""
+        wait = self.config.coordination.master_wait_s
+        log.warning("%s. Waiting up to %.0f s (coordination.master_wait_s) for a new master: restart rank 0 with the "
+                    "same command; the run resumes from its last finished phase", e, wait)
+        self.coordinator.record_failure("peer", str(e), culprit=e.culprit)
+        self.cancel.cancel(OrchestratorError("leaving the attempt of a dead master"))
+        self._stop_children()
+        self.cancel = CancelToken()
+        self.coordinator.leave(self.cancel, join_timeout_s=wait)
 
     def _root_cause(self, e: BaseException) -> BaseException:
         """What really ended the rank: work that fails because the rank was cancelled (its

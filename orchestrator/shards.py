@@ -104,7 +104,7 @@ def manifest_path(shard: Path) -> Path:
 def seal(shard: Path, **extra) -> Manifest:
     """Write the manifest of a finished shard (idempotent: a matching seal is kept)."""
     existing = read_manifest(shard)
-    if existing is not None and _matches(shard, existing):
+    if existing is not None and verify(shard, existing):
         return existing
     count, h, size = 0, hashlib.sha256(), 0
     if shard.exists():
@@ -138,7 +138,8 @@ def sealed(shard: Path) -> Manifest | None:
         return None
 
 
-def _matches(shard: Path, m: Manifest) -> bool:
+def verify(shard: Path, m: Manifest) -> bool:
+    """Every byte of ``shard`` matches ``m`` (size, then sha256)."""
     try:
         return shard.stat().st_size == m.bytes and sha256_file(shard) == m.sha256
     except FileNotFoundError:

@@ -131,21 +131,24 @@ def barrier_state(attempt, attempt_id: str, num_nodes: int, now: float | None, r
 
 
 def phase_durations(layout: RunLayout) -> dict[tuple[int, int], float]:
-    """Seconds from the master starting each (iteration, phase) to its release, measured on
-    the master's own monotonic clock, over every attempt of the run (a later attempt wins)."""
+    """Seconds the master spent in each (iteration, phase), work and barrier together: from
+    its start to the start of the master's next phase (or the phase's release, for the last
+    one), on the master's own monotonic clock, over every attempt (a later attempt wins)."""
     durations: dict[tuple[int, int], float] = {}
     try:
         attempts = sorted(p for p in layout.attempts.iterdir() if p.is_dir())
     except FileNotFoundError:
         return durations
     for root in attempts:
-        began: dict[tuple[int, int], float] = {}
+        current: tuple[tuple[int, int], float] | None = None
         for e in events_mod.read_events(layout.attempt(root.name).events(0)):
             key = (e.get("iteration"), e.get("phase"))
             if e["event"] == "phase":
-                began[key] = e["mono"]
-            elif e["event"] == "released" and key in began:
-                durations[key] = e["mono"] - began[key]
+                if current is not None:
+                    durations[current[0]] = e["mono"] - current[1]
+                current = (key, e["mono"])
+            elif e["event"] == "released" and current is not None and key == current[0]:
+                durations[key] = e["mono"] - current[1]
     return durations
 
 

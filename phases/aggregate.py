@@ -4,8 +4,9 @@ there exactly once."""
 
 from __future__ import annotations
 
-from orchestrator import shards, summary
+from orchestrator import fsio, shards, summary
 from orchestrator.context import PhaseContext
+from orchestrator.waiting import Deadline, poll
 
 
 def _sources(ctx: PhaseContext, split: str) -> list[tuple[str, object]]:
@@ -13,16 +14,29 @@ def _sources(ctx: PhaseContext, split: str) -> list[tuple[str, object]]:
     return [(f"rank {r}", ctx.it.shard(split, r)) for r in range(len(per_rank)) if per_rank[r] > 0]
 
 
+def wait_for_seals(ctx: PhaseContext, split: str) -> dict[str, shards.Manifest]:
+    """Every rank's seal of ``split``, as its arrival announced it. A manifest is a new file:
+    on a network filesystem it can show up on the master's mount later than the arrival (a
+    file it already knew), so wait for each, up to one node timeout."""
+    timeout = ctx.config.coordination.node_timeout_s
+    found = {}
+    for label, shard in _sources(ctx, split):
+        def seen(shard=shard):
+            fsio.refresh_dir(shard.parent)
+            return shards.sealed(shard)
+
+        found[label] = poll(seen, deadline=Deadline.after(timeout, f"the seal of {shard}"), cancel=ctx.cancel,
+                            backoff=ctx.coordinator.backoff,
+                            on_timeout=lambda label=label, shard=shard: shards.ShardError(
+                                f"{label}: shard {shard} is missing or does not match its manifest "
+                                f"(waited coordination.node_timeout_s={timeout:g} s)"))
+    return found
+
+
 def verify_seals(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     if not ctx.plan["train"]["enabled"]:
         return {}
-    counts = {}
-    for label, shard in _sources(ctx, "train"):
-        m = shards.sealed(shard)
-        if m is None:
-            raise shards.ShardError(f"{label}: shard {shard} is missing or does not match its manifest")
-        counts[label] = m.count
-    return {"sealed": counts}
+    return {"sealed": {label: m.count for label, m in wait_for_seals(ctx, "train").items()}}
 
 
 def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
@@ -32,7 +46,11 @@ def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
     if existing is not None and not existing.extra.get("partial"):
         return existing  # a salvaged partial one is replaced by the full merge
     planned = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
-    m = shards.merge(_sources(ctx, split), dest, split=split, iteration=ctx.iteration, partial=False)
+    wait_for_seals(ctx, split)
+    # A shard read cut short or stale (sshfs, NFS) fails its checksum: read it again before
+    # calling it damaged.
+    m = fsio.retry_transient(lambda: shards.merge(_sources(ctx, split), dest, split=split, iteration=ctx.iteration, partial=False),
+                             f"merging the {split} shards of iteration {ctx.iteration}", transient=(shards.ShardError,))
     if m.count != len(planned):
         shards.manifest_path(dest).unlink()
         dest.unlink()

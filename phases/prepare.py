@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 from orchestrator import fsio, shards
 from orchestrator.context import PhaseContext
 from orchestrator.errors import BadInput
+from phases import aggregate
 
 
 class MissingTrainingData(Exception):
@@ -12,6 +15,7 @@ class MissingTrainingData(Exception):
 
 
 def check_training_data(ctx: PhaseContext) -> None:
+    _rebuild_if_damaged(ctx)
     m = shards.sealed(ctx.it.aggregate("train"))
     if m is None:
         raise MissingTrainingData(
@@ -25,6 +29,24 @@ def check_training_data(ctx: PhaseContext) -> None:
             f"planned tasks ({per_source}), salvaged by `orchestrator recover`. Add rl.train_on_partial=true to train "
             f"on it, or re-run the rollout (--rl-phase rollout --rollout-split train-only) to complete it"
         )
+
+
+def _rebuild_if_damaged(ctx: PhaseContext) -> None:
+    """The trainer reads the aggregate next: check every byte against its manifest, and
+    rebuild a damaged full aggregate from the ranks' sealed shards (moved aside, not lost)."""
+    dest = ctx.it.aggregate("train")
+    m = shards.read_manifest(dest)
+    if m is None or not dest.exists() or shards.verify(dest, m):
+        return
+    if m.extra.get("partial"):
+        raise shards.ShardError(f"the salvaged partial aggregate {dest} does not match its manifest; salvage it again "
+                                f"(orchestrator recover --salvage {ctx.iteration} --apply)")
+    aside = dest.with_name(f"{dest.name}.damaged-{ctx.attempt_id}")
+    ctx.log.warning("the train aggregate of iteration %d does not match its manifest; moved to %s, rebuilding it from "
+                    "the ranks' shards", ctx.iteration, aside.name)
+    os.replace(dest, aside)
+    shards.manifest_path(dest).unlink(missing_ok=True)
+    aggregate.merge_split(ctx, "train")
 
 
 def train_config(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:

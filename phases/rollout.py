@@ -6,7 +6,7 @@ already holds and generates only the missing tasks. A sealed shard is never rege
 
 from __future__ import annotations
 
-from orchestrator import shards, terminal
+from orchestrator import fsio, shards, terminal
 from orchestrator.context import PhaseContext
 
 def generate_shard(ctx: PhaseContext, split: str) -> None:
@@ -34,7 +34,8 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
 
 
 def seal_shard(ctx: PhaseContext, split: str) -> dict:
-    m = shards.seal(ctx.it.shard(split, ctx.rank), rank=ctx.rank, split=split, iteration=ctx.iteration)
+    shard = ctx.it.shard(split, ctx.rank)
+    m = fsio.retry_transient(lambda: shards.seal(shard, rank=ctx.rank, split=split, iteration=ctx.iteration), f"sealing {shard}")
     return {"split": split, "count": m.count, "sha256": m.sha256}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from orchestrator import fsio
+from orchestrator import checkpoints, fsio
 from orchestrator.context import PhaseContext
 from orchestrator.waiting import Deadline, poll
 
@@ -36,6 +36,7 @@ def train(ctx: PhaseContext) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     ctx.workload.train(ctx, cfg, staging)
+    checkpoints.seal(staging)
     fsio.fsync_dir(staging)
     os.replace(staging, final)
     fsio.fsync_dir(final.parent)

@@ -1,10 +1,10 @@
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.harness import Cluster
+from tests.faultfs_fixtures import faultfs_mounts  # noqa: F401 - a fixture for the fault-injecting filesystem
+from tests.harness import Cluster, require
 from tests.sshfs import SshfsMounts, missing_prerequisites
 
 
@@ -23,12 +23,7 @@ def sshfs_mounts(tmp_path):
     teardown, also when the test fails. Skipped where sshfs is not installed, except on CI
     (CI=true), which installs it with scripts/setup-dev.sh and must not skip silently.
     """
-    missing = missing_prerequisites()
-    if missing:
-        message = "sshfs tests need: " + "; ".join(missing) + " (run scripts/setup-dev.sh as root)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("CI=true but " + message, pytrace=False)
-        pytest.skip(message)
+    require(missing_prerequisites(), "sshfs tests")
     mounts = SshfsMounts(export=tmp_path / "export", base=tmp_path / "mnt")
     try:
         def make(n: int):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import pytest
 
 from orchestrator import fsio
 from orchestrator.layout import RunLayout
@@ -44,6 +45,17 @@ def run_flags(log_path: Path, *, num_nodes: int = 3, weights: str = "2,1,1", rl_
     if max_iterations is not None:
         flags.append(f"--max-iterations={max_iterations}")
     return flags + FAST + list(extra)
+
+
+def require(missing: list[str] | str | None, what: str) -> None:
+    """Skip a test whose prerequisites are missing, but fail on CI (CI=true), which installs
+    everything with scripts/setup-dev.sh and must not skip silently."""
+    if not missing:
+        return
+    message = f"{what} need: " + ("; ".join(missing) if isinstance(missing, list) else missing) + " (run scripts/setup-dev.sh as root)"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail("CI=true but " + message, pytrace=False)
+    pytest.skip(message)
 
 
 def rank_flag(rank: int) -> str:

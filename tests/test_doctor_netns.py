@@ -11,43 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from tests.netns import SUBNET, Netns, namespaces
+
 REPO = Path(__file__).resolve().parents[1]
-SUBNET = "10.77.0"
-IP_TIMEOUT_S = 10.0
 DOCTOR_TIMEOUT_S = 30  # doctor's own --timeout for the other ranks
 PROCESS_DEADLINE_S = 90.0  # a doctor process that runs longer is a hang: the test fails
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
-    return out
-
-
-def _missing_netns() -> str | None:
-    """Why network namespaces cannot be made here, or None."""
-    if shutil.which("ip") is None:
-        return "the `ip` command (apt package iproute2) is not installed"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    probe = f"dprobe{uuid.uuid4().hex[:6]}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()} (a container needs CAP_SYS_ADMIN and CAP_NET_ADMIN)"
-    _ip("netns", "del", probe, check=False)
-    return None
 
 
 def doctor_argv() -> list[str]:
@@ -60,56 +36,8 @@ def doctor_argv() -> list[str]:
     return [sys.executable, "-m", "orchestrator.cli.doctor"]
 
 
-@dataclass
-class Netns:
-    """A bridge and ``n`` namespaces ``<ns>0..`` each with ``eth0`` = SUBNET.<k+1>/24."""
 
-    tag: str
-    n: int
-    tmp: Path
-    namespaces: list[str] = field(default_factory=list)
-    host_veths: list[str] = field(default_factory=list)
-    bridge: str = ""
-    procs: list[subprocess.Popen] = field(default_factory=list)
-
-    def setup(self) -> None:
-        self.bridge = f"dbr{self.tag}"
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("link", "set", self.bridge, "up")
-        for k in range(self.n):
-            ns, veth = f"doc{self.tag}{k}", f"dv{self.tag}{k}"
-            _ip("netns", "add", ns)
-            self.namespaces.append(ns)
-            # The namespace's end is created inside it directly, so "eth0" never meets the host's.
-            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            self.host_veths.append(veth)
-            _ip("link", "set", veth, "master", self.bridge)
-            _ip("link", "set", veth, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{SUBNET}.{k + 1}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-
-    def set_mtu(self, k: int, mtu: int) -> None:
-        """Both ends of node k's link."""
-        _ip("link", "set", self.host_veths[k], "mtu", str(mtu))
-        _ip("-n", self.namespaces[k], "link", "set", "eth0", "mtu", str(mtu))
-
-    def cleanup(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-        for ns in self.namespaces:
-            _ip("netns", "del", ns, check=False)  # takes its eth0 and with it the host end
-        for veth in self.host_veths:
-            if _ip("link", "show", veth, check=False).returncode == 0:
-                _ip("link", "del", veth, check=False)
-        if self.bridge:
-            _ip("link", "del", self.bridge, check=False)
-
+class DoctorNetns(Netns):
     def run_doctor(self, log_path: Path, *, envs: dict[int, dict] | None = None, ranks: list[int] | None = None,
                    timeout_s: float = DOCTOR_TIMEOUT_S) -> dict[int, tuple[int, dict, str]]:
         """Run rank k's doctor in namespace k, all at once; ``{rank: (exit code, JSON, stderr)}``."""
@@ -144,20 +72,12 @@ class Netns:
         return results
 
 
+
+
 @pytest.fixture
 def netns(tmp_path):
-    why = _missing_netns()
-    if why:
-        message = f"network namespace tests: {why}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("CI=true but " + message, pytrace=False)
-        pytest.skip(message)
-    cluster = Netns(tag=uuid.uuid4().hex[:4], n=3, tmp=tmp_path)
-    try:
-        cluster.setup()
+    with namespaces(tmp_path, 3, DoctorNetns) as cluster:
         yield cluster
-    finally:
-        cluster.cleanup()
 
 
 def _master(results) -> dict:

@@ -83,8 +83,9 @@ def view(snap: dict) -> Group:
                           f"for {_duration(b['waiting_for'][0]['waited_s'])}"))
     e = snap["eta"]
     if e:
-        parts.append(Text(f"eta: phase {e['phase']} usually takes {_duration(e['typical_s'])}, {_duration(e['remaining_s'])} left; "
-                          f"iteration {e['iteration']} ends in about {_duration(e['iteration_remaining_s'])}"))
+        late = " (overdue)" if e["elapsed_s"] > e["typical_s"] else ""
+        parts.append(Text(f"eta: phase {e['phase']} usually takes {_duration(e['typical_s'])}, this one {_duration(e['elapsed_s'])} "
+                          f"so far{late}; iteration {e['iteration']} ends in about {_duration(e['iteration_remaining_s'])}"))
     its = []
     for it in snap["iterations"]:
         metrics = it.get("metrics") or {}

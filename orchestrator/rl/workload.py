@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from orchestrator import fsio, gpus, rewards
+from orchestrator import checkpoints, fsio, gpus, rewards
 from orchestrator.config import RunConfig
 from orchestrator.context import PhaseContext
 from orchestrator.demo.tasks import read_tasks
@@ -50,6 +50,7 @@ class RLWorkload:
         self.layout = RunLayout(config.log_path)
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
+        self._verified = checkpoints.Verified()
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -71,6 +72,13 @@ class RLWorkload:
         current = fsio.read_record(self.layout.current_checkpoint)
         return self.layout.root / current["path"] if current else self.config.model_path
 
+    def verified_checkpoint(self) -> Path:
+        """The current policy, checked against its manifest (the base model has none)."""
+        path = self.checkpoint()
+        if path != self.config.model_path:
+            self._verified.check(path)
+        return path
+
     def _node_engines(self, ctx: PhaseContext) -> NodeEngines:
         if self.engines is None:
             specs = ctx.coordinator.placement.engines_on(ctx.rank)
@@ -81,7 +89,7 @@ class RLWorkload:
         if self.config.debug_mode:
             self.clients = [EngineClient(self.config.rollout.engine_url, timeout_s=600)]
             return
-        self.clients = self._node_engines(ctx).ensure(self.checkpoint(), ctx.cancel)
+        self.clients = self._node_engines(ctx).ensure(self.verified_checkpoint(), ctx.cancel)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
         """Phase 7: free the GPUs training shares with the engines (colocated, and always on
@@ -100,6 +108,7 @@ class RLWorkload:
     def close(self) -> None:
         if self.engines is not None:
             self.engines.stop()
+        self.clients = []
 
     # -- rollout and eval ----------------------------------------------------------------------
 
@@ -229,6 +238,10 @@ class RLWorkload:
         attempt = ctx.coordinator.attempt
         log.info("training iteration %d: workers %s of %d on this node, rendezvous %s:%d", ctx.iteration,
                  ",".join(str(w.rank) for w in workers), len(placement.train_workers), rdv["addr"], rdv["port"])
+        sockets = rendezvous.socket_env(rdv["addr"])
+        if sockets:
+            log.info("trainers use interface %s to reach %s (set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to choose)",
+                     next(iter(sockets.values())), rdv["addr"])
         procs = []
         for w in workers:
             config_path, log_path = attempt.trainer_config(w.rank), attempt.trainer_log(w.rank)
@@ -243,6 +256,7 @@ class RLWorkload:
                 "RANK": str(w.rank),
                 "LOCAL_RANK": "0",
                 "TRAIN_TIMEOUT_S": str(self.rl.train_timeout_s),
+                **sockets,
             }
             if w.gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices([w.gpu])
@@ -268,7 +282,7 @@ class RLWorkload:
         return {
             "iteration": ctx.iteration,
             "data": str(self.config.log_path / train_config["data"]),
-            "init_checkpoint": str(self.checkpoint()),
+            "init_checkpoint": str(self.verified_checkpoint()),
             "reference_checkpoint": str(self.config.model_path) if self.rl.kl_coef > 0 else None,
             "output": str(output),
             "seed": self.config.seed + ctx.iteration,
