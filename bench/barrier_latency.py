@@ -12,7 +12,9 @@ It runs, with a subprocess timeout (--timeout-s),
         coordination.heartbeat_interval_s=1 coordination.node_timeout_s=30
         [coordination.poll_max_s=S]
 
-(every rank weighs the same: `local` defaults to equal weights), then reads every rank's
+(every rank weighs the same: `local` defaults to equal weights; ``launch_ranks`` instead
+starts one ``orchestrator run`` per rank, each with its own log path, e.g. its own sshfs
+mount, as bench/barrier_compare.py does), then reads every rank's
 ``attempts/<A>/events/r<R>.jsonl`` and reports, for each barrier round
 (iteration, phase):
 
@@ -38,7 +40,8 @@ last iteration): a process spawn per rank.
 
 Exit status: 0 when the run and its logs are complete; 1 (with the reason and the tail of
 the ranks' output) when the run fails, times out, or a rank's event log misses a barrier.
-Results go to --json-out (default bench/results/barrier_latency.json, git-ignored).
+Results go to --out (or --json-out; default bench/results/barrier_latency.json, git-ignored),
+with the machine and its load average (bench/common.py).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ if str(REPO) not in sys.path:  # `python bench/barrier_latency.py` from a checko
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.common import descendants, loadavg, machine, wait_for_quiet  # noqa: E402
 from orchestrator.events import read_events  # noqa: E402
 from orchestrator.layout import RunLayout  # noqa: E402
 from orchestrator.phase_table import Barrier, Phase, eval_due  # noqa: E402
@@ -113,21 +117,35 @@ def local_argv(num_nodes: int, iterations: int, log_path: Path, data_path: Path,
     return argv
 
 
+def run_argv(num_nodes: int, iterations: int, log_path: Path, data_path: Path,
+             poll_max_s: float | None, work_s: float, rank: int) -> list[str]:
+    """What ``local_argv`` starts for ``rank``, as its own `orchestrator run` (its own log path)."""
+    argv = local_argv(num_nodes, iterations, log_path, data_path, poll_max_s, work_s)
+    return [*argv[:3], "run", *argv[4:], f"--rank-weights={','.join(['1'] * num_nodes)}",
+            "--master" if rank == 0 else f"--worker={rank}"]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "ORCHESTRATOR_FAULT"}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
 def launch(num_nodes: int, iterations: int, log_path: Path, work_dir: Path, *, poll_max_s: float | None = None,
-           work_s: float = 0.0, timeout_s: float = 600.0) -> Launch:
-    """Run the ranks to completion; raise BenchError if they are still running after ``timeout_s``."""
+           work_s: float = 0.0, timeout_s: float = 600.0, prefix: list[str] | None = None) -> Launch:
+    """Run the ranks to completion; raise BenchError if they are still running after ``timeout_s``.
+
+    ``prefix`` goes before the command (e.g. strace, which then follows every rank)."""
     log_path = Path(log_path).absolute()
     _check_fresh(log_path)
     data_path = work_dir / "data"  # the rehearsal reads nothing from it; it must be an absolute path
     data_path.mkdir(parents=True, exist_ok=True)
     output = work_dir / "ranks.out"
-    argv = local_argv(num_nodes, iterations, log_path, data_path, poll_max_s, work_s)
-    env = {k: v for k, v in os.environ.items() if k != "ORCHESTRATOR_FAULT"}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    argv = [*(prefix or []), *local_argv(num_nodes, iterations, log_path, data_path, poll_max_s, work_s)]
     with open(output, "wb") as out:
         t_launch, m0 = time.time(), time.monotonic()
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_env(), start_new_session=True)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -139,6 +157,46 @@ def launch(num_nodes: int, iterations: int, log_path: Path, work_dir: Path, *, p
     return Launch(argv, code, time.monotonic() - m0, t_launch, output)
 
 
+def launch_ranks(log_paths: list[Path], iterations: int, work_dir: Path, *, poll_max_s: float | None = None,
+                 work_s: float = 0.0, timeout_s: float = 600.0, prefix: list[str] | None = None) -> Launch:
+    """Like :func:`launch`, but rank r is its own `orchestrator run` with ``log_paths[r]`` as
+    its log path: the same run seen through a different mount per rank (sshfs), as on nodes.
+    The returned code is the first non-zero exit of a rank (0 if all succeeded)."""
+    num_nodes = len(log_paths)
+    for lp in log_paths:
+        _check_fresh(Path(lp).absolute())
+    data_path = work_dir / "data"
+    data_path.mkdir(parents=True, exist_ok=True)
+    output = work_dir / "ranks.out"
+    argvs = [[*(prefix or []), *run_argv(num_nodes, iterations, Path(lp).absolute(), data_path, poll_max_s, work_s, r)]
+             for r, lp in enumerate(log_paths)]
+    procs: list[subprocess.Popen] = []
+    t_launch, m0 = time.time(), time.monotonic()
+    try:
+        with open(output, "ab") as out:
+            for argv in argvs:
+                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_env(),
+                                              start_new_session=True))
+        deadline = m0 + timeout_s
+        while any(proc.poll() is None for proc in procs):  # a rank that fails ends the run at once
+            if any(proc.returncode not in (None, 0) for proc in procs):
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(
+                    f"the run did not finish within --timeout-s={timeout_s:g} s and was stopped; "
+                    f"ranks' output in {output}\n{Launch(argvs[0], -1, 0, 0, output).tail()}"
+                )
+            time.sleep(0.05)
+        wall = time.monotonic() - m0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _stop(proc)
+    codes = [proc.returncode for proc in procs]
+    code = next((c for c in codes if c != 0), 0)
+    return Launch(argvs[0], code, wall, t_launch, output)
+
+
 def _check_fresh(log_path: Path) -> None:
     if log_path.exists() and (not log_path.is_dir() or any(log_path.iterdir())):
         raise BenchError(f"--log-path {log_path} is not an empty directory: the run would resume from it; give a fresh path")
@@ -146,7 +204,7 @@ def _check_fresh(log_path: Path) -> None:
 
 def _stop(proc: subprocess.Popen) -> None:
     """Stop `local` and every rank and engine under it (each rank and engine is its own session)."""
-    tree = _descendants(proc.pid)
+    tree = descendants(proc.pid)
     try:
         os.kill(proc.pid, signal.SIGTERM)  # `local` forwards it to every rank, which stops its engine
         proc.wait(timeout=TERM_GRACE_S)
@@ -159,23 +217,6 @@ def _stop(proc: subprocess.Popen) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
     proc.wait()
-
-
-def _descendants(pid: int) -> list[int]:
-    """PIDs below ``pid`` (Linux /proc; elsewhere none, and only `local` itself is stopped)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 # -- reading the event logs ---------------------------------------------------------------------
@@ -248,6 +289,7 @@ def analyze(log_path: Path, num_nodes: int, iterations: int, work_s: float, laun
             "all_arrived_to_last_released_s": last_released - master,
             "last_arrive_to_all_arrived_s": master - last_arrive,
             "released_spread_s": last_released - min(released.values()),
+            "arrive_spread_s": last_arrive - min(arrive.values()),
             "last_arrive_rank": max(arrive, key=arrive.get),
             "last_released_rank": max(released, key=released.get),
             "_end": last_released,
@@ -351,6 +393,7 @@ def run_bench(num_nodes: int = 16, iterations: int = 5, log_path: Path | None = 
         _check_fresh(Path(log_path).absolute())
     work_dir = Path(tempfile.mkdtemp(prefix="barrier-latency-"))
     run_path = Path(log_path).absolute() if log_path is not None else work_dir / "run"
+    machine_before = machine()
     ok = False
     try:
         info = launch(num_nodes, iterations, run_path, work_dir, poll_max_s=poll_max_s, work_s=work_s, timeout_s=timeout_s)
@@ -366,6 +409,7 @@ def run_bench(num_nodes: int = 16, iterations: int = 5, log_path: Path | None = 
             "config": {"num_nodes": num_nodes, "iterations": iterations, "eval_interval": EVAL_INTERVAL,
                        "poll_max_s": poll_max_s, "work_s": work_s, "log_path": str(run_path),
                        "command": info.argv, "host_cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+            "machine": {**machine_before, "loadavg_at_end": loadavg()},
             **result,
         }
         ok = True
@@ -384,14 +428,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=5, help="--max-iterations of the run (default 5)")
     p.add_argument("--log-path", type=Path, default=None,
                    help="the run's log path; absent or empty (default: a fresh temp dir, removed afterwards)")
-    p.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT, help=f"default {DEFAULT_JSON_OUT.relative_to(REPO)}")
+    p.add_argument("--out", "--json-out", dest="json_out", type=Path, default=DEFAULT_JSON_OUT, help=f"default {DEFAULT_JSON_OUT.relative_to(REPO)}")
     p.add_argument("--poll-max-s", type=float, default=None, help="coordination.poll_max_s (default: the product's)")
     p.add_argument("--work-s", type=float, default=0.0, help="rehearsal.work_s (default 0: wall time = overhead)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="stop the run and fail after this long (default 600)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (ranks' output, default log path)")
+    p.add_argument("--max-load", type=float, default=None, help="wait for a 1-minute load average below this first")
+    p.add_argument("--max-wait-s", type=float, default=1200.0)
     a = p.parse_args(argv)
     if a.num_nodes < 1 or a.iterations < 1:
         p.error("--num-nodes and --iterations must be at least 1")
+    wait_for_quiet(a.max_load, a.max_wait_s)
     console.print(f"running {a.num_nodes} ranks x {a.iterations} iterations ...", markup=False)
     try:
         result = run_bench(a.num_nodes, a.iterations, a.log_path, poll_max_s=a.poll_max_s, work_s=a.work_s,
