@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.doctor.facts import reachable_addresses
+
 GIB = 1024**3
 
 
@@ -227,21 +229,6 @@ def check_socket_ifname(facts: Mapping[int, dict], th: Thresholds) -> list[dict]
     return out
 
 
-def _reachable(ifaces: Mapping[str, dict]) -> list[tuple[str, str]]:
-    found = []
-    for name, info in ifaces.items():
-        if not info.get("up") or info.get("loopback"):
-            continue
-        for a in info.get("addrs", []):
-            try:
-                ip = ipaddress.ip_address(a["address"])
-            except ValueError:
-                continue
-            if not (ip.is_loopback or ip.is_link_local or ip.is_multicast):
-                found.append((a["address"], name))
-    return sorted(found, key=lambda x: (ipaddress.ip_address(x[0]).version, x[1], x[0]))
-
-
 def _iface_holding(ifaces: Mapping[str, dict], address: str) -> str | None:
     for name, info in ifaces.items():
         if any(a.get("address") == address for a in info.get("addrs", [])):
@@ -280,7 +267,7 @@ def path_interfaces(facts: Mapping[int, dict]) -> dict[int, dict]:
     facts = _norm(facts)
     master = facts.get(0) or {}
     master_ifaces = master.get("interfaces") or {}
-    master_addrs = [a for a, _ in _reachable(master_ifaces)]
+    master_addrs = [d["address"] for d in reachable_addresses(master_ifaces)]
     paths: dict[int, dict] = {}
     used_master_addr: list[str] = []
     for r, f in facts.items():
