@@ -66,7 +66,7 @@ if str(REPO) not in sys.path:  # `python bench/barrier_latency.py` from a checko
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.common import descendants, loadavg, machine, wait_for_quiet  # noqa: E402
+from bench.common import descendants, loadavg, machine, percentile, wait_for_quiet  # noqa: E402
 from orchestrator.events import read_events  # noqa: E402
 from orchestrator.layout import RunLayout  # noqa: E402
 from orchestrator.phase_table import Barrier, Phase, eval_due  # noqa: E402
@@ -241,16 +241,8 @@ def rank_events(log_path: Path, num_nodes: int) -> dict[int, list[dict]]:
     return events
 
 
-def _percentile(values: list[float], q: float) -> float:
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def _stats(values: list[float]) -> dict:
-    return {"p50": _percentile(values, 50), "p99": _percentile(values, 99), "max": max(values),
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": max(values),
             "mean": statistics.fmean(values)}
 
 
