@@ -22,9 +22,13 @@ class CheckpointCorrupt(OrchestratorError):
 
 
 def seal(directory: Path) -> dict:
-    """Write the manifest of every file in ``directory`` (not recursing: checkpoints are flat)."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": shards.sha256_file(p)}
-             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
+    """Write the manifest of every file under ``directory`` (the weights at the top, the
+    optimizer state in ``optimizer/``), keyed by its path relative to ``directory``."""
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory)
+        if p.is_file() and p.name != MANIFEST and not any(part.startswith(".") for part in rel.parts):
+            files[rel.as_posix()] = {"bytes": p.stat().st_size, "sha256": shards.sha256_file(p)}
     body = {"files": files}
     fsio.write_record(directory / MANIFEST, body)
     return body

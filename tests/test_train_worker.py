@@ -83,9 +83,9 @@ def _launch(config: Path, rank: int, port: int, **env) -> subprocess.Popen:
     )
 
 
-def _train(work: Path, name: str) -> Path:
+def _train(work: Path, name: str, **overrides) -> Path:
     output = work / name
-    config = _config(work, output)
+    config = _config(work, output, **overrides)
     port = _free_port()
     procs = [_launch(config, rank, port) for rank in range(WORLD)]
     results = [p.communicate(timeout=120) for p in procs]
@@ -126,6 +126,15 @@ def test_two_ranks_train_and_rank_0_writes_a_complete_checkpoint(work, trained):
     assert tokenizer.eos_token_id == 2 and tokenizer("1+2=")["input_ids"][0] == tokenizer.bos_token_id
     changed = [n for n, p in new.state_dict().items() if not torch.equal(p, init.state_dict()[n])]
     assert changed, "the weights did not move"
+
+
+def test_training_from_a_trained_checkpoint_continues_its_optimizer(work, trained):
+    stats = json.loads((trained / "train_stats.json").read_text())
+    assert stats["optimizer_continued_from_step"] is None, "the base model has no optimizer state: a fresh one"
+    assert (trained / "optimizer" / "adamw.safetensors").is_file()
+    second = _train(work, "out-second", init_checkpoint=str(trained))
+    again = json.loads((second / "train_stats.json").read_text())
+    assert again["optimizer_continued_from_step"] == 2 * 3, "2 epochs x 3 steps of the first update"
 
 
 def test_the_same_run_twice_gives_bit_identical_weights(work, trained):

@@ -14,9 +14,13 @@ Environment:
     TRAIN_TIMEOUT_S             rendezvous and collective timeout in seconds (default 600)
     LOCAL_RANK                  GPU index with nccl (default 0)
 
+The optimizer continues from the init checkpoint's saved AdamW state when it has one
+(``optimizer_state``; the base model has none, so the first iteration starts fresh).
+
 What rank 0 writes into ``output``: ``config.json``, ``generation_config.json``,
-``model.safetensors``, the tokenizer files, and last ``train_stats.json`` (temp + rename,
-after everything else), so ``train_stats.json`` vouches for the rest.
+``model.safetensors``, the tokenizer files, ``optimizer/adamw.safetensors``, and last
+``train_stats.json`` (temp + rename, after everything else), so ``train_stats.json``
+vouches for the rest.
 
 Exit status: 0 done (all ranks passed the final barrier); 2 bad config, environment or
 trajectory data; 1 anything else (rendezvous failed, a peer died, a collective timed out).
@@ -36,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
-from orchestrator.train import grpo
+from orchestrator.train import grpo, optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +339,11 @@ def train(config: TrainConfig, rdv: Rendezvous, device, started: float) -> dict:
 
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr, weight_decay=0.0)
+    try:
+        continued_from = optimizer_state.load(optimizer, model, config.init_checkpoint)
+    except ValueError as e:
+        raise BadTrainInput(str(e)) from None
+    log.info("rank %d: %s", rdv.rank, "a fresh optimizer" if continued_from is None else f"optimizer continued from step {continued_from}")
     steps = len(shard.batches[0])
     log.info("rank %d: %d of %d records, %d epochs x %d steps of %d records", rdv.rank, len(own), len(records), config.epochs, steps, config.micro_batch)
 
@@ -375,20 +384,22 @@ def train(config: TrainConfig, rdv: Rendezvous, device, started: float) -> dict:
         "epochs": config.epochs,
         "steps_per_epoch": steps,
         "micro_batch": config.micro_batch,
+        "optimizer_continued_from_step": continued_from,
         **per_step,
         "seconds": None,  # set just before writing
     }
     if rdv.rank == 0:
-        _write_checkpoint(ddp.module, tokenizer, config.output, stats, started)
+        _write_checkpoint(ddp.module, tokenizer, optimizer, config.output, stats, started)
     return stats
 
 
-def _write_checkpoint(model, tokenizer, output: Path, stats: dict, started: float) -> None:
+def _write_checkpoint(model, tokenizer, optimizer, output: Path, stats: dict, started: float) -> None:
     output.mkdir(parents=True, exist_ok=True)
     # A stats file left by an earlier attempt would vouch for weights being rewritten now.
     (output / STATS_FILE).unlink(missing_ok=True)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
+    optimizer_state.save(optimizer, model, output)
     stats["seconds"] = round(time.monotonic() - started, 3)
     tmp = output / f".{STATS_FILE}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
