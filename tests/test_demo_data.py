@@ -29,6 +29,7 @@ def test_demo_data_is_complete_deterministic_and_loads_as_a_llama_checkpoint(tmp
     manifest = _demo_data(a, "--warm-steps=20")
     _demo_data(b, "--warm-steps=20")
     assert manifest["tasks"] == {"train": 2000, "test": 500}
+    assert manifest["warm_steps"] == 20 and 0 <= manifest["validation_accuracy"] <= 1
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (a / "model" / name).is_file()
         assert _sha(a / "model" / name) == _sha(b / "model" / name), f"{name} differs between two runs with one seed"
@@ -55,9 +56,21 @@ def test_demo_data_is_reused_when_already_made_with_the_same_settings(tmp_path):
     assert (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns == before
 
 
-def test_default_warm_start_is_clearly_above_zero_and_clearly_below_perfect(tmp_path):
-    manifest = _demo_data(tmp_path)
-    assert 0.15 <= manifest["test_accuracy"] <= 0.6, manifest
+def test_a_band_out_of_reach_within_the_step_cap_fails_naming_what_to_do_and_leaves_no_model(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={tmp_path}", "--max-warm-steps=10"],
+                            capture_output=True, text=True, timeout=150)
+    assert result.returncode == 1
+    assert "after 10 warm-start steps, still below the band [0.30, 0.40]" in result.stderr and "--max-warm-steps" in result.stderr
+    assert not (tmp_path / "model").exists() and not (tmp_path / "demo.json").exists()
+    assert not list(tmp_path.glob(".model.*")), "the staging directory is cleaned up"
+
+
+@pytest.mark.parametrize("band", ["0.4,0.25", "0.3", "a,b", "0.2,1.5"])
+def test_a_bad_accuracy_band_is_refused_before_anything_is_written(tmp_path, band):
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={tmp_path / 'd'}", f"--accuracy-band={band}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--accuracy-band" in result.stderr
+    assert not (tmp_path / "d").exists()
 
 
 def test_relative_data_path_is_refused(tmp_path):

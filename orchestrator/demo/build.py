@@ -17,38 +17,56 @@ import shutil
 import time
 from pathlib import Path
 
-from orchestrator.demo import DEFAULT_SEED, DEFAULT_WARM_STEPS
+from orchestrator.demo import DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS, DEFAULT_SEED, VALIDATION_TASKS
 from orchestrator.demo import model as demo_model
 from orchestrator.demo import tasks as demo_tasks
-from orchestrator.demo.warm_start import greedy_accuracy, warm_start
+from orchestrator.demo import warm_start
 
 log = logging.getLogger(__name__)
-
 
 
 def manifest_path(data_path: Path) -> Path:
     return data_path / "demo.json"
 
 
-def build(data_path: Path, *, seed: int = DEFAULT_SEED, warm_steps: int = DEFAULT_WARM_STEPS) -> dict:
-    """Make the demo data, or return what is there if it was made with the same settings."""
+def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band = warm_start.Band(*DEFAULT_ACCURACY_BAND),
+          max_warm_steps: int = DEFAULT_MAX_WARM_STEPS, warm_steps: int | None = None) -> dict:
+    """Make the demo data, or return what is there if it was made with the same settings.
+
+    The warm start stops in ``band`` (at most ``max_warm_steps`` steps), or with
+    ``warm_steps`` set, after exactly that many steps. Raises warm_start.WarmStartError
+    when the band is not reached; nothing is written to ``model/`` or ``demo.json`` then.
+    """
+    settings = {"seed": seed, "warm_steps_fixed": warm_steps} | (
+        {"accuracy_band": [band.low, band.high], "max_warm_steps": max_warm_steps} if warm_steps is None else {})
     existing = _read_manifest(data_path)
-    if existing is not None and existing["seed"] == seed and existing["warm_steps"] == warm_steps:
-        log.info("demo data under %s is already there (seed %d, %d warm-start steps)", data_path, seed, warm_steps)
+    if existing is not None and existing.get("settings") == settings:
+        log.info("demo data under %s is already there (%s)", data_path, json.dumps(settings))
         return existing
     started = time.monotonic()
     splits = demo_tasks.make_tasks(seed)
-    for split, tasks in splits.items():
-        demo_tasks.write_tasks(data_path / "tasks" / f"{split}.jsonl", tasks)
+    fit, validation = splits["train"][:-VALIDATION_TASKS], splits["train"][-VALIDATION_TASKS:]
 
     model = demo_model.create(seed)
     staging = data_path / f".model.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     demo_model.save(model, staging)  # the tokenizer files travel with the model
     _, tokenizer = demo_model.load(staging)
-    log.info("warm start: %d supervised steps on %d train tasks", warm_steps, len(splits["train"]))
-    losses = warm_start(model, tokenizer, splits["train"], steps=warm_steps, seed=seed)
-    accuracy = greedy_accuracy(model, tokenizer, splits["test"])
+    try:
+        trainer = warm_start.Trainer(model, tokenizer, fit, validation, seed=seed)
+        if warm_steps is None:
+            log.info("warm start on %d train tasks until greedy accuracy on %d validation tasks is in %s",
+                     len(fit), len(validation), band)
+            result = warm_start.to_band(trainer, band=band, max_steps=max_warm_steps)
+        else:
+            losses = trainer.train(warm_steps)
+            result = warm_start.WarmStart(warm_steps, trainer.accuracy(), losses)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    test_accuracy = warm_start.greedy_accuracy(model, tokenizer, splits["test"])
+    for split, tasks in splits.items():
+        demo_tasks.write_tasks(data_path / "tasks" / f"{split}.jsonl", tasks)
     demo_model.save(model, staging)
     final = data_path / "model"
     shutil.rmtree(final, ignore_errors=True)
@@ -56,16 +74,21 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, warm_steps: int = DEFAUL
 
     manifest = {
         "seed": seed,
-        "warm_steps": warm_steps,
-        "final_loss": round(losses[-1], 4) if losses else None,
-        "test_accuracy": accuracy,
+        "settings": settings,
+        "warm_steps": result.steps,
+        "rollbacks": result.rollbacks,
+        "final_loss": round(result.losses[-1], 4) if result.losses else None,
+        "validation_accuracy": result.validation_accuracy,
+        "validation_tasks": f"the last {len(validation)} of tasks/train.jsonl, left out of the warm start",
+        "test_accuracy": test_accuracy,
         "tasks": {split: len(tasks) for split, tasks in splits.items()},
         "seconds": round(time.monotonic() - started, 1),
     }
     tmp = manifest_path(data_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, manifest_path(data_path))
-    log.info("demo data ready under %s: greedy test accuracy %.3f after warm start", data_path, accuracy)
+    log.info("demo data ready under %s: %d warm-start steps, greedy accuracy %.3f on validation, %.3f on test",
+             data_path, result.steps, result.validation_accuracy, test_accuracy)
     return manifest
 
 
