@@ -112,9 +112,9 @@ class RehearsalConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
-    train_tasks: int = 128
+    train_tasks: int = 384
     """Train tasks (prompts) per iteration, sampled from tasks/train.jsonl, split by weight."""
-    samples_per_prompt: int = 16
+    samples_per_prompt: int = 8
     """Completions drawn per prompt: one GRPO group."""
     temperature: float = 1.0
     top_p: float = 1.0
@@ -128,9 +128,10 @@ class RLConfig:
     reward: str = "orchestrator.rewards:exact_match"
     """The reward function, as module:function (task dict, completion text) -> float."""
     lr: float = 3e-4
-    epochs: int = 2
+    """AdamW learning rate; the optimizer's moments carry over from one iteration to the next."""
+    epochs: int = 4
     """Passes over the iteration's trajectories per update."""
-    micro_batch: int = 16
+    micro_batch: int = 48
     """Prompts (GRPO groups) per optimiser step per rank."""
     clip_eps: float = 0.2
     kl_coef: float = 0.0
