@@ -6,7 +6,7 @@ concatenate, torch.save).
     python bench/aggregation.py --trajectories 100000 --repeats 3 --work-dir /tmp
 
 Data: 16 shards, one per rank, holding --trajectories trajectories in all, generated once per
-size with a fixed seed. A record is what the RL loop writes (orchestrator/rl/workload.py,
+size with a fixed seed. A record is what the RL loop writes (orchestrator/workloads/rl/workload.py,
 ``_record``): one task with ``--samples`` samples (``rl.samples_per_prompt``, default 16),
 each sample a text, a reward, a finish reason and the logprobs of its --tokens tokens
 (``rl.max_tokens``, default 8); a trajectory is one sample. The reference keeps the same
@@ -19,9 +19,9 @@ Each step runs in a fresh Python process that reports its own wall time and peak
 memory (``getrusage(RUSAGE_SELF).ru_maxrss``), and its resident memory just before the step
 (after its imports: torch for the reference):
 
-ours: seal       ``orchestrator.shards.seal`` of the 16 shards (each rank seals its own shard
+ours: seal       ``orchestrator.data.shards.seal`` of the 16 shards (each rank seals its own shard
                  in the run, in parallel; here one after the other)
-ours: merge      ``orchestrator.shards.merge`` of the 16 sealed shards into one aggregate:
+ours: merge      ``orchestrator.data.shards.merge`` of the 16 sealed shards into one aggregate:
                  streams, re-hashes each shard against its manifest, parses each line and
                  rejects duplicate task ids, writes a temp file, fsyncs, renames, writes the
                  manifest (what the master does in phase 4)
@@ -97,7 +97,7 @@ def step_generate(d: Path, trajectories: int, samples: int, tokens: int, seed: i
 
 
 def step_seal(d: Path) -> dict:
-    from orchestrator import shards
+    from orchestrator.data import shards
 
     for r in range(SHARDS):
         shards.manifest_path(_shard(d, r)).unlink(missing_ok=True)
@@ -108,7 +108,7 @@ def step_seal(d: Path) -> dict:
 
 
 def step_merge(d: Path) -> dict:
-    from orchestrator import shards
+    from orchestrator.data import shards
 
     dest = d / "aggregate" / "train.jsonl"
     began = time.perf_counter()
@@ -184,7 +184,7 @@ def child_main(step: str, d: Path) -> None:
     if step.startswith("ref-"):
         import torch  # noqa: F401 - its import is part of the resident memory before the step
     else:
-        import orchestrator.shards  # noqa: F401
+        import orchestrator.data.shards  # noqa: F401
     before = _rss_mib()
     result = STEPS[step](d)
     result["rss_before_mib"] = before

@@ -56,11 +56,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import barrier_latency as ours_bench  # noqa: E402
 from bench import fs_floor, opcount, reference_barrier  # noqa: E402
 from bench.common import (  # noqa: E402
-    FILESYSTEMS, RESULTS, BenchError, console, err_console, loadavg, machine, ms, rank_dirs, stats, table,
-    wait_for_quiet, write_json,
+    FILESYSTEMS,
+    RESULTS,
+    BenchError,
+    console,
+    err_console,
+    loadavg,
+    machine,
+    ms,
+    rank_dirs,
+    stats,
+    table,
+    wait_for_quiet,
+    write_json,
 )
-from orchestrator import fsio  # noqa: E402
-from orchestrator.layout import RunLayout  # noqa: E402
+from orchestrator.protocol import fsio  # noqa: E402
+from orchestrator.protocol.layout import RunLayout  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "barrier_compare.json"
 OUR_INTERVAL = "backoff:0.002:0.1"  # coordination.poll_min_s, poll_max_s defaults

@@ -67,9 +67,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from bench.common import descendants, loadavg, machine, percentile, wait_for_quiet  # noqa: E402
-from orchestrator.events import read_events  # noqa: E402
-from orchestrator.layout import RunLayout  # noqa: E402
 from orchestrator.phase_table import Barrier, Phase, eval_due  # noqa: E402
+from orchestrator.protocol.events import read_events  # noqa: E402
+from orchestrator.protocol.layout import RunLayout  # noqa: E402
 
 DEFAULT_JSON_OUT = REPO / "bench" / "results" / "barrier_latency.json"
 EVAL_INTERVAL = 2

@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:  # `python bench/engine_throughput.py` from a chec
 
 from orchestrator.engine import vllm as vllm_engine  # noqa: E402
 from orchestrator.engine.client import EngineClient  # noqa: E402
-from orchestrator.ports import free_port  # noqa: E402
+from orchestrator.node.ports import free_port  # noqa: E402
 
 DEFAULT_OUT = REPO / "bench" / "results" / "engine.json"
 NAME = "bench-policy"

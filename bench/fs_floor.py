@@ -37,9 +37,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
-    FILESYSTEMS, RESULTS, BenchError, err_console, machine, ms, rank_dirs, stats, table, wait_for_quiet, write_json,
+    FILESYSTEMS,
+    RESULTS,
+    BenchError,
+    err_console,
+    machine,
+    ms,
+    rank_dirs,
+    stats,
+    table,
+    wait_for_quiet,
+    write_json,
 )
-from orchestrator import fsio  # noqa: E402
+from orchestrator.protocol import fsio  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "fs_floor.json"
 PAYLOAD = 96

@@ -5,7 +5,7 @@
 
 Three ranks on this machine, each its own ``orchestrator run`` (weights 2,1,1; the embedded
 engine on CPU; ``rl.train_tasks=192``, 4 samples each, 16 eval tasks, one iteration; the
-settings of tests/test_rl_loop.py's kill test, with ``rollout.engine_port=0``):
+settings of tests/system/test_rl_loop.py's kill test, with ``rollout.engine_port=0``):
 
 from scratch  a fresh log path: the cost of redoing the iteration, which is what the
               reference does after any crash (its shards are not resumable)
@@ -44,11 +44,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, BenchError, console, err_console, kill_tree, loadavg, machine, python_env, table, wait_for_quiet, write_json  # noqa: E402
-from orchestrator import fsio  # noqa: E402
-from orchestrator.events import read_events  # noqa: E402
-from orchestrator.layout import RunLayout  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS,
+    BenchError,
+    console,
+    err_console,
+    kill_tree,
+    loadavg,
+    machine,
+    python_env,
+    table,
+    wait_for_quiet,
+    write_json,
+)
 from orchestrator.phase_table import Phase  # noqa: E402
+from orchestrator.protocol import fsio  # noqa: E402
+from orchestrator.protocol.events import read_events  # noqa: E402
+from orchestrator.protocol.layout import RunLayout  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "resume.json"
 NUM_NODES = 3

@@ -16,11 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.errors import ConfigError  # noqa: F401 - part of this module's interface
 from orchestrator.phase_table import PHASE_TABLE, Phase, RLPhase
-
-
-class ConfigError(ValueError):
-    """Bad input or configuration: exit code 2, nothing written."""
 
 
 class RolloutSplit(enum.Enum):
@@ -276,7 +273,7 @@ class RunConfig:
             raise ConfigError("--rl-phase rollout needs --rollout-split train-only|eval-only")
         if self.max_iterations is not None and self.max_iterations < 1:
             raise ConfigError(f"--max-iterations must be at least 1, got {self.max_iterations}")
-        from orchestrator import placement
+        from orchestrator.node import placement
 
         placement.check_mappings(self.train.device_mapping, self.rollout.device_mapping, self.rollout.gpus_per_engine)
         if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:

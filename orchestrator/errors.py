@@ -1,4 +1,4 @@
-"""The coordination core's exceptions, and the exit code each one ends a rank with."""
+"""The exceptions every layer shares, and the exit code each one ends a rank with."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ class BadInput(OrchestratorError):
     """The user's input or the run's state refuses this command (nothing was written)."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class ConfigError(ValueError):
+    """Bad input or configuration: exit code 2, nothing written."""
 
 
 # Failure kinds that are a root cause of an attempt's end (a "peer" record only reports one).

@@ -2,7 +2,7 @@
 
 The runner is generic; it reads this table to know who works in a phase, what barrier
 closes it, which ``--rl-phase`` includes it and how long it may take. The work itself is
-in ``phases/`` (one module per phase).
+in ``runtime/phases/`` (one module per phase).
 """
 
 from __future__ import annotations

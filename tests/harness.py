@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator import fsio
-from orchestrator.layout import RunLayout
 from orchestrator.phase_table import Phase
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import RunLayout
 
 # Fast protocol settings for tests: a dead rank is detected within 3 s.
 FAST = [

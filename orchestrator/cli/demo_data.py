@@ -7,9 +7,10 @@ from pathlib import Path
 
 import click
 
-from orchestrator import identity, terminal
+from orchestrator import terminal
 from orchestrator.demo import DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS, DEFAULT_SEED
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR
+from orchestrator.node import identity
 
 
 @click.command("demo-data")

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import click
 
-from orchestrator import identity, terminal
+from orchestrator import terminal
 from orchestrator.config import ConfigError, resolve_rank
-from orchestrator.doctor.checks import GIB, Thresholds
-from orchestrator.doctor.session import Options, RanksMissing
-from orchestrator.doctor.session import run as run_session
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from orchestrator.node import identity
+from orchestrator.node.checks import GIB, Thresholds
+from orchestrator.ops.doctor.session import Options, RanksMissing
+from orchestrator.ops.doctor.session import run as run_session
 
 
 @click.command()

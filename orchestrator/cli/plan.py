@@ -11,10 +11,12 @@ from pathlib import Path
 
 import click
 
-from orchestrator import fsio, gpus, lease, placement, terminal
+from orchestrator import terminal
 from orchestrator.config import ConfigError, build_sections, parse_overrides
 from orchestrator.errors import EXIT_BAD_INPUT
-from orchestrator.layout import RunLayout
+from orchestrator.node import gpus, placement
+from orchestrator.protocol import fsio, lease
+from orchestrator.protocol.layout import RunLayout
 
 
 @click.command()

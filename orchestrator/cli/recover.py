@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from orchestrator import recovery, terminal
+from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, BadInput
+from orchestrator.ops import recovery
 
 
 @click.command()

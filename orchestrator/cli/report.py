@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from orchestrator import report as report_mod
 from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR
+from orchestrator.ops import report as report_mod
 
 
 @click.command()

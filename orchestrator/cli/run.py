@@ -6,9 +6,11 @@ import sys
 
 import click
 
-from orchestrator import faults, identity, terminal
+from orchestrator import terminal
 from orchestrator.cli.run_options import RANK_OPTIONS, RUN_OPTIONS, ConfigError, apply, build_config
 from orchestrator.errors import EXIT_BAD_INPUT
+from orchestrator.node import identity
+from orchestrator.protocol import faults
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -24,6 +26,7 @@ def run(**params) -> None:
     except ValueError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     terminal.setup_logging(config.rank, identity.host())
-    from orchestrator.runner import Rank
+    from orchestrator import workloads
+    from orchestrator.runtime.runner import Rank
 
-    sys.exit(Rank(config).run())
+    sys.exit(Rank(config, workloads.make).run())

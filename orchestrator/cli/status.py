@@ -13,7 +13,7 @@ from rich.text import Text
 
 from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, BadInput
-from orchestrator.status import snapshot
+from orchestrator.ops.status import snapshot
 
 WATCH_INTERVAL_S = 2.0
 

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import click
 
-from orchestrator import fsio, identity, lease, terminal
+from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR
-from orchestrator.layout import RunLayout
+from orchestrator.node import identity
+from orchestrator.protocol import fsio, lease
+from orchestrator.protocol.layout import RunLayout
 
 
 @click.command()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.waiting import Backoff, Deadline
+from orchestrator.protocol.waiting import Backoff, Deadline
 
 _HEALTH_BACKOFF = Backoff(min_s=0.05, max_s=1.0)
 _HEALTH_PROBE_TIMEOUT_S = 5.0

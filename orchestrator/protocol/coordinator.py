@@ -1,0 +1,498 @@
+"""One rank's side of the protocol: join an attempt, pass barriers, record how it ended.
+
+Joining. The master takes the lease (``protocol/lease.py``), which names a fresh attempt ``A``;
+every rank writes ``attempts/A/joins/r<R>.json``; the master reads those N known names,
+checks that all ranks run the same configuration, and publishes ``attempts/A/start.json``
+with the resume point. A worker finds ``A`` by polling ``control/lease.json``, and follows
+the lease if a new master starts a new attempt while it waits.
+
+Barriers. Each rank rewrites its own ``arrive.json`` with (iteration, phase, payload); the
+master polls the N known names until all match, runs the phase's decision, and rewrites
+``release.json`` with it; workers poll that one file. O(N) metadata operations per round.
+Everything is under ``attempts/A/``: a file of a crashed attempt never releases anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+from orchestrator.config import ConfigError, RunConfig
+from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, Culprit, DeadlineExceeded, PeerFailed
+from orchestrator.node import checks, facts, gpus, identity
+from orchestrator.node import placement as placement_mod
+from orchestrator.node.procs import Children
+from orchestrator.phase_table import Phase
+from orchestrator.protocol import faults, fsio
+from orchestrator.protocol import lease as lease_mod
+from orchestrator.protocol.events import EventLog
+from orchestrator.protocol.heartbeat import Heartbeat
+from orchestrator.protocol.layout import AttemptLayout, RunLayout
+from orchestrator.protocol.monitor import Monitor, publish_abort
+from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
+
+log = logging.getLogger(__name__)
+
+# A worker gives the master this much longer than the phase deadline, so that the master,
+# which knows who is missing, is the one to report a barrier timeout.
+WORKER_DEADLINE_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """What the master published when the attempt started."""
+
+    attempt: str
+    iteration: int
+    phase: Phase
+    plan: dict | None
+    hosts: dict[int, str]
+    placement: placement_mod.Placement
+
+
+class Coordinator:
+    def __init__(self, config: RunConfig, cancel: CancelToken, children: Children):
+        self.config = config
+        self.layout = RunLayout(config.log_path)
+        self.cancel = cancel
+        self.children = children
+        self.rank = config.rank
+        self.c = config.coordination
+        self.backoff = Backoff(self.c.poll_min_s, self.c.poll_max_s)
+        self.fault = faults.from_env()
+        self.lease: lease_mod.Lease | None = None
+        self.attempt_id: str | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.events: EventLog | None = None
+        self.monitor: Monitor | None = None
+        self.hosts: dict[int, str] = {}
+        self.where: tuple[int | None, str | None] = (None, None)
+        self._phase_began = time.monotonic()
+        self.gpus = gpus.detect()
+        self.placement: placement_mod.Placement | None = None
+        self._left: set[str] = set()  # attempts of dead masters this worker left
+        self._join_timeout_s: float | None = None
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def attempt(self) -> AttemptLayout:
+        assert self.attempt_id is not None
+        return self.layout.attempt(self.attempt_id)
+
+    # -- joining ----------------------------------------------------------------------------
+
+    def join(self, resume: Callable[[], tuple[int, Phase, dict | None]]) -> Start:
+        """Enter an attempt with every other rank; ``resume`` (master only) says where to start."""
+        if self.is_master:
+            return self._join_as_master(resume)
+        return self._join_as_worker()
+
+    def _enter(self, attempt_id: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.close("stopped")
+            self.events.close()
+        self.attempt_id = attempt_id
+        self.events = EventLog(self.attempt.events(self.rank), self.rank)
+        self.heartbeat = Heartbeat(
+            self.attempt.heartbeat(self.rank), rank=self.rank, attempt=attempt_id, interval_s=self.c.heartbeat_interval_s
+        )
+        self.heartbeat.start()
+        fsio.write_record(
+            self.attempt.join(self.rank),
+            {**identity.me(), "rank": self.rank, "attempt": attempt_id, "fingerprint": self.config.fingerprint(), "gpus": self.gpus,
+             "doctor": self._quick_facts()},
+        )
+
+    def _start_monitor(self) -> None:
+        self.monitor = Monitor(
+            attempt=self.attempt,
+            rank=self.rank,
+            num_nodes=self.config.num_nodes,
+            cancel=self.cancel,
+            heartbeat_interval_s=self.c.heartbeat_interval_s,
+            node_timeout_s=self.c.node_timeout_s,
+            poll_s=min(0.25, self.c.heartbeat_interval_s / 2),
+            hosts=self.hosts,
+            on_cancel=lambda: self.children.stop_all(grace_s=2.0),
+        )
+        self.monitor.where = lambda: self.where
+        self.monitor.host = identity.host()
+        self.monitor.watch([0] if not self.is_master else [])
+        self.monitor.start()
+
+    def _join_as_master(self, resume) -> Start:
+        self.lease = lease_mod.acquire(self.layout, self.c.node_timeout_s, self.c.poll_max_s)
+        self._enter(self.lease.attempt)
+        log.info("master holds lease generation %d; attempt %s", self.lease.generation, self.attempt_id)
+        self.hosts[0] = identity.host()
+        self._start_monitor()
+        iteration, phase, plan = resume()
+        joins: dict[int, dict] = {}
+        missing = set(range(1, self.config.num_nodes))
+        if missing:
+            log.info("waiting for ranks %s to join (up to %.0f s)", _ranks(missing), self.c.join_timeout_s)
+
+        def probe():
+            fsio.refresh_dir(self.attempt.joins)
+            for r in sorted(missing):
+                j = fsio.read_record(self.attempt.join(r))
+                if j is not None and j.get("attempt") == self.attempt_id:
+                    joins[r] = j
+                    missing.discard(r)
+                    self.hosts[r] = j["host"]
+                    self.monitor.watch([r])
+            return True if not missing else None
+
+        poll(
+            probe,
+            deadline=Deadline.after(self.c.join_timeout_s, "ranks to join"),
+            cancel=self.cancel,
+            backoff=self.backoff,
+            on_timeout=lambda: self._abort(
+                Culprit(min(missing), self._last_known_host(min(missing)), None, None, "join",
+                        f"rank {min(missing)} did not join attempt {self.attempt_id} within "
+                        f"coordination.join_timeout_s={self.c.join_timeout_s:g} s; missing ranks: {_ranks(missing)}. "
+                        f"Start them with the same command (--worker R), then re-run")
+            ),
+        )
+        mine = self.config.fingerprint()
+        for r, j in sorted(joins.items()):
+            diff = {k: (mine.get(k), j["fingerprint"].get(k)) for k in mine if mine.get(k) != j["fingerprint"].get(k)}
+            if diff:
+                detail = "; ".join(f"{k}: master {a!r} vs rank {r} {b!r}" for k, (a, b) in diff.items())
+                culprit = Culprit(r, j["host"], None, None, "error", f"configuration differs from the master's ({detail})")
+                publish_abort(self.attempt, culprit)
+                raise BadInput(f"rank {r} on host {j['host']} runs a different configuration: {detail}")
+        self._preflight(joins)
+        reports = {0: {**self.gpus, "host": self.hosts[0]}, **{r: {**j["gpus"], "host": j["host"]} for r, j in joins.items()}}
+        self.placement = self._place(reports)
+        start = {
+            "attempt": self.attempt_id,
+            "iteration": iteration,
+            "phase": int(phase),
+            "plan": plan,
+            "hosts": {str(r): h for r, h in self.hosts.items()},
+            "joined": {"0": os.getpid(), **{str(r): j["pid"] for r, j in joins.items()}},
+            "fingerprint": mine,
+            "num_nodes": self.config.num_nodes,
+            "rl_phase": self.config.rl_phase.value,
+            "coordination": {"node_timeout_s": self.c.node_timeout_s, "heartbeat_interval_s": self.c.heartbeat_interval_s},
+            "gpus": {str(r): rep for r, rep in sorted(reports.items())},
+            "placement": self.placement.to_json(),
+        }
+        fsio.write_record(self.attempt.start, start)
+        return Start(self.attempt_id, iteration, phase, plan, dict(self.hosts), self.placement)
+
+    def _quick_facts(self) -> dict | None:
+        """What the master's preflight compares (doctor's quick subset: versions, NCCL/Gloo
+        settings, interfaces, GPUs, free space); never a reason not to join."""
+        try:
+            return facts.collect(rank=self.rank, num_nodes=self.config.num_nodes, log_path=self.config.log_path, quick=True,
+                                  gpus=self.gpus)
+        except Exception as e:  # noqa: BLE001 - a preflight must not stop the run
+            log.warning("could not collect this node's facts for the preflight: %s", e)
+            return None
+
+    def _preflight(self, joins: dict[int, dict]) -> None:
+        """Warn about what usually breaks multi-node runs later (`orchestrator doctor` checks more)."""
+        found = {r: j["doctor"] for r, j in joins.items() if j.get("doctor")}
+        mine = fsio.read_record(self.attempt.join(0)) or {}
+        if mine.get("doctor"):
+            found[0] = mine["doctor"]
+        try:
+            problems = checks.quick_problems(found, checks.Thresholds(node_timeout_s=self.c.node_timeout_s))
+        except Exception as e:  # noqa: BLE001
+            log.warning("preflight checks failed to run: %s", e)
+            return
+        for p in problems:
+            log.warning("preflight: %s", checks.describe(p))
+
+    def _place(self, reports: dict[int, dict]) -> placement_mod.Placement:
+        """The placement for the GPUs the nodes reported, decided once by the master before
+        any work; a cluster that does not fit the mappings ends the attempt (exit 2)."""
+        train, rollout = self.config.train, self.config.rollout
+        try:
+            gpus_per_node = placement_mod.cluster_gpus(reports) if train.device_mapping else 0
+            resolved = placement_mod.resolve(
+                num_nodes=self.config.num_nodes, gpus_per_node=gpus_per_node, train_mapping=train.device_mapping,
+                rollout_mapping=rollout.device_mapping, gpus_per_engine=rollout.gpus_per_engine, engine_port=rollout.engine_port,
+            )
+            placement_mod.check_runnable(resolved, [reports[n]["host"] for n in sorted(reports)])
+        except ConfigError as e:
+            seen = "; ".join(f"node {n} ({r['host']}): {r['count']} GPU(s) ({r['source']})" for n, r in sorted(reports.items()))
+            culprit_node = _short_node(reports)
+            message = f"the cluster does not fit the GPU placement: {e}. The nodes report: {seen}"
+            publish_abort(self.attempt, Culprit(culprit_node, reports[culprit_node]["host"], None, None, "error", message))
+            raise BadInput(message) from None
+        if resolved.on_gpu:
+            log.info("placement: %d train worker(s), %d engine(s), %s", len(resolved.train_workers), len(resolved.engines),
+                     "colocated" if resolved.colocated else "disaggregated")
+        return resolved
+
+    def leave(self, cancel: CancelToken, join_timeout_s: float) -> None:
+        """A worker leaves the attempt of a master that died, to join the next master's:
+        the old attempt is never joined again, and the next join waits ``join_timeout_s``."""
+        if self.monitor is not None:
+            self.monitor.halt()
+            self.monitor = None
+        if self.heartbeat is not None:
+            self.heartbeat.close("failed")
+            self.heartbeat = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+        if self.attempt_id is not None:
+            self._left.add(self.attempt_id)
+        self.attempt_id = None
+        self.cancel = cancel
+        self._join_timeout_s = join_timeout_s
+
+    def _join_as_worker(self) -> Start:
+        # The master reports missing ranks at its join deadline; the worker waits a little longer.
+        timeout = self._join_timeout_s if self._join_timeout_s is not None else self.c.join_timeout_s
+        deadline = Deadline.after(timeout + WORKER_DEADLINE_GRACE_S, "the master to start an attempt")
+        said: set[str] = set()
+
+        def say_once(message: str) -> None:
+            if message not in said:
+                said.add(message)
+                log.info("%s", message)
+
+        def probe():
+            if self.attempt_id is not None:
+                # The attempt this rank joined, first: its master may start it and even finish
+                # it (releasing the lease) between two polls.
+                fsio.refresh_dir(self.attempt.root)
+                mine = fsio.read_record(self.attempt.abort)
+                if mine is not None:  # the master gave up on the attempt this rank joined
+                    raise PeerFailed(Culprit.from_json(mine["culprit"]))
+                start = fsio.read_record(self.attempt.start)
+                if start is not None and start["joined"].get(str(self.rank)) == os.getpid():
+                    return start
+            current = lease_mod.read_lease(self.layout)
+            if current is None or current.released:
+                say_once(f"waiting for the master (rank 0) to start an attempt under {self.layout.root}")
+                return None
+            attempt = self.layout.attempt(current.attempt)
+            if current.attempt in self._left:
+                say_once(f"the master of attempt {current.attempt} died; waiting for a new master (restart rank 0)")
+                return None
+            if fsio.read_record(attempt.abort) is not None:
+                say_once(f"attempt {current.attempt} has ended; waiting for a new master")
+                return None
+            if current.attempt != self.attempt_id:
+                if fsio.read_record(attempt.start) is not None:
+                    # It started without this process: a stale lease of a master that died.
+                    say_once(f"attempt {current.attempt} already started without this rank; waiting for a new master")
+                    return None
+                self._check_rank_free(current.attempt)
+                self._enter(current.attempt)
+                log.info("joined attempt %s of master %s (pid %d)", current.attempt, current.host, current.pid)
+            start = fsio.read_record(attempt.start)
+            if start is not None and start["joined"].get(str(self.rank)) != os.getpid():
+                say_once(f"attempt {current.attempt} started with another process as rank {self.rank}; waiting for a new master")
+                return None
+            return start
+
+        start = poll(
+            probe,
+            deadline=deadline,
+            cancel=self.cancel,
+            backoff=self.backoff,
+            on_timeout=lambda: PeerFailed(
+                Culprit(0, "?", None, None, "join",
+                        f"no master started an attempt with this rank within coordination.join_timeout_s="
+                        f"{self.c.join_timeout_s:g} s; start rank 0 with --master")
+            ),
+        )
+        self.hosts.update({int(r): h for r, h in start["hosts"].items()})
+        if start["fingerprint"] != self.config.fingerprint():
+            raise BadInput(f"this rank's configuration differs from the master's: master {start['fingerprint']} vs {self.config.fingerprint()}")
+        self.placement = placement_mod.Placement.from_json(start["placement"])
+        self._start_monitor()
+        return Start(start["attempt"], start["iteration"], Phase(start["phase"]), start["plan"], dict(self.hosts), self.placement)
+
+    def _check_rank_free(self, attempt_id: str) -> None:
+        other = fsio.read_record(self.layout.attempt(attempt_id).join(self.rank))
+        if other is None or other.get("pid") == os.getpid():
+            return
+        alive = identity.same_host_process_alive(other)
+        if alive:
+            raise BadInput(f"rank {self.rank} is already running on host {other['host']} (pid {other['pid']}); each rank runs once")
+
+    def _last_known_host(self, rank: int) -> str:
+        return self.hosts.get(rank, "unknown (never joined this attempt)")
+
+    # -- barriers ---------------------------------------------------------------------------
+
+    def set_position(self, iteration: int, phase: Phase, work_deadline: Deadline) -> None:
+        """This rank starts ``phase``; its monitor cancels it if the work outlives ``work_deadline``."""
+        self.where = (iteration, phase.label)
+        self.monitor.work_deadline = work_deadline
+        self._phase_began = time.monotonic()
+        self.events.emit("phase", iteration=iteration, phase=int(phase))
+        self.heartbeat.update(iteration=iteration, phase=phase.label, state="working", progress=None)
+
+    def fault_point(self, action: str, iteration: int, phase: Phase) -> None:
+        """Where a test's ORCHESTRATOR_FAULT may hold this rank or make it fail."""
+        if self.fault is None or not self.fault.at(action, iteration, int(phase)):
+            return
+        if action == "raise":
+            raise faults.InjectedFault(f"injected failure in phase {phase.label} of iteration {iteration}")
+        self._hold()
+
+    def progress(self, done: int, total: int) -> None:
+        self.heartbeat.update(progress={"done": done, "total": total})
+
+    def barrier(
+        self, iteration: int, phase: Phase, payload: dict | None, deadline: Deadline,
+        decide: Callable[[dict[int, dict]], dict],
+    ) -> dict:
+        """Arrive, wait for everyone, and return the master's decision for this phase."""
+        self.cancel.check()  # a rank cancelled during its work must not arrive
+        self.monitor.work_deadline = None  # from here on the barrier's own deadline applies
+        fsio.write_record(
+            self.attempt.arrive(self.rank),
+            {"attempt": self.attempt_id, "iteration": iteration, "phase": int(phase), "payload": payload or {}},
+        )
+        arrived = time.monotonic()
+        self.events.emit("arrive", iteration=iteration, phase=int(phase), work_s=round(arrived - self._phase_began, 4),
+                         payload=_counts(payload))
+        self.heartbeat.update(state="waiting")
+        self.fault_point("hold-after-arrive", iteration, phase)
+        if self.is_master:
+            decision = self._release(iteration, phase, deadline, decide)
+            self.events.emit("released", iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
+            return decision
+        def probe():
+            fsio.refresh_dir(self.attempt.root)
+            return _matching(fsio.read_record(self.attempt.release), iteration, phase)
+
+        release = poll(
+            probe,
+            deadline=Deadline(deadline.at + WORKER_DEADLINE_GRACE_S, deadline.what),
+            cancel=self.cancel,
+            backoff=self.backoff,
+            on_timeout=lambda: self._deadline(iteration, phase, f"the master did not release {phase.label} in time", culprit_rank=0),
+        )
+        self.events.emit("released", iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
+        return release["decision"]
+
+    def _release(self, iteration, phase, deadline, decide) -> dict:
+        arrivals: dict[int, dict] = {}
+        missing = set(range(self.config.num_nodes))
+
+        def probe():
+            fsio.refresh_dir(self.attempt.arrivals)
+            for r in sorted(missing):
+                a = fsio.read_record(self.attempt.arrive(r))
+                if a is not None and a.get("attempt") == self.attempt_id and _matching(a, iteration, phase):
+                    arrivals[r] = a["payload"]
+                    missing.discard(r)
+            return True if not missing else None
+
+        poll(
+            probe,
+            deadline=deadline,
+            cancel=self.cancel,
+            backoff=self.backoff,
+            on_timeout=lambda: self._deadline(
+                iteration, phase,
+                f"barrier {phase.label} still waits for ranks {_ranks(missing)} after deadlines.{phase.name.lower()}",
+                culprit_rank=min(missing),
+            ),
+        )
+        self.events.emit("all_arrived", iteration=iteration, phase=int(phase))
+        self.monitor.work_deadline = deadline  # the decision is the master's work: bound it too
+        decision = decide(arrivals)
+        self.monitor.work_deadline = None
+        if self.monitor is not None and self.monitor.stop_requested is not None:
+            decision = {**decision, "stop": self.monitor.stop_requested}
+        fsio.write_record(self.attempt.release, {"iteration": iteration, "phase": int(phase), "decision": decision})
+        fsio.write_record(self.layout.progress, {"iteration": iteration, "phase": int(phase), "attempt": self.attempt_id})
+        return decision
+
+    def _deadline(self, iteration, phase, message, culprit_rank: int | None = None):
+        rank = self.rank if culprit_rank is None else culprit_rank
+        culprit = Culprit(rank, self.hosts.get(rank, "?"), iteration, phase.label, "deadline", message)
+        if self.is_master:
+            publish_abort(self.attempt, culprit)
+        return DeadlineExceeded(culprit.describe())
+
+    def _abort(self, culprit: Culprit) -> PeerFailed:
+        publish_abort(self.attempt, culprit)
+        return PeerFailed(culprit)
+
+    def _hold(self) -> None:
+        log.warning("fault injection: holding at %s", self.where)
+        self.heartbeat.update(state="held")
+        self.cancel.sleep(faults.HOLD_LIMIT_S)
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def record_failure(self, kind: str, error: str, exc: BaseException | None = None, culprit: Culprit | None = None) -> None:
+        """Write this rank's failure record (and, on the master, the attempt's abort)."""
+        if self.attempt_id is None:
+            return
+        iteration, phase = self.where
+        body = {
+            **identity.me(),
+            "rank": self.rank,
+            "iteration": iteration,
+            "phase": phase,
+            "kind": kind,
+            "error": error,
+            "traceback": "".join(traceback.format_exception(exc))[-4000:] if exc is not None else None,
+            "culprit": culprit.to_json() if culprit is not None else None,
+            "at": time.time(),
+        }
+        if self.events is not None:
+            self.events.emit("error", iteration=iteration, phase=phase, kind=kind, error=error[:2000],
+                             culprit=culprit.rank if culprit is not None else None)
+        try:
+            fsio.write_record(self.attempt.failure(self.rank), body)
+            if self.is_master and kind in ROOT_CAUSE_KINDS:
+                publish_abort(self.attempt, Culprit(self.rank, body["host"], iteration, phase, kind, error))
+        except OSError as e:
+            log.error("could not write the failure record: %s", e)
+
+    def close(self, state: str) -> None:
+        if self.monitor is not None:
+            self.monitor.halt()
+        if self.heartbeat is not None:
+            self.heartbeat.close(state)
+        if self.events is not None:
+            self.events.emit("end", state=state)
+            self.events.close()
+        if self.lease is not None:
+            lease_mod.release(self.layout, self.lease)
+
+
+def _counts(payload: dict | None) -> dict:
+    """The numbers of a barrier payload (counts, sizes), for the event log."""
+    return {k: v for k, v in (payload or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _matching(record: dict | None, iteration: int, phase: Phase) -> dict | None:
+    if record is None or record.get("iteration") != iteration or record.get("phase") != int(phase):
+        return None
+    return record
+
+
+def _short_node(reports: dict[int, dict]) -> int:
+    """The node to blame: the one with the fewest GPUs when counts differ, else node 0."""
+    counts = {n: r["count"] for n, r in reports.items()}
+    if len(set(counts.values())) > 1:
+        return min(counts, key=lambda n: (counts[n], n))
+    return 0
+
+
+def _ranks(ranks) -> str:
+    return ",".join(str(r) for r in sorted(ranks))

@@ -1,0 +1,196 @@
+"""The watcher thread of a rank: it notices a failed, dead or stopped peer while the main
+thread is busy, and cancels the rank at once.
+
+Cost per poll is O(1) on a worker (the master's heartbeat and the attempt's abort file) and
+O(N) on the master (each rank's failure file, and heartbeats once per heartbeat interval):
+O(N) in all, never every rank reading every rank. The master turns what it sees into one
+``abort.json`` naming the root cause, which every worker polls.
+
+Deciding is separate from doing: :func:`master_verdict` and :func:`worker_verdict` are pure
+functions of what was read; :class:`Monitor` does the reading, writing and cancelling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, PeerFailed
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import AttemptLayout
+from orchestrator.protocol.liveness import LivenessTracker
+from orchestrator.protocol.waiting import CancelToken, Deadline
+
+log = logging.getLogger(__name__)
+
+
+def culprit_from_failure(rank: int, failure: dict) -> Culprit:
+    return Culprit(
+        rank=rank,
+        host=failure.get("host", "?"),
+        iteration=failure.get("iteration"),
+        phase=failure.get("phase"),
+        kind=failure.get("kind", "error"),
+        error=failure.get("error", "unknown error"),
+    )
+
+
+def culprit_dead(rank: int, tracker: LivenessTracker, now: float, hosts: dict[int, str]) -> Culprit:
+    last = tracker.last(rank) or {}
+    return Culprit(
+        rank=rank,
+        host=last.get("host") or hosts.get(rank, "?"),
+        iteration=last.get("iteration"),
+        phase=last.get("phase"),
+        kind="dead",
+        error=f"no heartbeat for {tracker.silent_for(rank, now):.1f} s (node timeout {tracker.timeout_s:g} s)",
+    )
+
+
+def master_verdict(
+    failures: dict[int, dict], tracker: LivenessTracker, now: float, hosts: dict[int, str]
+) -> Culprit | None:
+    """The root cause that ends the attempt, if any: a rank's own failure record first
+    (it knows why), else the first rank whose heartbeat stopped."""
+    for rank in sorted(failures):
+        f = failures[rank]
+        if f.get("kind") in ROOT_CAUSE_KINDS:
+            return culprit_from_failure(rank, f)
+    dead = tracker.dead(now)
+    if dead:
+        return culprit_dead(dead[0], tracker, now, hosts)
+    return None
+
+
+def worker_verdict(abort: dict | None, tracker: LivenessTracker, now: float, hosts: dict[int, str]) -> Culprit | None:
+    if abort is not None:
+        return Culprit.from_json(abort["culprit"])
+    if tracker.dead(now):
+        return culprit_dead(0, tracker, now, hosts)
+    return None
+
+
+class Monitor:
+    """Runs the verdict for this rank's role every poll and cancels the rank on one."""
+
+    def __init__(
+        self,
+        *,
+        attempt: AttemptLayout,
+        rank: int,
+        num_nodes: int,
+        cancel: CancelToken,
+        heartbeat_interval_s: float,
+        node_timeout_s: float,
+        poll_s: float,
+        hosts: dict[int, str],
+        on_cancel: Callable[[], None],
+    ):
+        self.attempt = attempt
+        self.rank = rank
+        self.num_nodes = num_nodes
+        self.cancel = cancel
+        self.hb_every = heartbeat_interval_s / 2
+        self.poll_s = poll_s
+        self.hosts = hosts
+        self.on_cancel = on_cancel
+        self.tracker = LivenessTracker(node_timeout_s)
+        self.stop_requested: dict | None = None
+        self.work_deadline: Deadline | None = None
+        self.where: Callable[[], tuple[int | None, str | None]] = lambda: (None, None)
+        self.host = hosts.get(rank, "?")
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+        self._lock = threading.Lock()
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def watch(self, ranks) -> None:
+        """Start judging these ranks' heartbeats (the master adds ranks as they join)."""
+        now = time.monotonic()
+        with self._lock:
+            for r in ranks:
+                if r != self.rank:
+                    self.tracker.watch(r, now)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def halt(self) -> None:
+        self._halt.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        next_hb = 0.0
+        while not self._halt.is_set() and self.cancel.reason is None:
+            now = time.monotonic()
+            try:
+                if now >= next_hb:
+                    self._read_heartbeats(now)
+                    next_hb = now + self.hb_every
+                verdict = self._verdict(now)
+            except OSError as e:
+                log.warning("monitor could not read the shared filesystem: %s", e)
+                verdict = None
+            if verdict is not None:
+                self._end_attempt(verdict)
+                return
+            deadline = self.work_deadline
+            if deadline is not None and deadline.expired():
+                self._overran(deadline)
+                return
+            self._halt.wait(self.poll_s)
+
+    def _read_heartbeats(self, now: float) -> None:
+        fsio.refresh_dir(self.attempt.heartbeats)
+        with self._lock:
+            ranks = self.tracker.watched() if self.is_master else [0]
+            for r in ranks:
+                self.tracker.observe(r, fsio.read_record(self.attempt.heartbeat(r)), now)
+
+    def _verdict(self, now: float) -> Culprit | None:
+        with self._lock:
+            fsio.refresh_dir(self.attempt.root)
+            if self.is_master:
+                if self.stop_requested is None:
+                    self.stop_requested = fsio.read_record(self.attempt.stop)
+                fsio.refresh_dir(self.attempt.failures)
+                failures = {}
+                for r in range(1, self.num_nodes):
+                    f = fsio.read_record(self.attempt.failure(r))
+                    if f is not None:
+                        failures[r] = f
+                return master_verdict(failures, self.tracker, now, self.hosts)
+            return worker_verdict(fsio.read_record(self.attempt.abort), self.tracker, now, self.hosts)
+
+    def _overran(self, deadline: Deadline) -> None:
+        iteration, phase = self.where()
+        culprit = Culprit(self.rank, self.host, iteration, phase, "deadline", f"the phase's work ran past {deadline.what}")
+        log.error("%s", culprit.describe())
+        if self.is_master:
+            publish_abort(self.attempt, culprit)
+        if self.cancel.cancel(DeadlineExceeded(culprit.error)):
+            self.on_cancel()
+
+    def _end_attempt(self, culprit: Culprit) -> None:
+        if self.is_master:
+            publish_abort(self.attempt, culprit)
+        log.error("stopping: %s", culprit.describe())
+        if self.cancel.cancel(PeerFailed(culprit)):
+            self.on_cancel()
+
+
+_abort_lock = threading.Lock()
+
+
+def publish_abort(attempt: AttemptLayout, culprit: Culprit) -> None:
+    """The master's one word on why this attempt ended; the first cause wins (the monitor
+    and the main thread may both try, hence the lock)."""
+    with _abort_lock:
+        if fsio.read_record(attempt.abort) is None:
+            fsio.write_record(attempt.abort, {"culprit": culprit.to_json(), "at": time.time()})

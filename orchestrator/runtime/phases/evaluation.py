@@ -1,0 +1,31 @@
+"""Phases 5-6: the master decides whether eval is due; every rank evaluates its share;
+the master merges the eval shards and computes the metrics."""
+
+from __future__ import annotations
+
+from orchestrator.data import summary
+from orchestrator.runtime.context import PhaseContext
+from orchestrator.runtime.phases.aggregate import merge_split
+from orchestrator.runtime.phases.rollout import generate_shard, seal_shard
+
+
+def decide(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    return {"eval_due": ctx.plan["eval"]["enabled"]}
+
+
+def run_eval_share(ctx: PhaseContext) -> dict | None:
+    if not ctx.plan["eval"]["enabled"]:
+        return None
+    generate_shard(ctx, "eval")
+    return seal_shard(ctx, "eval")
+
+
+def aggregate_results(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    if not ctx.plan["eval"]["enabled"]:
+        return {}
+    merge_split(ctx, "eval")
+    metrics = ctx.workload.metrics(ctx, ctx.it.aggregate("eval"))
+    summary.update(ctx.layout, ctx.iteration, evaluated=True, metrics=metrics)
+    summary.append_metrics(ctx.layout, ctx.iteration, metrics)
+    ctx.log.info("eval of iteration %d: %s", ctx.iteration, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    return {"metrics": metrics}

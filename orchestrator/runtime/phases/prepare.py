@@ -1,0 +1,67 @@
+"""Phases 8-9: the master checks the training data and publishes the training config."""
+
+from __future__ import annotations
+
+import os
+
+from orchestrator.data import shards
+from orchestrator.errors import BadInput
+from orchestrator.protocol import fsio
+from orchestrator.runtime.context import PhaseContext
+from orchestrator.runtime.phases import aggregate
+
+
+class MissingTrainingData(Exception):
+    pass
+
+
+def check_training_data(ctx: PhaseContext) -> None:
+    _rebuild_if_damaged(ctx)
+    m = shards.sealed(ctx.it.aggregate("train"))
+    if m is None:
+        raise MissingTrainingData(
+            f"iteration {ctx.iteration} has no sealed train aggregate ({ctx.it.aggregate('train')}); "
+            f"run --rl-phase rollout --rollout-split train-only for it first"
+        )
+    if m.extra.get("partial") and not ctx.config.rl.train_on_partial:
+        per_source = ", ".join(f"{label}: {n}" for label, n in m.extra.get("per_source", {}).items())
+        raise BadInput(
+            f"the train aggregate of iteration {ctx.iteration} is partial: {m.count} of {m.extra.get('planned', '?')} "
+            f"planned tasks ({per_source}), salvaged by `orchestrator recover`. Add rl.train_on_partial=true to train "
+            f"on it, or re-run the rollout (--rl-phase rollout --rollout-split train-only) to complete it"
+        )
+
+
+def _rebuild_if_damaged(ctx: PhaseContext) -> None:
+    """The trainer reads the aggregate next: check every byte against its manifest, and
+    rebuild a damaged full aggregate from the ranks' sealed shards (moved aside, not lost)."""
+    dest = ctx.it.aggregate("train")
+    m = shards.read_manifest(dest)
+    if m is None or not dest.exists() or shards.verify(dest, m):
+        return
+    if m.extra.get("partial"):
+        raise shards.ShardError(f"the salvaged partial aggregate {dest} does not match its manifest; salvage it again "
+                                f"(orchestrator recover --salvage {ctx.iteration} --apply)")
+    aside = dest.with_name(f"{dest.name}.damaged-{ctx.attempt_id}")
+    ctx.log.warning("the train aggregate of iteration %d does not match its manifest; moved to %s, rebuilding it from "
+                    "the ranks' shards", ctx.iteration, aside.name)
+    os.replace(dest, aside)
+    shards.manifest_path(dest).unlink(missing_ok=True)
+    aggregate.merge_split(ctx, "train")
+
+
+def train_config(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    """The config every trainer rank follows; made once per iteration and kept."""
+    cfg = fsio.read_record(ctx.it.train_config)
+    if cfg is None:
+        m = shards.sealed(ctx.it.aggregate("train"))
+        current = fsio.read_record(ctx.layout.current_checkpoint)
+        cfg = {
+            "iteration": ctx.iteration,
+            "data": str(ctx.it.aggregate("train").relative_to(ctx.layout.root)),
+            "records": m.count,
+            "init_checkpoint": current["path"] if current else None,
+            "output": str(ctx.layout.checkpoint(ctx.iteration).relative_to(ctx.layout.root)),
+        }
+        fsio.write_record(ctx.it.train_config, cfg)
+    return {"train_config": cfg}

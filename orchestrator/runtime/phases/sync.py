@@ -1,0 +1,43 @@
+"""Phases 0 and 13: the iteration's plan at the start, its closing mark at the end."""
+
+from __future__ import annotations
+
+from orchestrator.config import RolloutSplit
+from orchestrator.data import summary
+from orchestrator.data.splitting import split_counts
+from orchestrator.phase_table import RLPhase, eval_due
+from orchestrator.protocol import fsio
+from orchestrator.runtime.context import PhaseContext
+
+
+def make_plan(ctx: PhaseContext) -> dict:
+    """Who rolls out how many tasks of each split this iteration: a pure function of the
+    config and the iteration, so every master that computes it gets the same plan."""
+    cfg = ctx.config
+    if cfg.rl_phase is RLPhase.ROLLOUT:
+        train = cfg.rollout_split is RolloutSplit.TRAIN_ONLY
+        evaluate = cfg.rollout_split is RolloutSplit.EVAL_ONLY
+    else:
+        train = True
+        evaluate = eval_due(ctx.iteration, cfg.eval_interval)
+    plan = {"iteration": ctx.iteration}
+    for split, enabled in (("train", train), ("eval", evaluate)):
+        total = ctx.workload.tasks_per_iteration(split) if enabled else 0
+        plan[split] = {"enabled": enabled, "total": total, "per_rank": split_counts(total, cfg.rank_weights)}
+    return plan
+
+
+def plan_iteration(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    """Master: the iteration's plan, made once and kept (a resumed run reuses it)."""
+    plan = fsio.read_record(ctx.it.plan)
+    if plan is None:
+        plan = make_plan(ctx)
+        fsio.write_record(ctx.it.plan, plan)
+    summary.update(ctx.layout, ctx.iteration, tasks_per_rank=plan["train"]["per_rank"])
+    return {"plan": plan}
+
+
+def finish_iteration(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    summary.update(ctx.layout, ctx.iteration, complete=True)
+    ctx.log.info("iteration %d complete", ctx.iteration)
+    return {}

@@ -1,0 +1,43 @@
+"""Phase 10: every rank trains; the node of train worker 0 (the master unless the placement
+says otherwise) writes the checkpoint to a temp directory and renames it into place, so a
+checkpoint directory is either complete or absent."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from orchestrator.data import checkpoints
+from orchestrator.protocol import fsio
+from orchestrator.protocol.waiting import Deadline, poll
+from orchestrator.runtime.context import PhaseContext
+
+
+def _train_config(ctx: PhaseContext) -> dict:
+    fsio.refresh_dir(ctx.it.root)
+    return poll(
+        lambda: fsio.read_record(ctx.it.train_config),
+        deadline=Deadline.after(ctx.config.coordination.node_timeout_s, f"{ctx.it.train_config}"),
+        cancel=ctx.cancel,
+        backoff=ctx.coordinator.backoff,
+    )
+
+
+def train(ctx: PhaseContext) -> None:
+    cfg = _train_config(ctx)
+    final = ctx.layout.checkpoint(ctx.iteration)
+    fsio.refresh_dir(final.parent)  # every rank must see a checkpoint an earlier attempt renamed into place
+    if final.is_dir():
+        ctx.log.info("checkpoint of iteration %d exists already: not training again", ctx.iteration)
+        return
+    if ctx.rank != ctx.coordinator.placement.checkpoint_node:
+        ctx.workload.train(ctx, cfg, None)
+        return
+    staging = final.with_name(f".{final.name}.{ctx.attempt_id}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    ctx.workload.train(ctx, cfg, staging)
+    checkpoints.seal(staging)
+    fsio.fsync_dir(staging)
+    os.replace(staging, final)
+    fsio.fsync_dir(final.parent)

@@ -1,0 +1,244 @@
+"""The generic runner: one rank walks the phase table, iteration after iteration.
+
+It knows nothing of what a phase does: it asks ``phase_table`` who acts and which barrier
+ends the phase, calls ``phases.WORK`` and ``phases.DECIDE``, and turns every way a rank can
+end into an exit code and a failure record (SPEC section 2):
+
+    0 done or stopped on request   2 bad input   3 another rank failed or died
+    130 SIGINT/SIGTERM             1 anything else
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Callable, Iterator
+
+from orchestrator.config import RunConfig
+from orchestrator.errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    BadInput,
+    DeadlineExceeded,
+    Interrupted,
+    OrchestratorError,
+    PeerFailed,
+    StopRequested,
+)
+from orchestrator.node.procs import Children
+from orchestrator.phase_table import Barrier, Phase, RLPhase
+from orchestrator.protocol import fsio
+from orchestrator.protocol.coordinator import Coordinator
+from orchestrator.protocol.layout import RunLayout
+from orchestrator.protocol.waiting import CancelToken, Deadline
+from orchestrator.runtime import phases
+from orchestrator.runtime.context import PhaseContext, Workload
+
+log = logging.getLogger("orchestrator")
+
+
+# -- where to start, what to walk (pure) -----------------------------------------------------
+
+def next_point(progress: dict | None) -> tuple[int, Phase]:
+    """The first phase after the last released barrier."""
+    if progress is None:
+        return 1, Phase.SYNC_START
+    iteration, phase = progress["iteration"], Phase(progress["phase"])
+    if phase is Phase.SYNC_END:
+        return iteration + 1, Phase.SYNC_START
+    return iteration, Phase(phase + 1)
+
+
+def schedule(start: tuple[int, Phase], rl_phase: RLPhase, max_iterations: int | None) -> Iterator[tuple[int, Phase]]:
+    """(iteration, phase) pairs to walk from ``start``, skipping phases ``rl_phase`` excludes."""
+    iteration, phase = start
+    while max_iterations is None or iteration <= max_iterations:
+        for p in Phase:
+            if p >= phase and rl_phase.includes(p):
+                yield iteration, p
+        iteration, phase = iteration + 1, Phase.SYNC_START
+
+
+def first_point(start: tuple[int, Phase], rl_phase: RLPhase, max_iterations: int | None) -> tuple[int, Phase] | None:
+    return next(schedule(start, rl_phase, max_iterations), None)
+
+
+# -- the rank ---------------------------------------------------------------------------------
+
+class Rank:
+    def __init__(self, config: RunConfig, make_workload: Callable[[RunConfig, Children], Workload]):
+        """``make_workload`` builds the compute behind the phases (``workloads.make``): the
+        runner itself knows none."""
+        self.config = config
+        self.layout = RunLayout(config.log_path)
+        self.cancel = CancelToken()
+        self.children = Children()
+        self.coordinator = Coordinator(config, self.cancel, self.children)
+        self.workload = make_workload(config, self.children)
+
+    def _resume_point(self) -> tuple[int, Phase, dict | None]:
+        fsio.refresh_dir(self.layout.control)
+        start = next_point(fsio.read_record(self.layout.progress))
+        first = first_point(start, self.config.rl_phase, self.config.max_iterations)
+        if first is None:
+            return start[0], start[1], None
+        iteration, phase = first
+        plan = fsio.read_record(self.layout.iteration(iteration).plan)
+        return iteration, phase, plan
+
+    def run(self) -> int:
+        _install_signal_handlers()
+        state = "failed"
+        try:
+            while True:
+                try:
+                    start = self.coordinator.join(self._resume_point)
+                    log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
+                    self._walk(start.iteration, start.phase, start.plan)
+                    break
+                except PeerFailed as e:
+                    if not self._may_wait_for_master(e):
+                        raise
+                    self._leave_for_new_master(e)
+            state = "done"
+            log.info("run complete")
+            return EXIT_OK
+        except BaseException as e:  # noqa: BLE001 - every ending is classified, recorded and reported
+            cause = self._root_cause(e)
+            state = {StopRequested: "stopped", Interrupted: "interrupted"}.get(type(cause), "failed")
+            return self._report(cause, e)
+        finally:
+            _ignore_signals()
+            self.cancel.cancel(OrchestratorError("rank is ending"))
+            self._stop_children()
+            self.coordinator.close(state)
+
+    def _may_wait_for_master(self, e: PeerFailed) -> bool:
+        """A worker whose master died waits for a new one (coordination.master_wait_s > 0)."""
+        c = e.culprit
+        return not self.config.is_master and self.config.coordination.master_wait_s > 0 and c.rank == 0 and c.kind == "dead"
+
+    def _leave_for_new_master(self, e: PeerFailed) -> None:
+        """Leave the dead master's attempt (its children stopped, its work durable as always)
+        and join the next one; the worker's join deadline bounds the wait."""
+        wait = self.config.coordination.master_wait_s
+        log.warning("%s. Waiting up to %.0f s (coordination.master_wait_s) for a new master: restart rank 0 with the "
+                    "same command; the run resumes from its last finished phase", e, wait)
+        self.coordinator.record_failure("peer", str(e), culprit=e.culprit)
+        self.cancel.cancel(OrchestratorError("leaving the attempt of a dead master"))
+        self._stop_children()
+        self.cancel = CancelToken()
+        self.coordinator.leave(self.cancel, join_timeout_s=wait)
+
+    def _root_cause(self, e: BaseException) -> BaseException:
+        """What really ended the rank: work that fails because the rank was cancelled (its
+        engine killed, its wait interrupted) is reported as the cancellation's reason."""
+        if isinstance(e, KeyboardInterrupt):
+            return Interrupted("SIGINT")
+        if isinstance(e, OrchestratorError) or not isinstance(e, Exception):
+            return e
+        return self.cancel.reason or e
+
+    def _report(self, cause: BaseException, raised: BaseException) -> int:
+        """Record ``cause`` for the other ranks and the operator; return the exit code."""
+        rank, where = self.config.rank, self._where()
+        if isinstance(cause, StopRequested):
+            log.warning("%s; re-run the same command to continue", cause)
+            return EXIT_OK
+        if isinstance(cause, Interrupted):
+            self.coordinator.record_failure("interrupted", cause.signal_name)
+            log.error("interrupted by %s at %s; re-run the same command to resume", cause.signal_name, where)
+            return EXIT_INTERRUPTED
+        if isinstance(cause, PeerFailed):
+            self.coordinator.record_failure("peer", str(cause), culprit=cause.culprit)
+            log.error("%s. This rank (%d) stops too. Once that is fixed, re-run the same commands on every node; "
+                      "the run resumes from its last finished phase", cause, rank)
+            return cause.exit_code
+        if isinstance(cause, BadInput):
+            self.coordinator.record_failure("error", str(cause))
+            log.error("%s", cause)
+            return cause.exit_code
+        if isinstance(cause, DeadlineExceeded):
+            self.coordinator.record_failure("deadline", str(cause), raised)
+            log.error("deadline at %s: %s. Raise the deadline (deadlines.PHASE=SECONDS) if the work is just slow, "
+                      "then re-run the same commands to resume", where, cause)
+            return EXIT_ERROR
+        if not isinstance(cause, Exception):
+            raise cause  # SystemExit and the like: not ours to classify
+        self.coordinator.record_failure("error", f"{type(cause).__name__}: {cause}", cause)
+        log.error("rank %d failed at %s: %s: %s", rank, where, type(cause).__name__, cause,
+                  exc_info=(type(cause), cause, cause.__traceback__))
+        return EXIT_ERROR
+
+    def _stop_children(self) -> None:
+        self.workload.close()
+        self.children.stop_all(grace_s=3.0)
+
+    def _where(self) -> str:
+        iteration, phase = self.coordinator.where
+        return f"iteration {iteration}, phase {phase}" if iteration is not None else "start-up"
+
+    def _walk(self, iteration: int, phase: Phase, plan: dict | None) -> None:
+        cfg = self.config
+        group_start, group_budget = None, 0.0  # phases since the last barrier share its deadline
+        for iteration, phase in schedule((iteration, phase), cfg.rl_phase, cfg.max_iterations):
+            if plan is None or plan.get("iteration") != iteration:
+                plan = fsio.read_record(self.layout.iteration(iteration).plan) or {"iteration": iteration}
+            spec = phase.spec
+            budget = cfg.deadlines.for_phase(phase)
+            if group_start is None:
+                group_start, group_budget = time.monotonic(), 0.0
+            group_budget += budget
+            self.coordinator.set_position(iteration, phase, Deadline.after(budget, f"deadlines.{phase.name.lower()}={budget:g} s"))
+            ctx = self._ctx(iteration, phase, plan)
+            self.cancel.check()
+            payload = None
+            if spec.needs_engine:
+                self.workload.engine_start(ctx)  # a no-op when it runs: covers a resume after phase 12
+            self.coordinator.fault_point("hold", iteration, phase)
+            self.coordinator.fault_point("raise", iteration, phase)
+            if spec.actor.acts(ctx.is_master) and phase in phases.WORK:
+                payload = phases.WORK[phase](ctx)
+            if spec.barrier is Barrier.ALL:
+                decide = phases.DECIDE.get(phase, phases.no_decision)
+                # Each rank's monitor enforces its own work deadline and reports it; the barrier's
+                # deadline, later by one node timeout, is the backstop for ranks that cannot.
+                deadline = Deadline(group_start + group_budget + cfg.coordination.node_timeout_s,
+                                    f"deadlines.{phase.name.lower()}")
+                group_start = None
+                decision = self.coordinator.barrier(iteration, phase, payload, deadline, lambda arrivals: decide(ctx, arrivals))
+                if "plan" in decision:
+                    plan = decision["plan"]
+                if decision.get("stop"):
+                    raise StopRequested(f"stopped on request after iteration {iteration}, phase {phase.label}")
+
+    def _ctx(self, iteration: int, phase: Phase, plan: dict) -> PhaseContext:
+        return PhaseContext(
+            config=self.config,
+            layout=self.layout,
+            iteration=iteration,
+            phase=phase,
+            plan=plan,
+            cancel=self.cancel,
+            workload=self.workload,
+            coordinator=self.coordinator,
+            log=log,
+        )
+
+
+def _raise_interrupted(signum, _frame) -> None:
+    _ignore_signals()
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _install_signal_handlers() -> None:
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+
+
+def _ignore_signals() -> None:
+    """While a rank cleans up, a second Ctrl+C must not cut the cleanup short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,0 +1,257 @@
+"""A node's inference engines: each one a process on the GPUs the placement gave it (the
+embedded server, or vLLM), started on a checkpoint, waited on until healthy (deadline,
+cancellable), moved to a new checkpoint in place where the engine can, else restarted, and
+stopped with its whole process group.
+
+Ports are node-local: engine k of a node gets the first free port from the planned one
+(``rollout.engine_port`` + k), and if another process takes it first the engine's failed
+bind is retried on the next free port. Every start gets a served-model name of its own that
+the client checks, so a rank can never be served by another process's engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from orchestrator.config import RolloutConfig
+from orchestrator.engine import vllm
+from orchestrator.engine.client import EngineClient
+from orchestrator.errors import DeadlineExceeded
+from orchestrator.node import gpus
+from orchestrator.node.placement import Engine
+from orchestrator.node.ports import free_port
+from orchestrator.node.procs import Children
+from orchestrator.protocol.layout import RunLayout
+from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
+
+log = logging.getLogger(__name__)
+
+BIND_RETRIES = 3
+_BIND_FAILED = ("Address already in use", "Errno 98")
+
+
+class EngineProcess:
+    def __init__(self, children: Children, spec: Engine, rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0):
+        self.children = children
+        self.spec = spec
+        self.rollout = rollout
+        self.log_file = layout.engine_log(rank, spec.engine)
+        self._port_file = layout.engine_port_file(rank, spec.engine)
+        self.seed = seed
+        self.proc: subprocess.Popen | None = None
+        self.checkpoint: Path | None = None
+        self.client: EngineClient | None = None
+        self.port: int | None = None
+        self.name = ""
+        self.asleep = False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def launch(self, checkpoint: Path, taken: set[int]) -> None:
+        """Start the process (not waiting for it). ``taken``: ports of this node's other engines."""
+        self.stop()
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        if self.rollout.engine == "vllm":  # vLLM cannot report a port it picked: choose one for it
+            self.port = free_port(self.spec.port or 8000, exclude=taken)
+        else:  # the embedded server reports the port it bound (any free one with 0)
+            self.port = free_port(self.spec.port, exclude=taken) if self.spec.port else 0
+        self.name = f"policy-{uuid.uuid4().hex[:12]}"
+        argv, env = self._command(checkpoint)
+        log.info("starting engine %d (%s, GPUs %s, port %s) on %s; log %s", self.spec.engine, self.rollout.engine,
+                 ",".join(map(str, self.spec.gpus)) or "none", self.port or "any", checkpoint, self.log_file)
+        with open(self.log_file, "ab") as out:
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start on {checkpoint} as {self.name}, port {self.port}, "
+                      f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')}\n".encode())
+            out.flush()
+            self.proc = self.children.start(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.checkpoint = checkpoint
+        self.client = None
+        self.asleep = False
+
+    def _command(self, checkpoint: Path) -> tuple[list[str], dict]:
+        if self.rollout.engine == "vllm":
+            argv = vllm.serve_command(
+                model=str(checkpoint), served_model_name=self.name, port=self.port,
+                tensor_parallel_size=self.rollout.tensor_parallel_size, pipeline_parallel_size=self.rollout.pipeline_parallel_size,
+                gpu_memory_utilization=self.rollout.gpu_memory_utilization, max_model_len=self.rollout.max_model_len,
+                dtype=self.rollout.dtype, seed=self.seed, extra_args=self.rollout.engine_args,
+            )
+            return argv, vllm.serve_env(gpus=self.spec.gpus, base=os.environ)
+        env = dict(os.environ)
+        if self.spec.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices(self.spec.gpus)
+        argv = [sys.executable, "-m", "orchestrator.engine.server", "--model", str(checkpoint), "--port", str(self.port),
+                "--served-model-name", self.name, "--port-file", str(self._port_file)]
+        self._port_file.unlink(missing_ok=True)
+        return argv, env
+
+    def wait_ready(self, cancel: CancelToken, taken: set[int]) -> EngineClient:
+        """Wait until the launched engine serves its own name; a lost port race is retried."""
+        for attempt in range(BIND_RETRIES + 1):
+            try:
+                return self._wait_ready(cancel)
+            except _BindFailed:
+                if attempt == BIND_RETRIES:
+                    raise RuntimeError(f"engine {self.spec.engine} could not bind a port after {BIND_RETRIES + 1} tries; see {self.log_file}") from None
+                log.warning("engine %d lost port %s to another process; retrying on the next free port", self.spec.engine, self.port)
+                self.launch(self.checkpoint, taken | {self.port})
+        raise AssertionError("unreachable")
+
+    def _wait_ready(self, cancel: CancelToken) -> EngineClient:
+        timeout = self.rollout.engine_start_timeout_s
+        deadline = Deadline.after(timeout, f"engine {self.spec.engine} to start")
+        if self.rollout.engine == "embedded":  # it reports the port it bound (any, with port 0)
+            self.port = poll(self._read_port, deadline=deadline, cancel=cancel, backoff=Backoff(0.05, 0.5),
+                             on_timeout=lambda: DeadlineExceeded(self._timeout_message()))
+        client = EngineClient(f"http://127.0.0.1:{self.port}", timeout_s=600, model=self.name)
+        try:
+            client.wait_healthy(max(1.0, deadline.remaining()), should_stop=lambda: cancel.reason is not None or not self.running)
+        except Exception:
+            cancel.check()
+            self._raise_if_exited()
+            raise DeadlineExceeded(self._timeout_message()) from None
+        cancel.check()
+        self._raise_if_exited()
+        if self.name not in client.models():
+            raise RuntimeError(f"port {self.port} is served by another process, not engine {self.spec.engine}; see {self.log_file}")
+        self.client = client
+        log.info("engine %d serves %s on port %d", self.spec.engine, self.checkpoint, self.port)
+        return client
+
+    def _read_port(self) -> int | None:
+        self._raise_if_exited()
+        try:
+            return int(self._port_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _raise_if_exited(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            tail = self.log_file.read_text(errors="replace")[-3000:]
+            if any(s in tail for s in _BIND_FAILED):
+                raise _BindFailed()
+            raise RuntimeError(f"engine {self.spec.engine} exited with code {self.proc.returncode} before serving; {self.log_file} ends:\n{tail}")
+
+    def _timeout_message(self) -> str:
+        return (f"engine {self.spec.engine} did not serve within rollout.engine_start_timeout_s="
+                f"{self.rollout.engine_start_timeout_s:g} s; see {self.log_file}")
+
+    # -- new weights, release, stop -------------------------------------------------------------
+
+    def switch_in_place(self, checkpoint: Path) -> bool:
+        """Serve ``checkpoint`` without a restart (wake first if asleep); False: restart instead."""
+        if not self.running or self.client is None or self.rollout.engine != "vllm" or self.rollout.weight_update != "auto":
+            return False
+        began = time.monotonic()
+        try:
+            if self.asleep and not vllm.wake_up(self.client.base_url, timeout_s=self.rollout.engine_start_timeout_s):
+                return False
+            self.asleep = False
+            if not vllm.reload_weights(self.client.base_url, str(checkpoint), timeout_s=self.rollout.engine_start_timeout_s):
+                return False
+        except Exception as e:  # noqa: BLE001 - any failure of the fast path falls back to a restart
+            log.warning("engine %d could not reload weights in place (%s); restarting it", self.spec.engine, e)
+            return False
+        self.checkpoint = checkpoint
+        log.info("engine %d reloaded %s in place in %.1f s", self.spec.engine, checkpoint, time.monotonic() - began)
+        return True
+
+    def _can_sleep(self) -> bool:
+        """vLLM frees GPU memory in sleep only when started with --enable-sleep-mode (without
+        it, /sleep answers 200 and frees nothing). On CPU there is nothing to free: sleeping
+        just keeps the engine loaded for an in-place reload."""
+        if self.rollout.engine != "vllm" or self.rollout.weight_update != "auto":
+            return False
+        return not self.spec.gpus or "--enable-sleep-mode" in self.rollout.engine_args.split()
+
+    def release(self) -> None:
+        """Free the GPUs for training: put vLLM to sleep where that frees them, else stop."""
+        if self.running and self.client is not None and self._can_sleep():
+            try:
+                if vllm.sleep(self.client.base_url, level=2, timeout_s=60.0):
+                    self.asleep = True
+                    log.info("engine %d sleeps until phase 12 brings the new weights", self.spec.engine)
+                    return
+            except Exception as e:  # noqa: BLE001
+                log.warning("engine %d could not sleep (%s); stopping it", self.spec.engine, e)
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.children.stop(self.proc, grace_s=10.0)
+        self.proc = None
+        self.checkpoint = None
+        self.client = None
+        self.asleep = False
+
+
+class _BindFailed(Exception):
+    pass
+
+
+class NodeEngines:
+    """The engines the placement puts on this node."""
+
+    def __init__(self, children: Children, specs: list[Engine], rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0):
+        self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed) for s in specs]
+        self.rollout = rollout
+
+    def ensure(self, checkpoint: Path, cancel: CancelToken) -> list[EngineClient]:
+        """Every engine serving ``checkpoint``: moved in place, or (re)started, all at once."""
+        starting = []
+        for e in self.engines:
+            if e.running and e.checkpoint == checkpoint and not e.asleep:
+                continue
+            if e.switch_in_place(checkpoint):
+                continue
+            e.launch(checkpoint, self._ports_taken(e))
+            starting.append(e)
+        for e in starting:
+            e.wait_ready(cancel, self._ports_taken(e))
+        return [e.client for e in self.engines]
+
+    def _ports_taken(self, me: EngineProcess) -> set[int]:
+        return {e.port for e in self.engines if e is not me and e.port}
+
+    def release(self, gpu_ids: list[int], cancel: CancelToken) -> None:
+        """Free this node's GPUs for training, and wait (bounded) until their memory is."""
+        for e in self.engines:
+            e.release()
+        if gpu_ids:
+            wait_memory_released(gpu_ids, self.rollout, cancel)
+
+    def stop(self) -> None:
+        for e in self.engines:
+            e.stop()
+
+
+def wait_memory_released(gpu_ids: list[int], rollout: RolloutConfig, cancel: CancelToken) -> None:
+    """Colocated training starts only once the engines' memory is back: poll nvidia-smi until
+    every training GPU of this node uses less than ``rollout.memory_released_mib``."""
+    limit = rollout.memory_released_mib
+    seen: dict[int, int] = {}
+
+    def released():
+        used = gpus.memory_used_mib(gpu_ids)
+        if used is None:
+            return True  # no nvidia-smi: nothing to wait on
+        seen.update(used)
+        return True if all(mib < limit for mib in used.values()) else None
+
+    poll(released, deadline=Deadline.after(rollout.memory_release_timeout_s, "GPU memory to be released"), cancel=cancel,
+         backoff=Backoff(0.2, 2.0),
+         on_timeout=lambda: DeadlineExceeded(
+             "GPU memory was not released within rollout.memory_release_timeout_s="
+             f"{rollout.memory_release_timeout_s:g} s after the engines stopped: "
+             + ", ".join(f"GPU {g} uses {mib} MiB" for g, mib in sorted(seen.items()) if mib >= limit)
+             + f" (limit rollout.memory_released_mib={limit}). Look for leftover engine processes with nvidia-smi"))

@@ -1,0 +1,298 @@
+"""The RL workload: what each phase asks of the compute, done for real.
+
+Rollout and eval send the rank's prompts to its node's engine over the OpenAI-compatible
+HTTP API (the embedded engine, or vLLM) and score each completion with the configured
+reward. Training runs ``orchestrator.train.worker`` on every rank as one torch.distributed
+job. Records are JSON (see docs/demo.md and the trainer's contract in train/worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from orchestrator import rewards
+from orchestrator.config import RunConfig
+from orchestrator.data import checkpoints
+from orchestrator.demo.tasks import read_tasks
+from orchestrator.engine.client import EngineClient
+from orchestrator.node import gpus
+from orchestrator.node.procs import Children
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import RunLayout
+from orchestrator.runtime.context import PhaseContext
+from orchestrator.workloads.rl import rendezvous
+from orchestrator.workloads.rl.engine_process import NodeEngines
+
+log = logging.getLogger(__name__)
+
+PROMPTS_PER_REQUEST = 16
+
+
+class TrainerFailed(RuntimeError):
+    pass
+
+
+class RLWorkload:
+    def __init__(self, config: RunConfig, children: Children):
+        self.config = config
+        self.rl = config.rl
+        self.children = children
+        self.reward = rewards.load(self.rl.reward)
+        self.tasks = {split: read_tasks(config.tasks_path / f"{name}.jsonl") for split, name in (("train", "train"), ("eval", "test"))}
+        self.by_id = {t["id"]: t for tasks in self.tasks.values() for t in tasks}
+        self.layout = RunLayout(config.log_path)
+        self.engines: NodeEngines | None = None  # built from the placement at the first start
+        self.clients: list[EngineClient] = []
+        self._verified = checkpoints.Verified()
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    def tasks_per_iteration(self, split: str) -> int:
+        wanted = self.rl.train_tasks if split == "train" else self.rl.eval_tasks
+        return min(wanted, len(self.tasks[split]))
+
+    def task_ids(self, split: str, iteration: int) -> list[str]:
+        ids = [t["id"] for t in self.tasks[split]]
+        n = self.tasks_per_iteration(split)
+        if split == "eval":
+            return ids[:n]  # the same eval set every time, so the curve compares like with like
+        return random.Random(f"{self.config.seed}:train:{iteration}").sample(ids, n)
+
+    # -- engine ------------------------------------------------------------------------------
+
+    def checkpoint(self) -> Path:
+        """What the policy is now: the published checkpoint, else the base model."""
+        current = fsio.read_record(self.layout.current_checkpoint)
+        return self.layout.root / current["path"] if current else self.config.model_path
+
+    def verified_checkpoint(self) -> Path:
+        """The current policy, checked against its manifest (the base model has none)."""
+        path = self.checkpoint()
+        if path != self.config.model_path:
+            self._verified.check(path)
+        return path
+
+    def _node_engines(self, ctx: PhaseContext) -> NodeEngines:
+        if self.engines is None:
+            specs = ctx.coordinator.placement.engines_on(ctx.rank)
+            self.engines = NodeEngines(self.children, specs, self.config.rollout, self.layout, ctx.rank, seed=self.config.seed)
+        return self.engines
+
+    def engine_start(self, ctx: PhaseContext) -> None:
+        if self.config.debug_mode:
+            self.clients = [EngineClient(self.config.rollout.engine_url, timeout_s=600)]
+            return
+        self.clients = self._node_engines(ctx).ensure(self.verified_checkpoint(), ctx.cancel)
+
+    def engine_stop(self, ctx: PhaseContext) -> None:
+        """Phase 7: free the GPUs training shares with the engines (colocated, and always on
+        CPU); disaggregated engines keep their GPUs and serve on until phase 12 moves them."""
+        if self.config.debug_mode:
+            return
+        placement = ctx.coordinator.placement
+        if not placement.colocated:
+            ctx.log.info("disaggregated placement: the engines keep their GPUs and serve on through training")
+            return
+        if self.engines is not None:
+            train_gpus = [w.gpu for w in placement.train_workers_on(ctx.rank) if w.gpu is not None]
+            self.engines.release(train_gpus, ctx.cancel)
+        self.clients = []
+
+    def close(self) -> None:
+        if self.engines is not None:
+            self.engines.stop()
+        self.clients = []
+
+    # -- rollout and eval ----------------------------------------------------------------------
+
+    def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
+        """Batches of records in completion order; a node's engines share the batches."""
+        if not task_ids:
+            return
+        if not self.clients:
+            self.engine_start(ctx)
+        batches = [task_ids[i : i + PROMPTS_PER_REQUEST] for i in range(0, len(task_ids), PROMPTS_PER_REQUEST)]
+        if len(self.clients) == 1:
+            for batch in batches:
+                ctx.cancel.check()
+                yield self._complete(ctx, split, self.clients[0], batch)
+            return
+        yield from self._rollout_parallel(ctx, split, batches)
+
+    def _rollout_parallel(self, ctx: PhaseContext, split: str, batches: list[list[str]]) -> Iterator[list[dict]]:
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for b in batches:
+            todo.put(b)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        stop = threading.Event()
+
+        def serve(client: EngineClient) -> None:
+            while not stop.is_set():
+                try:
+                    batch = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    done.put(self._complete(ctx, split, client, batch))
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                    done.put(e)
+                    return
+
+        threads = [threading.Thread(target=serve, args=(c,), name=f"rollout-{i}", daemon=True) for i, c in enumerate(self.clients)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in batches:
+                while True:
+                    ctx.cancel.check()
+                    try:
+                        item = done.get(timeout=0.2)
+                        break
+                    except queue.Empty:
+                        if not any(t.is_alive() for t in threads) and done.empty():
+                            raise RuntimeError("every rollout thread ended with batches left") from None
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+    def _complete(self, ctx: PhaseContext, split: str, client: EngineClient, task_ids: list[str]) -> list[dict]:
+        train = split == "train"
+        n = self.rl.samples_per_prompt if train else self.rl.eval_samples
+        temperature = self.rl.temperature if train else self.rl.eval_temperature
+        policy = str(self.checkpoint())
+        batch = [self.by_id[t] for t in task_ids]
+        seed = random.Random(f"{self.config.seed}:{split}:{ctx.iteration}:{batch[0]['id']}").randrange(2**31)
+        began = time.monotonic()
+        groups = client.complete([t["prompt"] for t in batch], n=n, temperature=temperature, top_p=self.rl.top_p,
+                                 max_tokens=self.rl.max_tokens, seed=seed, logprobs=0)
+        seconds = (time.monotonic() - began) / len(batch)
+        return [self._record(ctx, split, task, group, policy, seconds) for task, group in zip(batch, groups)]
+
+    def _record(self, ctx: PhaseContext, split: str, task: dict, group, policy: str, seconds: float) -> dict:
+        return {
+            "task_id": task["id"],
+            "split": split,
+            "iteration": ctx.iteration,
+            "rank": ctx.rank,
+            "attempt": ctx.attempt_id,
+            "policy": policy,
+            "prompt": task["prompt"],
+            "answer": task["answer"],
+            "seconds": seconds,
+            "samples": [
+                {
+                    "text": c.text,
+                    "reward": float(self.reward(task, c.text)),
+                    "finish_reason": c.finish_reason,
+                    "logprobs": c.token_logprobs,
+                }
+                for c in group
+            ],
+        }
+
+    def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
+        rewards_all, best, lengths, tokens, seconds = [], [], [], 0, 0.0
+        with open(eval_records, "rb") as f:
+            for line in f:
+                rec = json.loads(line)
+                rs = [s["reward"] for s in rec["samples"]]
+                rewards_all += rs
+                best.append(max(rs))
+                for s in rec["samples"]:
+                    n_tok = len(s["logprobs"]) if s.get("logprobs") is not None else len(s["text"])
+                    lengths.append(n_tok)
+                    tokens += n_tok
+                seconds += rec.get("seconds", 0.0)
+        if not rewards_all:
+            return {"accuracy": 0.0, "mean_reward": 0.0, "pass_at_k": 0.0, "response_length": 0.0, "tokens_per_s": 0.0}
+        mean = sum(rewards_all) / len(rewards_all)
+        return {
+            "accuracy": sum(1.0 for r in rewards_all if r >= 1.0) / len(rewards_all),
+            "mean_reward": mean,
+            "pass_at_k": sum(1.0 for b in best if b >= 1.0) / len(best),
+            "k": self.rl.eval_samples,
+            "response_length": sum(lengths) / len(lengths),
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "tasks": len(best),
+        }
+
+    # -- training ------------------------------------------------------------------------------
+
+    def train(self, ctx: PhaseContext, train_config: dict, checkpoint_dir: Path | None) -> None:
+        """Run this node's train workers (one per GPU the placement gives it; one on CPU) as
+        part of one torch.distributed job; worker 0 writes into ``checkpoint_dir``."""
+        placement = ctx.coordinator.placement
+        workers = placement.train_workers_on(ctx.rank)
+        if not workers:
+            return
+        rdv = rendezvous.publish_or_read(ctx)
+        attempt = ctx.coordinator.attempt
+        log.info("training iteration %d: workers %s of %d on this node, rendezvous %s:%d", ctx.iteration,
+                 ",".join(str(w.rank) for w in workers), len(placement.train_workers), rdv["addr"], rdv["port"])
+        sockets = rendezvous.socket_env(rdv["addr"])
+        if sockets:
+            log.info("trainers use interface %s to reach %s (set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to choose)",
+                     next(iter(sockets.values())), rdv["addr"])
+        procs = []
+        for w in workers:
+            config_path, log_path = attempt.trainer_config(w.rank), attempt.trainer_log(w.rank)
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            output = checkpoint_dir if w.rank == 0 and checkpoint_dir is not None else attempt.trainer_scratch(w.rank)
+            config_path.write_text(json.dumps(self._trainer_config(ctx, train_config, output), indent=2))
+            env = {
+                **os.environ,
+                "MASTER_ADDR": rdv["addr"],
+                "MASTER_PORT": str(rdv["port"]),
+                "WORLD_SIZE": str(len(placement.train_workers)),
+                "RANK": str(w.rank),
+                "LOCAL_RANK": "0",
+                "TRAIN_TIMEOUT_S": str(self.rl.train_timeout_s),
+                **sockets,
+            }
+            if w.gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices([w.gpu])
+            with open(log_path, "ab") as out:
+                procs.append((w, log_path, self.children.start(
+                    [sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(config_path)],
+                    env=env, stdout=out, stderr=subprocess.STDOUT)))
+        failed = []
+        try:
+            while not failed and any(p.poll() is None for _, _, p in procs):
+                ctx.cancel.sleep(0.2)
+                failed = [(w, lp, p) for w, lp, p in procs if p.poll() not in (None, 0)]
+            failed = failed or [(w, lp, p) for w, lp, p in procs if p.returncode != 0]
+        finally:
+            for _, _, p in procs:
+                self.children.stop(p)  # the others of a failed step: they would wait out the collective timeout
+        if failed:
+            w, log_path, p = failed[0]
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise TrainerFailed(f"train worker {w.rank} of rank {ctx.rank} exited with code {p.returncode}; {log_path} ends:\n{tail}")
+
+    def _trainer_config(self, ctx: PhaseContext, train_config: dict, output: Path) -> dict:
+        return {
+            "iteration": ctx.iteration,
+            "data": str(self.config.log_path / train_config["data"]),
+            "init_checkpoint": str(self.verified_checkpoint()),
+            "reference_checkpoint": str(self.config.model_path) if self.rl.kl_coef > 0 else None,
+            "output": str(output),
+            "seed": self.config.seed + ctx.iteration,
+            "lr": self.rl.lr,
+            "epochs": self.rl.epochs,
+            "micro_batch": self.rl.micro_batch,
+            "clip_eps": self.rl.clip_eps,
+            "kl_coef": self.rl.kl_coef,
+            "max_grad_norm": self.rl.max_grad_norm,
+        }

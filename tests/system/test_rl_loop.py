@@ -1,0 +1,175 @@
+"""The RL loop for real on the demo: engine processes, HTTP rollout, rewards, a
+torch.distributed GRPO step across ranks, checkpoints served by every engine (issue 3)."""
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import RunLayout
+from tests.harness import NODE_TIMEOUT_S, kill_tree, start_ranks, status_json, wait_for, wait_mid_rollout
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SMALL = [
+    "rl.train_tasks=8",
+    "rl.samples_per_prompt=4",
+    "rl.eval_tasks=16",
+    "rl.eval_samples=2",
+    "rl.epochs=1",
+    "rl.micro_batch=4",
+    "coordination.heartbeat_interval_s=0.5",
+    "coordination.node_timeout_s=10",
+    "coordination.join_timeout_s=60",
+]
+
+
+def _flags(data, log_path, *, num_nodes=3, weights="2,1,1", rl_phase="both", extra=()):
+    flags = [f"--data-path={data}", f"--log-path={log_path}", f"--rl-phase={rl_phase}",
+             f"--num-nodes={num_nodes}", f"--rank-weights={weights}", *SMALL, *extra]
+    if rl_phase == "both":
+        flags.append("--eval-interval=1")
+    return flags
+
+
+def _local(flags, timeout=240):
+    return subprocess.run([sys.executable, "-m", "orchestrator", "local", *flags], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _aggregate(layout, iteration, split="train"):
+    return [json.loads(line) for line in layout.iteration(iteration).aggregate(split).read_text().splitlines()]
+
+
+def _served_hashes(log_path):
+    """sha256 of the weights each rank's engine loaded, in order, from the engine logs."""
+    out = {}
+    for log in sorted((log_path / "engines").glob("r*/engine*.log")):
+        out[int(log.parent.name[1:])] = re.findall(r"model.safetensors sha256 ([0-9a-f]{64})", log.read_text())
+    return out
+
+
+def test_three_ranks_two_iterations_train_across_processes_and_every_engine_serves_the_new_checkpoint(demo_data, tmp_path):
+    log_path = tmp_path / "run"
+    result = _local(_flags(demo_data, log_path, extra=["--max-iterations=2"]))
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    layout = RunLayout(log_path)
+    for i in (1, 2):
+        records = _aggregate(layout, i)
+        assert len(records) == 8 and len({r["task_id"] for r in records}) == 8
+        assert sum(len(r["samples"]) for r in records) == 8 * 4  # tasks x samples
+        stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+        assert stats  # the trainer's own account
+    # three trainer processes formed one group in each iteration
+    for i in (1, 2):
+        logs = sorted(log_path.glob("attempts/*/train/trainer-w*.log"))
+        assert len(logs) == 3
+    # after iteration 1's publish, every engine restarted on the same new weights
+    new = _sha(layout.checkpoint(1) / "model.safetensors")
+    base = _sha(demo_data / "model" / "model.safetensors")
+    served = _served_hashes(log_path)
+    assert sorted(served) == [0, 1, 2]
+    for rank, hashes in served.items():
+        assert hashes[0] == base and new in hashes, f"rank {rank} served {hashes}"
+    status = status_json(log_path)
+    assert [it["evaluated"] for it in status["iterations"]] == [True, True]
+    assert all(0.0 <= it["metrics"]["accuracy"] <= 1.0 and "pass_at_k" in it["metrics"] for it in status["iterations"])
+
+
+def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
+    log_path = tmp_path / "run"
+    rollout = _local(_flags(demo_data, log_path, num_nodes=2, weights="1,1", rl_phase="rollout",
+                            extra=["--rollout-split=train-only", "--max-iterations=1"]))
+    assert rollout.returncode == 0, rollout.stdout[-4000:]
+    layout = RunLayout(log_path)
+    assert len(_aggregate(layout, 1)) == 8 and not layout.checkpoint(1).exists()
+
+    update = _local(_flags(demo_data, log_path, num_nodes=2, weights="1,1", rl_phase="update", extra=["--max-iterations=1"]))
+    assert update.returncode == 0, update.stdout[-4000:]
+    assert (layout.checkpoint(1) / "model.safetensors").is_file()
+    assert fsio.read_record(layout.current_checkpoint)["iteration"] == 1
+
+    evals = tmp_path / "eval-run"
+    result = _local(_flags(demo_data, evals, num_nodes=2, weights="1,1", rl_phase="rollout",
+                           extra=["--rollout-split=eval-only", "--max-iterations=1"]))
+    assert result.returncode == 0, result.stdout[-4000:]
+    it = status_json(evals)["iterations"][0]
+    assert it["evaluated"] and "accuracy" in it["metrics"] and it["trajectories"] is None
+
+
+def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, tmp_path):
+    log_path = tmp_path / "run"
+    # 192 tasks: rank 0 (weight 2 of 4) sends 96 prompts in 6 requests, so "part-way" lasts
+    # five requests, long enough for the poll below to see it even on a loaded machine.
+    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192"])
+    procs = start_ranks(flags, 3)
+    try:
+        layout = RunLayout(log_path)
+        wait_mid_rollout(layout, 0)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(timeout=10)
+        assert [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs[1:]] == [3, 3]
+        partial = layout.iteration(1).shard("train", 0).read_text().splitlines()
+        assert 0 < len(partial) < 96
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    result = _local(flags)
+    assert result.returncode == 0, result.stdout[-6000:]
+    ids = [r["task_id"] for r in _aggregate(layout, 1)]
+    assert len(ids) == 192 and len(set(ids)) == 192
+    kept = [json.loads(line)["task_id"] for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
+    assert kept[: len(partial)] == [json.loads(line)["task_id"] for line in partial]
+
+
+def test_a_pickle_where_a_shard_belongs_is_refused_and_never_unpickled(tmp_path):
+    """A shard is parsed as JSON lines, never loaded with pickle: a pickle that would write a
+    marker when loaded is refused, naming the file and the rank, and the marker never appears."""
+    import pickle
+
+    from orchestrator.data import shards
+
+    marker = tmp_path / "unpickled"
+
+    class Trap:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    shard = tmp_path / "r00001.jsonl"
+    shard.write_bytes(pickle.dumps(Trap()))
+    fsio.write_record(shards.manifest_path(shard), {"count": 1, "bytes": shard.stat().st_size, "sha256": _sha(shard)})
+    with pytest.raises(shards.ShardError, match=r"rank 1: shard .*r00001.jsonl has an invalid record"):
+        shards.merge([("rank 1", shard)], tmp_path / "agg.jsonl")
+    shards.manifest_path(shard).unlink()
+    with pytest.raises(shards.ShardError, match="torn or invalid line"):
+        shards.seal(shard)  # sealing parses JSON lines too
+    assert not marker.exists()
+
+
+def test_debug_mode_uses_the_running_engine_and_never_starts_or_stops_one(demo_data, tmp_path):
+    port_file = tmp_path / "engine.port"
+    engine = subprocess.Popen([sys.executable, "-m", "orchestrator.engine.server", f"--model={demo_data / 'model'}",
+                               "--port=0", f"--port-file={port_file}", "--served-model-name=external"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        port = int(wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 60, "the external engine's port"))
+        log_path = tmp_path / "run"
+        result = _local(_flags(demo_data, log_path, num_nodes=1, weights="1", rl_phase="rollout",
+                               extra=["--rollout-split=train-only", "--max-iterations=1", "--debug-mode",
+                                      f"rollout.engine_url=http://127.0.0.1:{port}"]))
+        assert result.returncode == 0, result.stdout[-4000:]
+        assert len(_aggregate(RunLayout(log_path), 1)) == 8
+        assert not (log_path / "engines").exists(), "no engine may be started in debug mode"
+        assert engine.poll() is None, "the external engine must be left running"
+    finally:
+        kill_tree(engine.pid)

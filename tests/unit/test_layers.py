@@ -1,0 +1,82 @@
+"""The package layout is the architecture: no import cycles, and no layer imports one above
+it (docs/architecture.md, "Where the code is"). Reads the source; imports nothing."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "orchestrator"
+
+# Lowest first. A module may import its own layer and the layers below it.
+LAYERS = [
+    {"orchestrator", "orchestrator.errors", "orchestrator.phase_table", "orchestrator.rewards", "orchestrator.terminal"},
+    {"orchestrator.node"},
+    {"orchestrator.config"},
+    {"orchestrator.protocol"},
+    {"orchestrator.data"},
+    {"orchestrator.runtime"},
+    {"orchestrator.workloads", "orchestrator.engine", "orchestrator.train", "orchestrator.demo"},
+    {"orchestrator.ops"},
+    {"orchestrator.cli", "orchestrator.__main__"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The orchestrator modules ``path`` imports, anywhere in it (lazy imports count)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "orchestrator":
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                out.add(child if child in modules else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "orchestrator")
+    return out
+
+
+def _layer(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if module in layer:
+            return i
+    for i, layer in enumerate(LAYERS):
+        if any(module.startswith(prefix + ".") for prefix in layer if prefix != "orchestrator"):
+            return i
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS and to docs/architecture.md")
+
+
+def test_every_module_belongs_to_a_layer_and_imports_none_above_it():
+    modules = _modules()
+    upward = []
+    for module, path in sorted(modules.items()):
+        for target in sorted(_imports(path, modules)):
+            if _layer(target) > _layer(module):
+                upward.append(f"{module} imports {target}")
+    assert not upward, "lower layers must not import upper ones:\n" + "\n".join(upward)
+
+
+def test_there_is_no_import_cycle():
+    modules = _modules()
+    graph = {m: {t for t in _imports(p, modules) if t in modules and t != m} for m, p in modules.items()}
+    done, on_path, cycles = set(), [], []
+
+    def visit(module: str) -> None:
+        on_path.append(module)
+        for target in sorted(graph[module]):
+            if target in on_path:
+                cycles.append(" -> ".join(on_path[on_path.index(target):] + [target]))
+            elif target not in done:
+                visit(target)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

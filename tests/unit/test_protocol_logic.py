@@ -1,0 +1,103 @@
+"""The protocol's pure decisions, driven by a fake clock: liveness, verdicts, resume point."""
+
+import pytest
+
+from orchestrator.phase_table import PHASE_TABLE, Barrier, Phase, RLPhase, eval_due
+from orchestrator.protocol.clock import FakeClock
+from orchestrator.protocol.liveness import LivenessTracker
+from orchestrator.protocol.monitor import master_verdict, worker_verdict
+from orchestrator.runtime.runner import next_point, schedule
+
+
+def hb(counter, pid=1, state="working", **kw):
+    return {"counter": counter, "pid": pid, "state": state, "host": "h", "iteration": 2, "phase": "4:aggregate", **kw}
+
+
+def test_rank_is_dead_only_after_its_counter_stands_still_for_the_timeout():
+    clock, t = FakeClock(), LivenessTracker(timeout_s=10)
+    t.observe(1, hb(1), clock.monotonic())
+    clock.advance(9)
+    t.observe(1, hb(1), clock.monotonic())
+    assert t.dead(clock.monotonic()) == []
+    clock.advance(1.5)
+    assert t.dead(clock.monotonic()) == [1]
+    t.observe(1, hb(2), clock.monotonic())
+    assert t.dead(clock.monotonic()) == []
+
+
+def test_unreadable_heartbeat_is_no_news_and_a_restarted_process_counts_as_a_change():
+    clock, t = FakeClock(), LivenessTracker(timeout_s=5)
+    t.observe(1, hb(7, pid=10), clock.monotonic())
+    clock.advance(4)
+    t.observe(1, None, clock.monotonic())
+    clock.advance(2)
+    assert t.dead(clock.monotonic()) == [1]
+    t.observe(1, hb(7, pid=11), clock.monotonic())  # same counter, new process
+    assert t.dead(clock.monotonic()) == []
+
+
+def test_a_rank_that_never_beats_is_dead_after_the_timeout_and_one_that_ended_is_not():
+    clock, t = FakeClock(), LivenessTracker(timeout_s=5)
+    t.watch(1, clock.monotonic())
+    t.observe(2, hb(3, state="done"), clock.monotonic())
+    clock.advance(6)
+    assert t.dead(clock.monotonic()) == [1]
+
+
+def test_master_verdict_prefers_a_ranks_own_failure_record_over_a_stale_heartbeat():
+    clock, t = FakeClock(), LivenessTracker(timeout_s=5)
+    t.observe(2, hb(1), clock.monotonic())
+    clock.advance(10)
+    failure = {"host": "n1", "iteration": 2, "phase": "10:train", "kind": "error", "error": "CUDA OOM"}
+    c = master_verdict({1: failure}, t, clock.monotonic(), {})
+    assert (c.rank, c.kind, c.error) == (1, "error", "CUDA OOM")
+    c = master_verdict({}, t, clock.monotonic(), {})
+    assert (c.rank, c.kind, c.phase, c.host) == (2, "dead", "4:aggregate", "h")
+    assert "died" in c.describe() and "rank 2 on host h" in c.describe()
+
+
+def test_peer_reports_are_not_root_causes():
+    t = LivenessTracker(timeout_s=5)
+    assert master_verdict({1: {"kind": "peer", "error": "rank 0 died"}}, t, 0.0, {}) is None
+
+
+def test_worker_verdict_follows_the_masters_abort_or_its_silence():
+    clock, t = FakeClock(), LivenessTracker(timeout_s=5)
+    t.observe(0, hb(1), clock.monotonic())
+    abort = {"culprit": {"rank": 2, "host": "n2", "iteration": 1, "phase": "1:rollout", "kind": "interrupted", "error": "SIGINT"}}
+    assert worker_verdict(abort, t, clock.monotonic(), {}).describe().startswith("rank 2 on host n2 was stopped by the user")
+    assert worker_verdict(None, t, clock.monotonic(), {}) is None
+    clock.advance(6)
+    assert worker_verdict(None, t, clock.monotonic(), {}).rank == 0
+
+
+@pytest.mark.parametrize("progress,expected", [
+    (None, (1, Phase.SYNC_START)),
+    ({"iteration": 3, "phase": 4}, (3, Phase.EVAL_DECIDE)),
+    ({"iteration": 3, "phase": 13}, (4, Phase.SYNC_START)),
+])
+def test_resume_starts_after_the_last_released_barrier(progress, expected):
+    assert next_point(progress) == expected
+
+
+def test_schedule_honours_rl_phase_and_max_iterations():
+    both = list(schedule((1, Phase.SYNC_START), RLPhase.BOTH, 2))
+    assert len(both) == 28 and both[0] == (1, Phase.SYNC_START) and both[-1] == (2, Phase.SYNC_END)
+    rollout = list(schedule((1, Phase.ENGINE_STOP), RLPhase.ROLLOUT, 2))
+    assert rollout == [(2, p) for p in Phase if p <= Phase.EVAL]
+    update = list(schedule((1, Phase.SYNC_START), RLPhase.UPDATE, 1))
+    assert update == [(1, p) for p in Phase if p >= Phase.ENGINE_STOP]
+    assert list(schedule((4, Phase.SYNC_START), RLPhase.BOTH, 3)) == []
+
+
+def test_eval_schedule_matches_the_spec():
+    assert [i for i in range(1, 20) if eval_due(i, 6)] == [1, 7, 13, 19]
+    assert all(eval_due(i, 1) for i in range(1, 5))
+
+
+def test_phase_table_covers_every_phase_and_barrier_none_is_always_followed_by_a_barrier():
+    assert set(PHASE_TABLE) == set(Phase)
+    for p in Phase:
+        if PHASE_TABLE[p].barrier is Barrier.NONE:
+            assert PHASE_TABLE[Phase(p + 1)].barrier is Barrier.ALL
+    assert PHASE_TABLE[Phase.SYNC_END].barrier is Barrier.ALL
