@@ -23,6 +23,16 @@ class BadInput(OrchestratorError):
     exit_code = EXIT_BAD_INPUT
 
 
+class ChildFailed(OrchestratorError):
+    """A child process of this rank (a train worker, an engine) failed. ``child`` is the
+    error record it wrote itself (``protocol/child_error.py``), or None when it died without
+    one; the message then carries its log's tail."""
+
+    def __init__(self, message: str, child: dict | None = None):
+        super().__init__(message)
+        self.child = child
+
+
 class ConfigError(ValueError):
     """Bad input or configuration: exit code 2, nothing written."""
 
@@ -41,6 +51,8 @@ class Culprit:
     phase: str | None
     kind: str  # "dead" | "error" | "interrupted" | "deadline" | "join"
     error: str
+    child: dict | None = None
+    """The error record of the child process (trainer, engine) whose failure this was, if any."""
 
     def to_json(self) -> dict:
         return {
@@ -50,11 +62,12 @@ class Culprit:
             "phase": self.phase,
             "kind": self.kind,
             "error": self.error,
+            "child": self.child,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> "Culprit":
-        return cls(d["rank"], d["host"], d.get("iteration"), d.get("phase"), d["kind"], d["error"])
+        return cls(d["rank"], d["host"], d.get("iteration"), d.get("phase"), d["kind"], d["error"], d.get("child"))
 
     def describe(self) -> str:
         where = f"rank {self.rank} on host {self.host}"

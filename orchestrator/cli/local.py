@@ -49,7 +49,7 @@ def local(click_ctx: click.Context, **params) -> None:
             build_config(params, rank=rank)
     except ConfigError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
-    argv = _run_argv(params)
+    argv = _run_argv(params, click_ctx.command.params)
     procs = [
         subprocess.Popen(rank_argv(argv, r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         for r in range(n)
@@ -81,19 +81,17 @@ def _pump(rank: int, proc: subprocess.Popen) -> None:
         sys.stdout.buffer.flush()
 
 
-def _run_argv(params: dict) -> list[str]:
-    """The `run` flags to hand every rank (the rank flag is added per rank)."""
-    argv = [
-        f"--data-path={params['data_path']}",
-        f"--log-path={params['log_path']}",
-        f"--rl-phase={params['rl_phase']}",
-        f"--num-nodes={params['num_nodes']}",
-        f"--rank-weights={params['rank_weights']}",
-    ]
-    for key in ("eval_interval", "rollout_split", "max_iterations"):
-        if params[key] is not None:
-            argv.append(f"--{key.replace('_', '-')}={params[key]}")
-    for flag in ("rehearsal", "debug_mode", "resume"):
-        if params[flag]:
-            argv.append(f"--{flag.replace('_', '-')}")
+def _run_argv(params: dict, options: list[click.Parameter]) -> list[str]:
+    """The `run` flags to hand every rank (the rank flag is added per rank): every option of
+    ``options`` (the shared RUN_OPTIONS) that was given, so a new flag cannot be forgotten."""
+    argv = []
+    for option in options:
+        if not isinstance(option, click.Option):
+            continue
+        value, flag = params[option.name], option.opts[0]
+        if option.is_flag:
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            argv.append(f"{flag}={value}")
     return argv + list(params["overrides"])

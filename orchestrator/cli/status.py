@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from rich.text import Text
 from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, BadInput
 from orchestrator.ops.status import snapshot
+from orchestrator.protocol import child_error
 
 WATCH_INTERVAL_S = 2.0
 
@@ -99,6 +101,10 @@ def view(snap: dict) -> Group:
     f = snap["failure"]
     if f:
         parts.append(Text(f"failure: rank {f['rank']} on {f['host']} at iteration {f['iteration']}, phase {f['phase']}: {f['error']}"))
+        child = f.get("child")
+        if child:
+            parts.append(Text(f"raised in the {child['program']} (pid {child.get('pid')} on {child.get('host')}); its traceback ends:\n"
+                              + textwrap.indent(child_error.traceback_tail(child, 6), "    ")))
         if not any(r["alive"] for r in snap["ranks"]):
             parts.append(Text(f"to recover: fix what the failure names, then re-run the same commands on every node (the run "
                               f"resumes from its last finished phase); `orchestrator recover --log-path {snap['log_path']}` "

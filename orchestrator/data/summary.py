@@ -30,15 +30,31 @@ def update(layout: RunLayout, iteration: int, **fields) -> dict:
 
 def append_metrics(layout: RunLayout, iteration: int, metrics: dict) -> None:
     """Add the iteration's eval metrics to ``metrics.jsonl`` once, even if the phase that
-    computes them runs again after a crash (a line for the iteration is never repeated)."""
+    computes them runs again after a crash (a line for the iteration is never repeated).
+
+    A master killed while writing leaves a torn last line (no newline): it is cut before the
+    new line is appended, as a shard's is. A complete line that does not parse is kept and
+    skipped (``report`` skips it too).
+    """
     path = layout.metrics
     try:
-        seen = {json.loads(line)["iteration"] for line in path.read_text().splitlines() if line.strip()}
+        data = path.read_bytes()
     except FileNotFoundError:
-        seen = set()
+        data = b""
+    complete, _, torn = data.rpartition(b"\n")
+    seen = set()
+    for line in complete.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            seen.add(record.get("iteration"))
     if iteration in seen:
         return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"iteration": iteration, **metrics}, sort_keys=True) + "\n")
+    with open(path, "ab") as f:
+        if torn:
+            f.truncate(len(data) - len(torn))
+        f.write(json.dumps({"iteration": iteration, **metrics}, sort_keys=True).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())

@@ -17,10 +17,10 @@ import shutil
 import time
 from pathlib import Path
 
-from orchestrator.demo import DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS, DEFAULT_SEED, VALIDATION_TASKS
+from orchestrator.demo import DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS, DEFAULT_SEED, VALIDATION_TASKS, warm_start
 from orchestrator.demo import model as demo_model
 from orchestrator.demo import tasks as demo_tasks
-from orchestrator.demo import warm_start
+from orchestrator.protocol import fsio
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,7 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band = 
         "tasks": {split: len(tasks) for split, tasks in splits.items()},
         "seconds": round(time.monotonic() - started, 1),
     }
-    tmp = manifest_path(data_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, manifest_path(data_path))
+    fsio.atomic_write_bytes(manifest_path(data_path), (json.dumps(manifest, indent=2) + "\n").encode())
     log.info("demo data ready under %s: %d warm-start steps, greedy accuracy %.3f on validation, %.3f on test",
              data_path, result.steps, result.validation_accuracy, test_accuracy)
     return manifest

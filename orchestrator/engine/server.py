@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -32,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from orchestrator.engine.sampling import Generation, PromptTooLong, Sampler, SamplingParams
+from orchestrator.protocol import child_error, fsio
 
 log = logging.getLogger("orchestrator.engine.server")
 
@@ -326,9 +326,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _publish_port(path: Path, port: int) -> None:
     """Write the bound port atomically, so a reader sees no file or the whole number."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
+    fsio.atomic_write_bytes(path, f"{port}\n".encode())
 
 
 def _weights_sha256(model_dir: Path) -> str:
@@ -368,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         threading.Event().wait()
     except _Stopped as e:
         log.info("%s: shutting down", e)
+    except Exception as e:
+        log.exception("engine failed: %s: %s", type(e).__name__, e)
+        child_error.write(e, program="engine", exit_code=1)
+        return 1
     finally:
         if serving:
             server.shutdown()  # waits for serve_forever, so only once it runs

@@ -2,31 +2,45 @@
 all stopped together when the rank ends, whatever the reason.
 
 Children also get ``PR_SET_PDEATHSIG`` so that even a ``kill -9`` of the rank, which runs
-no cleanup, takes them down with it.
+no cleanup, takes them down with it. It is set by a few lines of Python that then exec the
+child (the signal survives exec), not by a ``preexec_fn``: that runs Python between fork and
+exec, which can deadlock in a process with threads (the CPython docs warn), and a rank
+always has threads (heartbeat, monitor).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Sequence
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+# argv: <rank pid> <program> <args...>. Set the death signal, make sure the rank did not die
+# before it was set (then the child would be orphaned already), become the program.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except OSError:
+    pass  # no glibc: the process-group cleanup still covers graceful exits
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux: the process-group cleanup still covers graceful exits
+def _dying_with_this_process(argv: Sequence[str]) -> list[str]:
+    """``argv`` started so that it gets SIGKILL when this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 class Children:
@@ -37,13 +51,12 @@ class Children:
         self._lock = threading.Lock()
 
     def start(self, argv: Sequence[str], *, env: dict | None = None, **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-            **kwargs,
-        )
+        """Start ``argv`` in its own process group; raises FileNotFoundError, as Popen would,
+        when the program does not exist."""
+        path = (env or os.environ).get("PATH", os.defpath)
+        if shutil.which(argv[0], path=path) is None:
+            raise FileNotFoundError(f"no program {argv[0]!r} (PATH={path})")
+        proc = subprocess.Popen(_dying_with_this_process(argv), env=env, start_new_session=True, **kwargs)
         with self._lock:
             self._procs.append(proc)
         return proc

@@ -191,15 +191,15 @@ def root_cause(attempt, num_nodes: int) -> dict | None:
     abort = fsio.read_record(attempt.abort)
     if abort is not None:
         c = abort["culprit"]
-        return {k: c.get(k) for k in ("rank", "host", "iteration", "phase", "kind", "error")}
+        return {k: c.get(k) for k in ("rank", "host", "iteration", "phase", "kind", "error", "child")}
     records = [(r, fsio.read_record(attempt.failure(r))) for r in range(num_nodes)]
     records = [(r, f) for r, f in records if f is not None]
     for r, f in records:
         if f.get("kind") in ROOT_CAUSE_KINDS:
             return {"rank": r, "host": f.get("host"), "iteration": f.get("iteration"), "phase": f.get("phase"),
-                    "kind": f.get("kind"), "error": f.get("error")}
+                    "kind": f.get("kind"), "error": f.get("error"), "child": f.get("child")}
     for r, f in records:
         if f.get("culprit"):
             c = f["culprit"]
-            return {k: c.get(k) for k in ("rank", "host", "iteration", "phase", "kind", "error")}
+            return {k: c.get(k) for k in ("rank", "host", "iteration", "phase", "kind", "error", "child")}
     return None

@@ -451,6 +451,7 @@ class Coordinator:
             "error": error,
             "traceback": "".join(traceback.format_exception(exc))[-4000:] if exc is not None else None,
             "culprit": culprit.to_json() if culprit is not None else None,
+            "child": getattr(exc, "child", None),
             "at": time.time(),
         }
         if self.events is not None:
@@ -459,7 +460,7 @@ class Coordinator:
         try:
             fsio.write_record(self.attempt.failure(self.rank), body)
             if self.is_master and kind in ROOT_CAUSE_KINDS:
-                publish_abort(self.attempt, Culprit(self.rank, body["host"], iteration, phase, kind, error))
+                publish_abort(self.attempt, Culprit(self.rank, body["host"], iteration, phase, kind, error, body["child"]))
         except OSError as e:
             log.error("could not write the failure record: %s", e)
 

@@ -16,7 +16,9 @@
     attempts/<A>/rendezvous.json              node of train worker 0: the training rendezvous address (RL)
     attempts/<A>/train/config-w<W>.json       train worker W's config, written by its node (RL)
     attempts/<A>/train/trainer-w<W>.log       train worker W's output (RL)
+    attempts/<A>/train/error-w<W>.json        train worker W's own error record, if it failed (RL)
     engines/r<R>/engine<E>.log, engine<E>.port  rank R: engine E's output and bound port (RL)
+    engines/r<R>/engine<E>.error.json         rank R: embedded engine E's own error record, if it failed (RL)
     iterations/<I>/plan.json                  master: tasks per rank, eval due (durable)
     iterations/<I>/summary.json               master: counts and metrics shown by `status`
     iterations/<I>/rollout/<split>/r<R>.jsonl rank R: its shard of trajectories
@@ -112,6 +114,9 @@ class RunLayout:
 
     def engine_port_file(self, rank: int, engine: int) -> Path:
         return self.engine_dir(rank) / f"engine{engine}.port"
+
+    def engine_error(self, rank: int, engine: int) -> Path:
+        return self.engine_dir(rank) / f"engine{engine}.error.json"
 
     # -- `orchestrator doctor` -------------------------------------------------------------
     @property
@@ -220,6 +225,9 @@ class AttemptLayout:
 
     def trainer_log(self, worker: int) -> Path:
         return self.root / "train" / f"trainer-w{worker:05d}.log"
+
+    def trainer_error(self, worker: int) -> Path:
+        return self.root / "train" / f"error-w{worker:05d}.json"
 
     def trainer_scratch(self, worker: int) -> Path:
         """Where a train worker other than 0 would write a checkpoint (it writes none)."""

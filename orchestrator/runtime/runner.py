@@ -21,6 +21,7 @@ from orchestrator.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     BadInput,
+    ChildFailed,
     DeadlineExceeded,
     Interrupted,
     OrchestratorError,
@@ -137,6 +138,8 @@ class Rank:
         engine killed, its wait interrupted) is reported as the cancellation's reason."""
         if isinstance(e, KeyboardInterrupt):
             return Interrupted("SIGINT")
+        if isinstance(e, ChildFailed):  # a child killed because the rank was cancelled fails too
+            return self.cancel.reason or e
         if isinstance(e, OrchestratorError) or not isinstance(e, Exception):
             return e
         return self.cancel.reason or e

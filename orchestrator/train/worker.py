@@ -13,6 +13,8 @@ Environment:
     TRAIN_BACKEND               gloo | nccl (default: nccl when CUDA is available, else gloo)
     TRAIN_TIMEOUT_S             rendezvous and collective timeout in seconds (default 600)
     LOCAL_RANK                  GPU index with nccl (default 0)
+    ORCHESTRATOR_ERROR_FILE     where to write this process's error record if it fails
+                                (protocol/child_error.py)
 
 The optimizer continues from the init checkpoint's saved AdamW state when it has one
 (``optimizer_state``; the base model has none, so the first iteration starts fresh).
@@ -40,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+from orchestrator.protocol import child_error, fsio
 from orchestrator.train import grpo, optimizer_state
 
 log = logging.getLogger(__name__)
@@ -401,12 +404,7 @@ def _write_checkpoint(model, tokenizer, optimizer, output: Path, stats: dict, st
     tokenizer.save_pretrained(output)
     optimizer_state.save(optimizer, model, output)
     stats["seconds"] = round(time.monotonic() - started, 3)
-    tmp = output / f".{STATS_FILE}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(stats, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, output / STATS_FILE)
+    fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
     log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
 
 
@@ -446,9 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         run(args.train_config, os.environ)
     except TrainerError as e:
         log.error("trainer %s failed: %s", who, e)
+        child_error.write(e, program="trainer", exit_code=e.exit_code)
         return e.exit_code
     except Exception as e:
         log.exception("trainer %s failed: %s: %s", who, type(e).__name__, e)
+        child_error.write(e, program="trainer", exit_code=EXIT_ERROR)
         return EXIT_ERROR
     return EXIT_OK
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.engine.client import EngineClient, EngineHTTPError, EngineUnavailable
+from orchestrator.protocol import child_error
 
 MODEL_NAME = "tiny-llama"
 PROMPTS = ["1+2=", "12+34=", "", "49+49=", "7*8="]
@@ -386,3 +387,17 @@ def test_sigterm_makes_the_server_exit_0_within_seconds(model_dir, tmp_path):
         assert not EngineClient(e.url, timeout_s=2).health()
     finally:
         e.kill()
+
+
+def test_an_engine_that_cannot_load_its_model_writes_its_own_error_record(tmp_path):
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": "not a number"}')
+    error_file = tmp_path / "engine.error.json"
+    result = subprocess.run([sys.executable, "-m", "orchestrator.engine.server", "--model", str(model), "--port", "0"],
+                            capture_output=True, text=True, timeout=STARTUP_S,
+                            env={**os.environ, "ORCHESTRATOR_ERROR_FILE": str(error_file)})
+    assert result.returncode == 1, result.stderr[-3000:]
+    record = child_error.read(error_file)
+    assert record is not None and record["program"] == "engine" and record["exit_code"] == 1, result.stderr[-3000:]
+    assert record["kind"] in result.stderr and "Traceback" in record["traceback"], record

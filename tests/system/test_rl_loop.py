@@ -10,9 +10,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
+from orchestrator.data import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
+from orchestrator.train import optimizer_state
 from tests.harness import NODE_TIMEOUT_S, kill_tree, start_ranks, status_json, wait_for, wait_mid_rollout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -173,3 +177,30 @@ def test_debug_mode_uses_the_running_engine_and_never_starts_or_stops_one(demo_d
         assert engine.poll() is None, "the external engine must be left running"
     finally:
         kill_tree(engine.pid)
+
+
+def test_a_trainer_that_fails_is_named_with_its_own_error_record_in_the_failure_and_status(demo_data, tmp_path):
+    """Iteration 2 trains from a checkpoint whose optimizer state belongs to another model
+    (sealed, so only the trainer can notice): the trainer's own exception, not its log's
+    tail, is the root cause the rank reports and `status` shows."""
+    log_path = tmp_path / "run"
+    flags = _flags(demo_data, log_path, num_nodes=1, weights="1")
+    first = _local([*flags, "--max-iterations=1"])
+    assert first.returncode == 0, first.stdout[-4000:]
+    checkpoint = RunLayout(log_path).checkpoint(1)
+    save_file({"model.embed_tokens.weight/exp_avg": torch.zeros(3, 3), "model.embed_tokens.weight/exp_avg_sq": torch.zeros(3, 3),
+               "model.embed_tokens.weight/step": torch.tensor(1.0)}, optimizer_state.path(checkpoint))
+    checkpoints.seal(checkpoint)
+
+    second = _local([*flags, "--max-iterations=2"])
+    assert second.returncode == 1, second.stdout[-4000:]
+    assert re.search(r"train worker 0 of rank 0 exited with code 2: BadTrainInput: optimizer state \S+adamw.safetensors has "
+                     r"shape \(3, 3\) for model.embed_tokens.weight", second.stdout), second.stdout[-4000:]
+    failure = status_json(log_path)["failure"]
+    assert failure["rank"] == 0 and failure["iteration"] == 2 and failure["phase"] == "10:train", failure
+    child = failure["child"]
+    assert child["program"] == "trainer" and child["kind"] == "BadTrainInput" and child["exit_code"] == 2, child
+    assert "optimizer_state.py" in child["traceback"] or "worker.py" in child["traceback"], child["traceback"]
+    shown = subprocess.run([sys.executable, "-m", "orchestrator", "status", f"--log-path={log_path}"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"})
+    assert "raised in the trainer" in shown.stdout and "    BadTrainInput: optimizer state" in shown.stdout, shown.stdout

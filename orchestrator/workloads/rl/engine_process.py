@@ -22,11 +22,12 @@ from pathlib import Path
 from orchestrator.config import RolloutConfig
 from orchestrator.engine import vllm
 from orchestrator.engine.client import EngineClient
-from orchestrator.errors import DeadlineExceeded
+from orchestrator.errors import ChildFailed, DeadlineExceeded
 from orchestrator.node import gpus
 from orchestrator.node.placement import Engine
 from orchestrator.node.ports import free_port
 from orchestrator.node.procs import Children
+from orchestrator.protocol import child_error
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
 
@@ -36,6 +37,10 @@ BIND_RETRIES = 3
 _BIND_FAILED = ("Address already in use", "Errno 98")
 
 
+class EngineFailed(ChildFailed):
+    """An engine exited before it served."""
+
+
 class EngineProcess:
     def __init__(self, children: Children, spec: Engine, rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0):
         self.children = children
@@ -43,6 +48,7 @@ class EngineProcess:
         self.rollout = rollout
         self.log_file = layout.engine_log(rank, spec.engine)
         self._port_file = layout.engine_port_file(rank, spec.engine)
+        self._error_file = layout.engine_error(rank, spec.engine)
         self.seed = seed
         self.proc: subprocess.Popen | None = None
         self.checkpoint: Path | None = None
@@ -93,6 +99,8 @@ class EngineProcess:
         argv = [sys.executable, "-m", "orchestrator.engine.server", "--model", str(checkpoint), "--port", str(self.port),
                 "--served-model-name", self.name, "--port-file", str(self._port_file)]
         self._port_file.unlink(missing_ok=True)
+        child_error.clear(self._error_file)
+        env[child_error.ENV] = str(self._error_file)
         return argv, env
 
     def wait_ready(self, cancel: CancelToken, taken: set[int]) -> EngineClient:
@@ -140,7 +148,12 @@ class EngineProcess:
             tail = self.log_file.read_text(errors="replace")[-3000:]
             if any(s in tail for s in _BIND_FAILED):
                 raise _BindFailed()
-            raise RuntimeError(f"engine {self.spec.engine} exited with code {self.proc.returncode} before serving; {self.log_file} ends:\n{tail}")
+            what = f"engine {self.spec.engine} exited with code {self.proc.returncode} before serving"
+            record = child_error.read(self._error_file)
+            if record is not None:
+                raise EngineFailed(f"{what}: {child_error.describe(record)} (traceback in {self._error_file}, output in "
+                                   f"{self.log_file})", record)
+            raise EngineFailed(f"{what}; {self.log_file} ends:\n{tail}")
 
     def _timeout_message(self) -> str:
         return (f"engine {self.spec.engine} did not serve within rollout.engine_start_timeout_s="

@@ -25,9 +25,10 @@ from orchestrator.config import RunConfig
 from orchestrator.data import checkpoints
 from orchestrator.demo.tasks import read_tasks
 from orchestrator.engine.client import EngineClient
+from orchestrator.errors import ChildFailed
 from orchestrator.node import gpus
 from orchestrator.node.procs import Children
-from orchestrator.protocol import fsio
+from orchestrator.protocol import child_error, fsio
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl import rendezvous
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 PROMPTS_PER_REQUEST = 16
 
 
-class TrainerFailed(RuntimeError):
+class TrainerFailed(ChildFailed):
     pass
 
 
@@ -249,8 +250,9 @@ class RLWorkload:
         for w in workers:
             config_path, log_path = attempt.trainer_config(w.rank), attempt.trainer_log(w.rank)
             config_path.parent.mkdir(parents=True, exist_ok=True)
+            child_error.clear(attempt.trainer_error(w.rank))
             output = checkpoint_dir if w.rank == 0 and checkpoint_dir is not None else attempt.trainer_scratch(w.rank)
-            config_path.write_text(json.dumps(self._trainer_config(ctx, train_config, output), indent=2))
+            fsio.atomic_write_bytes(config_path, json.dumps(self._trainer_config(ctx, train_config, output), indent=2).encode())
             env = {
                 **os.environ,
                 "MASTER_ADDR": rdv["addr"],
@@ -259,6 +261,7 @@ class RLWorkload:
                 "RANK": str(w.rank),
                 "LOCAL_RANK": "0",
                 "TRAIN_TIMEOUT_S": str(self.rl.train_timeout_s),
+                child_error.ENV: str(attempt.trainer_error(w.rank)),
                 **sockets,
             }
             if w.gpu is not None:
@@ -278,8 +281,13 @@ class RLWorkload:
                 self.children.stop(p)  # the others of a failed step: they would wait out the collective timeout
         if failed:
             w, log_path, p = failed[0]
+            record = child_error.read(attempt.trainer_error(w.rank))
+            what = f"train worker {w.rank} of rank {ctx.rank} exited with code {p.returncode}"
+            if record is not None:
+                raise TrainerFailed(f"{what}: {child_error.describe(record)} (traceback in {attempt.trainer_error(w.rank)}, "
+                                    f"output in {log_path})", record)
             tail = log_path.read_text(errors="replace")[-3000:]
-            raise TrainerFailed(f"train worker {w.rank} of rank {ctx.rank} exited with code {p.returncode}; {log_path} ends:\n{tail}")
+            raise TrainerFailed(f"{what} without an error record (killed?); {log_path} ends:\n{tail}")
 
     def _trainer_config(self, ctx: PhaseContext, train_config: dict, output: Path) -> dict:
         return {
