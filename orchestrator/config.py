@@ -153,7 +153,7 @@ class RLConfig:
         from orchestrator import rewards
 
         try:
-            rewards.load(self.reward)
+            rewards.parse(self.reward)  # importing it is the preflight's (it depends on the node)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -277,25 +277,11 @@ class RunConfig:
 
         placement.check_mappings(self.train.device_mapping, self.rollout.device_mapping, self.rollout.gpus_per_engine)
         if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:
-            import importlib.util
-
             for temp, n, what in ((self.rl.temperature, self.rl.samples_per_prompt, "rl.temperature/rl.samples_per_prompt"),
                                   (self.rl.eval_temperature, self.rl.eval_samples, "rl.eval_temperature/rl.eval_samples")):
                 if temp == 0 and n > 1:
                     raise ConfigError(f"{what} = 0/{n}: vLLM refuses more than one sample per prompt at temperature 0 "
                                       f"(greedy sampling gives one answer); raise the temperature or use 1 sample")
-            if importlib.util.find_spec("vllm") is None:
-                raise ConfigError(
-                    "rollout.engine=vllm but vLLM is not installed in this Python: pip install 'orchestrator[vllm]' "
-                    "on a GPU node, or run scripts/setup-vllm.sh for vLLM on CPU"
-                )
-        if self.workload is Workload.RL:
-            missing = [p for p in (self.model_path / "config.json", self.tasks_path / "train.jsonl", self.tasks_path / "test.jsonl") if not p.is_file()]
-            if missing:
-                raise ConfigError(
-                    f"--data-path {self.data_path} lacks {', '.join(map(str, missing))}: make the demo data with "
-                    f"`orchestrator demo-data --data-path {self.data_path}`, or add --rehearsal for simulated work"
-                )
 
     @property
     def model_path(self) -> Path:

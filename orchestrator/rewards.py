@@ -15,11 +15,17 @@ def exact_match(task: dict, completion: str) -> float:
     return 1.0 if completion.strip() == task["answer"].strip() else 0.0
 
 
-def load(spec: str) -> Reward:
-    """The reward function ``module:function`` names; ValueError says what is wrong."""
+def parse(spec: str) -> tuple[str, str]:
+    """(module, function) of ``module:function``; ValueError when it is not of that form."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"rl.reward={spec!r} is not of the form module:function (e.g. orchestrator.rewards:exact_match)")
+    return module_name, attr
+
+
+def load(spec: str) -> Reward:
+    """The reward function ``module:function`` names; ValueError says what is wrong."""
+    module_name, attr = parse(spec)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from orchestrator import preflight
 from orchestrator.config import (
     ENGINES,
     ConfigError,
@@ -52,7 +53,8 @@ def apply(options):
 
 
 def build_config(params: dict, rank: int | None = None) -> RunConfig:
-    """A validated RunConfig from the parsed flags; raises ConfigError on bad input."""
+    """A validated RunConfig from the parsed flags, checked against this node (``preflight``);
+    raises ConfigError on bad input."""
     num_nodes = params["num_nodes"]
     if rank is None:
         rank = resolve_rank(params.get("master", False), params.get("worker"), num_nodes)
@@ -64,7 +66,7 @@ def build_config(params: dict, rank: int | None = None) -> RunConfig:
             raise ConfigError(f"--engine {engine} contradicts rollout.engine={given}: give one of them")
         overrides["sections"]["rollout"]["engine"] = engine
     sections = build_sections(overrides)
-    return RunConfig(
+    config = RunConfig(
         data_path=Path(params["data_path"]),
         log_path=Path(params["log_path"]),
         rl_phase=RLPhase(params["rl_phase"]),
@@ -78,6 +80,8 @@ def build_config(params: dict, rank: int | None = None) -> RunConfig:
         debug_mode=params["debug_mode"],
         **sections,
     )
+    preflight.check(config)
+    return config
 
 
 __all__ = ["RUN_OPTIONS", "RANK_OPTIONS", "apply", "build_config", "ConfigError"]

@@ -69,3 +69,29 @@ def test_local_validates_before_starting_any_rank(tmp_path):
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "--rank-weights has 2 value(s)" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+ENVIRONMENT_CASES = {
+    "no demo data": ([], "lacks", "make the demo data with `orchestrator demo-data --data-path"),
+    "reward module does not import": (["rl.reward=no_such_module:score"], "rl.reward='no_such_module:score': cannot import no_such_module",
+                                      None),
+    "reward not module:function": (["rl.reward=score"], "is not of the form module:function", None),
+    "vllm not installed": (["--engine=vllm"], "rollout.engine=vllm but vLLM is not installed in this Python", "scripts/setup-vllm.sh"),
+}
+
+
+@pytest.mark.parametrize("extra,message,hint", ENVIRONMENT_CASES.values(), ids=ENVIRONMENT_CASES.keys())
+def test_what_this_node_lacks_for_the_real_loop_exits_2_and_writes_nothing(tmp_path, extra, message, hint):
+    if "--engine=vllm" in extra and _vllm_installed():
+        pytest.skip("vLLM is installed here")
+    flags = [f for f in _base(tmp_path) if f != "--rehearsal"]
+    result = _run(flags + ["--master", *extra])
+    text = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and message in text and (hint is None or hint in text), text
+    assert list(tmp_path.iterdir()) == [], "nothing may be created"

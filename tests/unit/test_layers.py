@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2] / "orchestrator"
 LAYERS = [
     {"orchestrator", "orchestrator.errors", "orchestrator.phase_table", "orchestrator.rewards", "orchestrator.terminal"},
     {"orchestrator.node"},
-    {"orchestrator.config"},
+    {"orchestrator.config", "orchestrator.preflight"},
     {"orchestrator.protocol"},
     {"orchestrator.data"},
     {"orchestrator.runtime"},
