@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.errors import ConfigError  # noqa: F401 - part of this module's interface
+from orchestrator.errors import ConfigError
 from orchestrator.phase_table import PHASE_TABLE, Phase, RLPhase
 
 

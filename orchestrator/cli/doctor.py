@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from orchestrator import terminal
-from orchestrator.config import ConfigError, resolve_rank
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from orchestrator.config import resolve_rank
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, BadInput, ConfigError
 from orchestrator.node import identity
 from orchestrator.node.checks import GIB, Thresholds
 from orchestrator.ops.doctor.session import Options, RanksMissing

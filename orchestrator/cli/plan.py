@@ -12,8 +12,8 @@ from pathlib import Path
 import click
 
 from orchestrator import terminal
-from orchestrator.config import ConfigError, build_sections, parse_overrides
-from orchestrator.errors import EXIT_BAD_INPUT
+from orchestrator.config import build_sections, parse_overrides
+from orchestrator.errors import EXIT_BAD_INPUT, ConfigError
 from orchestrator.node import gpus, placement
 from orchestrator.protocol import fsio, lease
 from orchestrator.protocol.layout import RunLayout

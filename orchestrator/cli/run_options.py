@@ -9,7 +9,6 @@ import click
 from orchestrator import preflight
 from orchestrator.config import (
     ENGINES,
-    ConfigError,
     RolloutSplit,
     RunConfig,
     Workload,
@@ -18,6 +17,7 @@ from orchestrator.config import (
     parse_weights,
     resolve_rank,
 )
+from orchestrator.errors import ConfigError
 from orchestrator.phase_table import RLPhase
 
 RUN_OPTIONS = [

@@ -28,31 +28,48 @@ def update(layout: RunLayout, iteration: int, **fields) -> dict:
     return body
 
 
+def _metrics_records(lines: list[bytes]) -> list[dict]:
+    """The lines of ``metrics.jsonl`` that are a record of an iteration; others are skipped."""
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("iteration"), int):
+            records.append(record)
+    return records
+
+
+def _metrics_bytes(layout: RunLayout) -> bytes:
+    try:
+        return layout.metrics.read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def read_metrics(layout: RunLayout) -> list[dict]:
+    """One record per evaluated iteration, sorted; a torn or unparsable line is skipped and
+    an iteration's first line wins (``append_metrics`` never writes two)."""
+    first: dict[int, dict] = {}
+    for record in _metrics_records(_metrics_bytes(layout).splitlines()):
+        first.setdefault(record["iteration"], record)
+    return [first[i] for i in sorted(first)]
+
+
 def append_metrics(layout: RunLayout, iteration: int, metrics: dict) -> None:
     """Add the iteration's eval metrics to ``metrics.jsonl`` once, even if the phase that
     computes them runs again after a crash (a line for the iteration is never repeated).
 
     A master killed while writing leaves a torn last line (no newline): it is cut before the
     new line is appended, as a shard's is. A complete line that does not parse is kept and
-    skipped (``report`` skips it too).
+    skipped (``read_metrics`` skips it too).
     """
-    path = layout.metrics
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        data = b""
+    data = _metrics_bytes(layout)
     complete, _, torn = data.rpartition(b"\n")
-    seen = set()
-    for line in complete.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            seen.add(record.get("iteration"))
-    if iteration in seen:
+    if any(r["iteration"] == iteration for r in _metrics_records(complete.splitlines())):
         return
-    with open(path, "ab") as f:
+    with open(layout.metrics, "ab") as f:
         if torn:
             f.truncate(len(data) - len(torn))
         f.write(json.dumps({"iteration": iteration, **metrics}, sort_keys=True).encode() + b"\n")

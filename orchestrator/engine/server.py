@@ -326,7 +326,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _publish_port(path: Path, port: int) -> None:
     """Write the bound port atomically, so a reader sees no file or the whole number."""
-    fsio.atomic_write_bytes(path, f"{port}\n".encode())
+    fsio.atomic_write_bytes(path, f"{port}\n".encode(), durable=False)  # rewritten at every start
 
 
 def _weights_sha256(model_dir: Path) -> str:

@@ -83,24 +83,8 @@ def _iteration_numbers(layout: RunLayout) -> list[int]:
 
 
 def eval_curve(layout: RunLayout) -> list[dict]:
-    """The lines of ``metrics.jsonl`` (one per evaluated iteration), sorted by iteration.
-
-    A torn or unparsable line is skipped; an iteration's first line wins (``append_metrics``
-    never writes two).
-    """
-    out: dict[int, dict] = {}
-    try:
-        with open(layout.metrics, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("iteration"), int):
-                    out.setdefault(rec["iteration"], rec)
-    except FileNotFoundError:
-        pass
-    return [out[i] for i in sorted(out)]
+    """The lines of ``metrics.jsonl`` (one per evaluated iteration), sorted by iteration."""
+    return summary.read_metrics(layout)
 
 
 def _record_rewards(record: dict) -> list[float]:

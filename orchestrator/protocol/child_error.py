@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 ENV = "ORCHESTRATOR_ERROR_FILE"
 TRACEBACK_CHARS = 8000
+LOG_TAIL_CHARS = 3000
 
 
 def write(exc: BaseException, *, program: str, exit_code: int, env: dict | None = None) -> None:
@@ -64,6 +65,17 @@ def read(path: Path) -> dict | None:
 def clear(path: Path) -> None:
     """Remove a record left by an earlier start, before starting the child again."""
     path.unlink(missing_ok=True)
+
+
+def explain(what: str, error_file: Path, log_file: Path, log_tail: str | None = None) -> tuple[str, dict | None]:
+    """The message for a child that failed (``what``: which one, and its exit code) and its
+    record: the child's own exception if it wrote one at ``error_file``, else the tail of
+    ``log_file`` (``log_tail`` when the caller has read it already)."""
+    record = read(error_file)
+    if record is not None:
+        return f"{what}: {describe(record)} (traceback in {error_file}, output in {log_file})", record
+    tail = log_file.read_text(errors="replace")[-LOG_TAIL_CHARS:] if log_tail is None else log_tail
+    return f"{what} without an error record (killed?); {log_file} ends:\n{tail}", None
 
 
 def describe(record: dict) -> str:

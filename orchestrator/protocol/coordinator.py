@@ -21,8 +21,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator.config import ConfigError, RunConfig
-from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, Culprit, DeadlineExceeded, PeerFailed
+from orchestrator.config import RunConfig
+from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, ChildFailed, ConfigError, Culprit, DeadlineExceeded, PeerFailed
 from orchestrator.node import checks, facts, gpus, identity
 from orchestrator.node import placement as placement_mod
 from orchestrator.node.procs import Children
@@ -451,7 +451,7 @@ class Coordinator:
             "error": error,
             "traceback": "".join(traceback.format_exception(exc))[-4000:] if exc is not None else None,
             "culprit": culprit.to_json() if culprit is not None else None,
-            "child": getattr(exc, "child", None),
+            "child": exc.child if isinstance(exc, ChildFailed) else None,
             "at": time.time(),
         }
         if self.events is not None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import ConfigError
+from orchestrator.errors import ConfigError
 from orchestrator.node import gpus, placement
 from tests.fake_gpus import fake_nvidia_smi, gpu_env
 

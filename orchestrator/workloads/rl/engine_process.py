@@ -145,15 +145,11 @@ class EngineProcess:
 
     def _raise_if_exited(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            tail = self.log_file.read_text(errors="replace")[-3000:]
+            tail = self.log_file.read_text(errors="replace")[-child_error.LOG_TAIL_CHARS:]
             if any(s in tail for s in _BIND_FAILED):
                 raise _BindFailed()
-            what = f"engine {self.spec.engine} exited with code {self.proc.returncode} before serving"
-            record = child_error.read(self._error_file)
-            if record is not None:
-                raise EngineFailed(f"{what}: {child_error.describe(record)} (traceback in {self._error_file}, output in "
-                                   f"{self.log_file})", record)
-            raise EngineFailed(f"{what}; {self.log_file} ends:\n{tail}")
+            raise EngineFailed(*child_error.explain(f"engine {self.spec.engine} exited with code {self.proc.returncode} before "
+                                                    f"serving", self._error_file, self.log_file, tail))
 
     def _timeout_message(self) -> str:
         return (f"engine {self.spec.engine} did not serve within rollout.engine_start_timeout_s="

@@ -252,7 +252,9 @@ class RLWorkload:
             config_path.parent.mkdir(parents=True, exist_ok=True)
             child_error.clear(attempt.trainer_error(w.rank))
             output = checkpoint_dir if w.rank == 0 and checkpoint_dir is not None else attempt.trainer_scratch(w.rank)
-            fsio.atomic_write_bytes(config_path, json.dumps(self._trainer_config(ctx, train_config, output), indent=2).encode())
+            # Rewritten at every start of the step: atomic for the trainer, no fsync needed.
+            fsio.atomic_write_bytes(config_path, json.dumps(self._trainer_config(ctx, train_config, output), indent=2).encode(),
+                                    durable=False)
             env = {
                 **os.environ,
                 "MASTER_ADDR": rdv["addr"],
@@ -281,13 +283,8 @@ class RLWorkload:
                 self.children.stop(p)  # the others of a failed step: they would wait out the collective timeout
         if failed:
             w, log_path, p = failed[0]
-            record = child_error.read(attempt.trainer_error(w.rank))
-            what = f"train worker {w.rank} of rank {ctx.rank} exited with code {p.returncode}"
-            if record is not None:
-                raise TrainerFailed(f"{what}: {child_error.describe(record)} (traceback in {attempt.trainer_error(w.rank)}, "
-                                    f"output in {log_path})", record)
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise TrainerFailed(f"{what} without an error record (killed?); {log_path} ends:\n{tail}")
+            raise TrainerFailed(*child_error.explain(f"train worker {w.rank} of rank {ctx.rank} exited with code {p.returncode}",
+                                                     attempt.trainer_error(w.rank), log_path))
 
     def _trainer_config(self, ctx: PhaseContext, train_config: dict, output: Path) -> dict:
         return {
