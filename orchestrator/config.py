@@ -15,6 +15,9 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+import msgspec
 
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import PHASE_TABLE, Phase, RLPhase
@@ -107,6 +110,34 @@ class RehearsalConfig:
             raise ConfigError(f"rehearsal.record_bytes must be >= 0, got {self.record_bytes}")
 
 
+# The update's hyper-parameters and their bounds: the rl.* keys below and the trainer's config
+# (train/worker.py TrainConfig, which msgspec decodes) both take their types from here.
+LearningRate = Annotated[float, msgspec.Meta(gt=0)]
+Epochs = Annotated[int, msgspec.Meta(ge=1)]
+MicroBatch = Annotated[int, msgspec.Meta(ge=1)]
+ClipEps = Annotated[float, msgspec.Meta(gt=0)]
+KLCoef = Annotated[float, msgspec.Meta(ge=0)]
+MaxGradNorm = Annotated[float, msgspec.Meta(gt=0)]
+
+
+def _bounds(hint) -> str:
+    """``"> 0"`` for ``Annotated[float, msgspec.Meta(gt=0)]``; empty for a type without bounds."""
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    metas = [m for m in typing.get_args(hint)[1:] if isinstance(m, msgspec.Meta)]
+    return " and ".join(f"{op} {getattr(m, k)}" for m in metas for k, op in ops.items() if getattr(m, k) is not None)
+
+
+def _out_of_bounds(obj) -> typing.Iterator[tuple[str, str]]:
+    """``(name, "must be > 0, got -1.0")`` for each field of dataclass ``obj`` outside its type's bounds."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    for f in dataclasses.fields(obj):
+        if _bounds(hints[f.name]):
+            try:
+                msgspec.convert(getattr(obj, f.name), hints[f.name])
+            except msgspec.ValidationError:
+                yield f.name, f"must be {_bounds(hints[f.name])}, got {getattr(obj, f.name)!r}"
+
+
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
     train_tasks: int = 384
@@ -124,16 +155,16 @@ class RLConfig:
     eval_temperature: float = 0.5
     reward: str = "orchestrator.rewards:exact_match"
     """The reward function, as module:function (task dict, completion text) -> float."""
-    lr: float = 3e-4
+    lr: LearningRate = 3e-4
     """AdamW learning rate; the optimizer's moments carry over from one iteration to the next."""
-    epochs: int = 4
+    epochs: Epochs = 4
     """Passes over the iteration's trajectories per update."""
-    micro_batch: int = 48
+    micro_batch: MicroBatch = 48
     """Prompts (GRPO groups) per optimiser step per rank."""
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
+    clip_eps: ClipEps = 0.2
+    kl_coef: KLCoef = 0.0
     """Weight of the KL penalty to the base model (0: none)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: MaxGradNorm = 1.0
     train_on_partial: bool = False
     """Train on an aggregate that `orchestrator recover --salvage` marked partial (some
     planned tasks missing). Off: such an iteration is refused in phase 8."""
@@ -143,9 +174,11 @@ class RLConfig:
     """Collective timeout of the training process group: a lost peer fails the step."""
 
     def __post_init__(self) -> None:
-        for name in ("train_tasks", "samples_per_prompt", "max_tokens", "eval_tasks", "eval_samples", "epochs", "micro_batch"):
+        for name in ("train_tasks", "samples_per_prompt", "max_tokens", "eval_tasks", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rl.{name} must be at least 1, got {getattr(self, name)}")
+        for name, problem in _out_of_bounds(self):
+            raise ConfigError(f"rl.{name} {problem}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rl.top_p must be in (0, 1], got {self.top_p}")
         if self.temperature < 0 or self.eval_temperature < 0:

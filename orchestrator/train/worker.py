@@ -35,12 +35,17 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
+
+from orchestrator.config import ClipEps, Epochs, KLCoef, LearningRate, MaxGradNorm, MicroBatch
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 from orchestrator.protocol import child_error, fsio
 from orchestrator.train import grpo, optimizer_state
@@ -72,7 +77,9 @@ class RendezvousFailed(TrainerError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    iteration: int
+    """Built by ``from_json`` or ``read``, which check every field's type and bounds (msgspec)."""
+
+    iteration: Annotated[int, msgspec.Meta(ge=0)]
     """The RL iteration this update belongs to (for logs and stats)."""
     data: Path
     """The trajectory aggregate (.jsonl), one record per task (format: ``grpo``)."""
@@ -84,34 +91,18 @@ class TrainConfig:
     """Staging directory for the new checkpoint (rank 0 writes it)."""
     seed: int
     """Seeds torch and the per-epoch shuffle (same on every rank)."""
-    lr: float
+    lr: LearningRate
     """AdamW learning rate (no weight decay, no schedule: one update per iteration)."""
-    epochs: int
+    epochs: Epochs
     """Passes over the aggregate."""
-    micro_batch: int
+    micro_batch: MicroBatch
     """Records (whole groups) per optimizer step per rank."""
-    clip_eps: float
+    clip_eps: ClipEps
     """PPO clip range of the ratio."""
-    kl_coef: float
+    kl_coef: KLCoef
     """Weight of the k3 KL term; 0 turns it off."""
-    max_grad_norm: float
+    max_grad_norm: MaxGradNorm
     """Gradient-norm clip."""
-
-    def __post_init__(self) -> None:
-        for name in ("data", "init_checkpoint", "reference_checkpoint", "output"):
-            path = getattr(self, name)
-            if path is not None and not path.is_absolute():
-                raise ValueError(f"{name} must be an absolute path, got {str(path)!r}")
-        for name in ("lr", "clip_eps", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        for name in ("epochs", "micro_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.iteration < 0:
-            raise ValueError(f"iteration must be >= 0, got {self.iteration}")
 
     @property
     def uses_kl(self) -> bool:
@@ -129,21 +120,13 @@ class TrainConfig:
         unknown = sorted(set(raw) - set(names))
         if unknown:
             log.warning("ignoring unknown train config keys: %s", ", ".join(unknown))
-        values = {}
-        for name in names:
-            value = raw[name]
-            if name in ("iteration", "seed", "epochs", "micro_batch"):
-                ok = isinstance(value, int) and not isinstance(value, bool)
-            elif name in ("lr", "clip_eps", "kl_coef", "max_grad_norm"):
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-                value = float(value) if ok else value
-            else:
-                ok = isinstance(value, str) or (name == "reference_checkpoint" and value is None)
-                value = Path(value) if isinstance(value, str) else value
-            if not ok:
-                raise ValueError(f"train config key {name!r} has the wrong type: {raw[name]!r}")
-            values[name] = value
-        return cls(**values)
+        try:
+            return msgspec.convert(raw, cls, dec_hook=_absolute_path)
+        except msgspec.ValidationError as e:
+            where = re.fullmatch(r"(.*) - at `\$\.(\w+)`", str(e), re.S)
+            if where is None or where[2] not in raw:
+                raise ValueError(f"the train config: {e}") from None
+            raise ValueError(f"train config key {where[2]!r} is {raw[where[2]]!r}: {where[1]}") from None
 
     @classmethod
     def read(cls, path: Path) -> "TrainConfig":
@@ -152,6 +135,17 @@ class TrainConfig:
             return cls.from_json(raw)
         except (OSError, ValueError) as e:
             raise BadTrainInput(f"train config {path}: {e}") from None
+
+
+def _absolute_path(type_: type, value: object) -> Path:
+    """msgspec's decoder of the ``Path`` fields: absolute paths only."""
+    if type_ is not Path:
+        raise NotImplementedError(type_)
+    if not isinstance(value, str):
+        raise TypeError(f"Expected `str`, got `{type(value).__name__}`")
+    if not Path(value).is_absolute():
+        raise ValueError("must be an absolute path")
+    return Path(value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
