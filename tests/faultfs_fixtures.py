@@ -3,7 +3,6 @@ test module: ``from tests.faultfs_fixtures import faultfs_mounts  # noqa: F401``
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.faultfs import FaultMount, missing_prerequisites

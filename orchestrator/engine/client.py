@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.protocol.waiting import Backoff, Deadline
+from orchestrator.protocol.waiting import Backoff, Deadline, poll
 
 _HEALTH_BACKOFF = Backoff(min_s=0.05, max_s=1.0)
 _HEALTH_PROBE_TIMEOUT_S = 5.0
@@ -126,19 +125,19 @@ class EngineClient:
         """
         deadline = Deadline.after(deadline_s, f"{self.base_url}/health")
         last_seen = "nothing yet"
-        for interval in _HEALTH_BACKOFF.intervals():
+
+        def probe() -> bool | None:
+            nonlocal last_seen
             if should_stop is not None and should_stop():
                 raise EngineUnavailable(f"stopped waiting for {deadline.what} to answer 200; last seen: {last_seen}")
             seen = self._probe_health()
             if seen is None:
-                return
+                return True
             last_seen = seen
-            left = deadline.remaining()
-            if left <= 0:
-                raise EngineUnavailable(
-                    f"{deadline.what} did not answer 200 within {deadline_s:g}s; last seen: {last_seen}"
-                )
-            time.sleep(min(interval, left))
+            return None
+
+        poll(probe, deadline=deadline, backoff=_HEALTH_BACKOFF,
+             on_timeout=lambda: EngineUnavailable(f"{deadline.what} did not answer 200 within {deadline_s:g}s; last seen: {last_seen}"))
 
     def models(self) -> list[str]:
         """The names the engine serves."""

@@ -10,10 +10,18 @@ from typing import Protocol
 class Clock(Protocol):
     def monotonic(self) -> float: ...
 
+    def sleep(self, seconds: float) -> None: ...
+
 
 class RealClock:
     def monotonic(self) -> float:
         return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+
+REAL_CLOCK = RealClock()
 
 
 class FakeClock:
@@ -30,3 +38,7 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         with self._lock:
             self._now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        """A fake sleep returns at once, the clock moved on by ``seconds``."""
+        self.advance(max(0.0, seconds))

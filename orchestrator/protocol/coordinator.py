@@ -4,7 +4,8 @@ Joining. The master takes the lease (``protocol/lease.py``), which names a fresh
 every rank writes ``attempts/A/joins/r<R>.json``; the master reads those N known names,
 checks that all ranks run the same configuration, and publishes ``attempts/A/start.json``
 with the resume point. A worker finds ``A`` by polling ``control/lease.json``, and follows
-the lease if a new master starts a new attempt while it waits.
+the lease if a new master starts a new attempt while it waits. What to do at each poll is
+decided in ``protocol/join.py`` (and ``lease.Takeover``); this module reads and writes.
 
 Barriers. Each rank rewrites its own ``arrive.json`` with (iteration, phase, payload); the
 master polls the N known names until all match, runs the phase's decision, and rewrites
@@ -31,6 +32,7 @@ from orchestrator.protocol import faults, fsio
 from orchestrator.protocol import lease as lease_mod
 from orchestrator.protocol.events import EventLog
 from orchestrator.protocol.heartbeat import Heartbeat
+from orchestrator.protocol.join import Abandoned, Admit, Enter, MasterJoin, Started, TimedOut, Wait, WorkerJoin, WorkerView, config_mismatch
 from orchestrator.protocol.layout import AttemptLayout, RunLayout
 from orchestrator.protocol.monitor import Monitor, publish_abort
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
@@ -74,7 +76,7 @@ class Coordinator:
         self._phase_began = time.monotonic()
         self.gpus = gpus.detect()
         self.placement: placement_mod.Placement | None = None
-        self._left: set[str] = set()  # attempts of dead masters this worker left
+        self._worker_join = WorkerJoin(rank=self.rank, pid=os.getpid(), run=str(self.layout.root))
         self._join_timeout_s: float | None = None
 
     @property
@@ -134,42 +136,32 @@ class Coordinator:
         self.hosts[0] = identity.host()
         self._start_monitor()
         iteration, phase, plan = resume()
-        joins: dict[int, dict] = {}
-        missing = set(range(1, self.config.num_nodes))
-        if missing:
-            log.info("waiting for ranks %s to join (up to %.0f s)", _ranks(missing), self.c.join_timeout_s)
+        join = MasterJoin(self.attempt_id, self.config.num_nodes, Deadline.after(self.c.join_timeout_s, "ranks to join"))
+        if join.missing:
+            log.info("waiting for ranks %s to join (up to %.0f s)", _ranks(join.missing), self.c.join_timeout_s)
 
-        def probe():
+        def step():
             fsio.refresh_dir(self.attempt.joins)
-            for r in sorted(missing):
-                j = fsio.read_record(self.attempt.join(r))
-                if j is not None and j.get("attempt") == self.attempt_id:
-                    joins[r] = j
-                    missing.discard(r)
+            action = join.decide({r: fsio.read_record(self.attempt.join(r)) for r in join.missing})
+            if isinstance(action, TimedOut):
+                raise self._join_timed_out(action.missing)
+            if isinstance(action, Admit):
+                for r, j in action.joins.items():
                     self.hosts[r] = j["host"]
                     self.monitor.watch([r])
-            return True if not missing else None
+                return True if action.complete else None
+            return None
 
-        poll(
-            probe,
-            deadline=Deadline.after(self.c.join_timeout_s, "ranks to join"),
-            cancel=self.cancel,
-            backoff=self.backoff,
-            on_timeout=lambda: self._abort(
-                Culprit(min(missing), self._last_known_host(min(missing)), None, None, "join",
-                        f"rank {min(missing)} did not join attempt {self.attempt_id} within "
-                        f"coordination.join_timeout_s={self.c.join_timeout_s:g} s; missing ranks: {_ranks(missing)}. "
-                        f"Start them with the same command (--worker R), then re-run")
-            ),
-        )
+        poll(step, deadline=join.deadline, cancel=self.cancel, backoff=self.backoff,
+             on_timeout=lambda: self._join_timed_out(join.missing))
+        joins = join.joins
         mine = self.config.fingerprint()
-        for r, j in sorted(joins.items()):
-            diff = {k: (mine.get(k), j["fingerprint"].get(k)) for k in mine if mine.get(k) != j["fingerprint"].get(k)}
-            if diff:
-                detail = "; ".join(f"{k}: master {a!r} vs rank {r} {b!r}" for k, (a, b) in diff.items())
-                culprit = Culprit(r, j["host"], None, None, "error", f"configuration differs from the master's ({detail})")
-                publish_abort(self.attempt, culprit)
-                raise BadInput(f"rank {r} on host {j['host']} runs a different configuration: {detail}")
+        mismatch = config_mismatch(mine, joins)
+        if mismatch is not None:
+            r, detail = mismatch
+            culprit = Culprit(r, joins[r]["host"], None, None, "error", f"configuration differs from the master's ({detail})")
+            publish_abort(self.attempt, culprit)
+            raise BadInput(f"rank {r} on host {joins[r]['host']} runs a different configuration: {detail}")
         self._preflight(joins)
         reports = {0: {**self.gpus, "host": self.hosts[0]}, **{r: {**j["gpus"], "host": j["host"]} for r, j in joins.items()}}
         self.placement = self._place(reports)
@@ -189,6 +181,13 @@ class Coordinator:
         }
         fsio.write_record(self.attempt.start, start)
         return Start(self.attempt_id, iteration, phase, plan, dict(self.hosts), self.placement)
+
+    def _join_timed_out(self, missing: tuple[int, ...]) -> PeerFailed:
+        first = min(missing)
+        return self._abort(Culprit(
+            first, self._last_known_host(first), None, None, "join",
+            f"rank {first} did not join attempt {self.attempt_id} within coordination.join_timeout_s={self.c.join_timeout_s:g} s; "
+            f"missing ranks: {_ranks(missing)}. Start them with the same command (--worker R), then re-run"))
 
     def _quick_facts(self) -> dict | None:
         """What the master's preflight compares (doctor's quick subset: versions, NCCL/Gloo
@@ -248,8 +247,7 @@ class Coordinator:
         if self.events is not None:
             self.events.close()
             self.events = None
-        if self.attempt_id is not None:
-            self._left.add(self.attempt_id)
+        self._worker_join.leave()
         self.attempt_id = None
         self.cancel = cancel
         self._join_timeout_s = join_timeout_s
@@ -258,66 +256,55 @@ class Coordinator:
         # The master reports missing ranks at its join deadline; the worker waits a little longer.
         timeout = self._join_timeout_s if self._join_timeout_s is not None else self.c.join_timeout_s
         deadline = Deadline.after(timeout + WORKER_DEADLINE_GRACE_S, "the master to start an attempt")
+        join = self._worker_join
         said: set[str] = set()
 
-        def say_once(message: str) -> None:
-            if message not in said:
-                said.add(message)
-                log.info("%s", message)
+        def step():
+            action = join.decide(self._worker_view(), deadline)
+            if isinstance(action, Enter):
+                self._check_rank_free(action.lease.attempt)
+                self._enter(action.lease.attempt)
+                join.joined = action.lease.attempt
+                log.info("joined attempt %s of master %s (pid %d)", action.lease.attempt, action.lease.host, action.lease.pid)
+                action = join.decide(self._worker_view(), deadline)
+            if isinstance(action, Started):
+                return action.start
+            if isinstance(action, Abandoned):
+                raise PeerFailed(action.culprit)
+            if isinstance(action, TimedOut):
+                raise self._no_master()
+            if isinstance(action, Wait) and action.message and action.message not in said:
+                said.add(action.message)
+                log.info("%s", action.message)
+            return None
 
-        def probe():
-            if self.attempt_id is not None:
-                # The attempt this rank joined, first: its master may start it and even finish
-                # it (releasing the lease) between two polls.
-                fsio.refresh_dir(self.attempt.root)
-                mine = fsio.read_record(self.attempt.abort)
-                if mine is not None:  # the master gave up on the attempt this rank joined
-                    raise PeerFailed(Culprit.from_json(mine["culprit"]))
-                start = fsio.read_record(self.attempt.start)
-                if start is not None and start["joined"].get(str(self.rank)) == os.getpid():
-                    return start
-            current = lease_mod.read_lease(self.layout)
-            if current is None or current.released:
-                say_once(f"waiting for the master (rank 0) to start an attempt under {self.layout.root}")
-                return None
-            attempt = self.layout.attempt(current.attempt)
-            if current.attempt in self._left:
-                say_once(f"the master of attempt {current.attempt} died; waiting for a new master (restart rank 0)")
-                return None
-            if fsio.read_record(attempt.abort) is not None:
-                say_once(f"attempt {current.attempt} has ended; waiting for a new master")
-                return None
-            if current.attempt != self.attempt_id:
-                if fsio.read_record(attempt.start) is not None:
-                    # It started without this process: a stale lease of a master that died.
-                    say_once(f"attempt {current.attempt} already started without this rank; waiting for a new master")
-                    return None
-                self._check_rank_free(current.attempt)
-                self._enter(current.attempt)
-                log.info("joined attempt %s of master %s (pid %d)", current.attempt, current.host, current.pid)
-            start = fsio.read_record(attempt.start)
-            if start is not None and start["joined"].get(str(self.rank)) != os.getpid():
-                say_once(f"attempt {current.attempt} started with another process as rank {self.rank}; waiting for a new master")
-                return None
-            return start
-
-        start = poll(
-            probe,
-            deadline=deadline,
-            cancel=self.cancel,
-            backoff=self.backoff,
-            on_timeout=lambda: PeerFailed(
-                Culprit(0, "?", None, None, "join",
-                        f"no master started an attempt with this rank within coordination.join_timeout_s="
-                        f"{self.c.join_timeout_s:g} s; start rank 0 with --master")
-            ),
-        )
+        start = poll(step, deadline=deadline, cancel=self.cancel, backoff=self.backoff, on_timeout=self._no_master)
         self.hosts.update({int(r): h for r, h in start["hosts"].items()})
         if start["fingerprint"] != self.config.fingerprint():
             raise BadInput(f"this rank's configuration differs from the master's: master {start['fingerprint']} vs {self.config.fingerprint()}")
         self.placement = placement_mod.Placement.from_json(start["placement"])
         self._start_monitor()
         return Start(start["attempt"], start["iteration"], Phase(start["phase"]), start["plan"], dict(self.hosts), self.placement)
+
+    def _worker_view(self) -> WorkerView:
+        """One snapshot of the files a joining worker decides on."""
+        joined_start = joined_abort = None
+        if self.attempt_id is not None:
+            fsio.refresh_dir(self.attempt.root)
+            joined_abort = fsio.read_record(self.attempt.abort)
+            joined_start = fsio.read_record(self.attempt.start)
+        lease = lease_mod.read_lease(self.layout)
+        if lease is None or lease.released:
+            return WorkerView(lease, joined_start=joined_start, joined_abort=joined_abort)
+        if lease.attempt == self.attempt_id:
+            return WorkerView(lease, joined_start, joined_abort, joined_start, joined_abort)
+        attempt = self.layout.attempt(lease.attempt)
+        return WorkerView(lease, fsio.read_record(attempt.start), fsio.read_record(attempt.abort), joined_start, joined_abort)
+
+    def _no_master(self) -> PeerFailed:
+        return PeerFailed(Culprit(0, "?", None, None, "join",
+                                  f"no master started an attempt with this rank within coordination.join_timeout_s="
+                                  f"{self.c.join_timeout_s:g} s; start rank 0 with --master"))
 
     def _check_rank_free(self, attempt_id: str) -> None:
         other = fsio.read_record(self.layout.attempt(attempt_id).join(self.rank))
@@ -377,7 +364,7 @@ class Coordinator:
 
         release = poll(
             probe,
-            deadline=Deadline(deadline.at + WORKER_DEADLINE_GRACE_S, deadline.what),
+            deadline=deadline.extended(WORKER_DEADLINE_GRACE_S),
             cancel=self.cancel,
             backoff=self.backoff,
             on_timeout=lambda: self._deadline(iteration, phase, f"the master did not release {phase.label} in time", culprit_rank=0),

@@ -18,6 +18,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from orchestrator.protocol import waiting
+
 # Errors that mean "the file is not (yet, or any longer) readable by name": retry later.
 _NOT_YET = {errno.ENOENT, errno.ESTALE, errno.ENOTDIR}
 
@@ -146,22 +148,13 @@ class _suppress_missing:
         return exc_type is not None and issubclass(exc_type, OSError) and getattr(exc, "errno", None) in _NOT_YET
 
 
-def retry_transient(fn, what: str, *, transient: tuple[type[BaseException], ...] = (), attempts: int = 4, first_delay_s: float = 0.1):
+def retry_transient(fn, what: str, *, transient: tuple[type[Exception], ...] = (), attempts: int = 4, first_delay_s: float = 0.1):
     """``fn()``, tried again after a short, growing pause when it fails the way a network
     filesystem sometimes does once: ``ESTALE`` (NFS), or an exception in ``transient`` (for
     example a checksum mismatch of a file served cut short by sshfs). The last failure is raised."""
-    import logging
-    import time
 
-    delay = first_delay_s
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except BaseException as e:  # noqa: BLE001 - filtered just below
-            stale = isinstance(e, OSError) and e.errno == errno.ESTALE
-            if attempt == attempts or not (stale or isinstance(e, transient)):
-                raise
-            logging.getLogger(__name__).warning("%s failed (%s); trying again in %.1f s (%d of %d)", what, e, delay, attempt, attempts)
-            time.sleep(delay)
-            delay *= 2
+    def transient_failure(e: Exception) -> bool:
+        return (isinstance(e, OSError) and e.errno == errno.ESTALE) or isinstance(e, transient)
 
+    return waiting.retry(fn, what=what, attempts=attempts, backoff=waiting.Backoff(first_delay_s, first_delay_s * 2 ** attempts),
+                         retry_on=transient_failure)

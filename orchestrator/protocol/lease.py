@@ -10,22 +10,28 @@
   means a dead one: take over.
 
 Two masters racing for the same generation are decided by an ``O_EXCL`` claim file.
+:class:`Takeover` is that decision, pure over what is read (unit-tested with a fake clock);
+:func:`acquire` reads, asks it, and writes.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import time
 from dataclasses import dataclass
 
 from orchestrator.errors import BadInput
 from orchestrator.node import identity
 from orchestrator.protocol import fsio
+from orchestrator.protocol.clock import REAL_CLOCK, Clock
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.liveness import TERMINAL_STATES, LivenessTracker
+from orchestrator.protocol.waiting import Backoff, Deadline, poll
 
 log = logging.getLogger(__name__)
+
+# How often a lease file that does not validate (being replaced) is read again.
+_SETTLE_BACKOFF = Backoff(0.05, 0.05)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,72 +58,135 @@ class Lease:
         return cls(d["generation"], d["attempt"], d["host"], d["pid"], d.get("pid_start"), d.get("released", False))
 
 
-def read_lease(layout: RunLayout, settle_s: float = 5.0) -> Lease | None:
+_NO_LEASE = object()
+
+
+def read_lease(layout: RunLayout, settle_s: float = 5.0, clock: Clock = REAL_CLOCK) -> Lease | None:
     """The current lease, or None if there is none.
 
     A lease file that exists but does not validate is being replaced (sshfs can serve a
     cut file): read again for up to ``settle_s`` before calling it corrupt (BadInput).
     """
-    end = time.monotonic() + settle_s
-    while True:
+
+    def probe():
         fsio.refresh_dir(layout.control)
         body = fsio.read_record(layout.lease)
         if body is not None:
             return Lease.from_json(body)
-        if fsio.read_bytes(layout.lease) is None:
-            return None
-        if time.monotonic() > end:
-            raise BadInput(
-                f"{layout.lease} exists but has not been a valid lease for {settle_s:g} s (corrupt?). "
-                f"If no master is running, move it aside and start the master again"
-            )
-        time.sleep(0.05)
+        return _NO_LEASE if fsio.read_bytes(layout.lease) is None else None
 
-
-def holder_alive(layout: RunLayout, lease: Lease, timeout_s: float, poll_s: float) -> bool:
-    """Is the lease holder alive? May watch its heartbeat for up to ``timeout_s``."""
-    if lease.released:
-        return False
-    local = identity.same_host_process_alive(lease.to_json())
-    if local is not None:
-        return local
-    hb_path = layout.attempt(lease.attempt).heartbeat(0)
-    tracker = LivenessTracker(timeout_s)
-    log.warning(
-        "run is leased to a master on host %s (pid %d); watching its heartbeat for up to %.0f s "
-        "to tell whether it is alive", lease.host, lease.pid, timeout_s,
+    found = poll(
+        probe, deadline=Deadline.after(settle_s, str(layout.lease), clock), backoff=_SETTLE_BACKOFF,
+        on_timeout=lambda: BadInput(
+            f"{layout.lease} exists but has not been a valid lease for {settle_s:g} s (corrupt?). "
+            f"If no master is running, move it aside and start the master again"
+        ),
     )
-    first = None
-    while True:
-        now = time.monotonic()
-        hb = fsio.read_record(hb_path)
+    return None if found is _NO_LEASE else found
+
+
+@dataclass(frozen=True, slots=True)
+class HolderView:
+    """What a would-be master read of the current holder in one poll."""
+
+    alive_here: bool | None
+    """The holder runs on this host: is its process alive? None: it runs on another host."""
+    heartbeat: dict | None
+    """The holder's heartbeat record (None: absent or unreadable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Take:
+    generation: int
+    holder_dead: bool
+    """True when a holder was judged dead (not merely absent or released)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    holder: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """Not known yet: read the holder's heartbeat again."""
+
+
+class Takeover:
+    """May a new master take the lease from ``current``? A pure decision, one observation
+    at a time, on the caller's clock: free or released leases are taken at once; a holder on
+    this host is alive exactly when its process is; another host's holder is alive when its
+    heartbeat counter moves, dead when it stands still for ``timeout_s`` or says it ended."""
+
+    def __init__(self, current: Lease | None, timeout_s: float):
+        self.current = current
+        self._tracker = LivenessTracker(timeout_s)
+        self._first_counter: object = None
+
+    @property
+    def needs_holder(self) -> bool:
+        return self.current is not None and not self.current.released
+
+    def decide(self, holder: HolderView | None, now: float) -> Take | Refuse | Watch:
+        current = self.current
+        if current is None:
+            return Take(1, holder_dead=False)
+        if current.released:
+            return Take(current.generation + 1, holder_dead=False)
+        assert holder is not None, "a held lease needs a view of its holder"
+        if holder.alive_here is not None:
+            return Refuse(current) if holder.alive_here else Take(current.generation + 1, holder_dead=True)
+        hb = holder.heartbeat
         if hb is not None and hb.get("state") in TERMINAL_STATES:
-            return False
-        tracker.observe(0, hb, now)
+            return Take(current.generation + 1, holder_dead=True)
+        self._tracker.observe(0, hb, now)
         if hb is not None:
-            if first is None:
-                first = hb.get("counter")
-            elif hb.get("counter") != first:
-                return True
-        if tracker.dead(now):
-            return False
-        time.sleep(poll_s)
+            if self._first_counter is None:
+                self._first_counter = hb.get("counter")
+            elif hb.get("counter") != self._first_counter:
+                return Refuse(current)
+        if self._tracker.dead(now):
+            return Take(current.generation + 1, holder_dead=True)
+        return Watch()
 
 
 def new_attempt_id(generation: int) -> str:
     return f"a{generation:06d}-{secrets.token_hex(3)}"
 
 
-def acquire(layout: RunLayout, timeout_s: float, poll_s: float) -> Lease:
+def acquire(layout: RunLayout, timeout_s: float, poll_s: float, clock: Clock = REAL_CLOCK) -> Lease:
     """Become the run's master, or raise :class:`BadInput` naming the live one."""
-    current = read_lease(layout, settle_s=10.0)
-    if current is not None and holder_alive(layout, current, timeout_s, poll_s):
+    current = read_lease(layout, settle_s=10.0, clock=clock)
+    takeover = Takeover(current, timeout_s)
+    watching = False
+
+    def step() -> Take | Refuse | None:
+        nonlocal watching
+        holder = None
+        if takeover.needs_holder:
+            holder = HolderView(identity.same_host_process_alive(current.to_json()),
+                                fsio.read_record(layout.attempt(current.attempt).heartbeat(0)))
+        action = takeover.decide(holder, clock.monotonic())
+        if isinstance(action, Watch):
+            if not watching:
+                watching = True
+                log.warning("run is leased to a master on host %s (pid %d); watching its heartbeat for up to %.0f s "
+                            "to tell whether it is alive", current.host, current.pid, timeout_s)
+            return None
+        return action
+
+    # The decision ends the wait: a heartbeat that stands still for timeout_s means a dead holder.
+    action = poll(step, deadline=Deadline.never("the lease holder's heartbeat"), backoff=Backoff(poll_s, poll_s))
+    if isinstance(action, Refuse):
         raise BadInput(
             f"another master is live on this run: host {current.host}, pid {current.pid} "
             f"(attempt {current.attempt}). Stop it first (orchestrator stop --log-path {layout.root}), "
             f"or start this node with --worker R"
         )
-    generation = (current.generation if current else 0) + 1
+    generation = action.generation
+    if action.holder_dead:
+        log.warning("the master of attempt %s (host %s, pid %d) is dead; taking the run over as generation %d",
+                    current.attempt, current.host, current.pid, generation)
     if not fsio.create_record_exclusive(layout.claim(generation), identity.me()):
         raise BadInput(f"another master claimed generation {generation} of this run at the same moment; start only one --master")
     me = identity.me()

@@ -1,15 +1,18 @@
-"""Deadlines, cancellation and polling with backoff: every wait in the project goes here."""
+"""Deadlines, cancellation, polling with backoff and bounded retries: every wait and every
+retry in the project goes through ``poll`` or ``retry`` here."""
 
 from __future__ import annotations
 
+import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from orchestrator.errors import DeadlineExceeded, OrchestratorError
+from orchestrator.protocol.clock import REAL_CLOCK, Clock
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class CancelToken:
@@ -45,17 +48,27 @@ class CancelToken:
 
 @dataclass(frozen=True, slots=True)
 class Deadline:
-    """A point on this process's monotonic clock, with what to say when it passes."""
+    """A point on a monotonic clock (this process's, or a test's fake one), with what to say
+    when it passes."""
 
     at: float
     what: str
+    clock: Clock = REAL_CLOCK
 
     @classmethod
-    def after(cls, seconds: float, what: str) -> "Deadline":
-        return cls(time.monotonic() + seconds, what)
+    def after(cls, seconds: float, what: str, clock: Clock = REAL_CLOCK) -> "Deadline":
+        return cls(clock.monotonic() + seconds, what, clock)
+
+    @classmethod
+    def never(cls, what: str) -> "Deadline":
+        """For a wait another mechanism bounds (the monitor's phase deadline, a child's death)."""
+        return cls(float("inf"), what)
+
+    def extended(self, seconds: float) -> "Deadline":
+        return Deadline(self.at + seconds, self.what, self.clock)
 
     def remaining(self) -> float:
-        return self.at - time.monotonic()
+        return self.at - self.clock.monotonic()
 
     def expired(self) -> bool:
         return self.remaining() <= 0
@@ -79,22 +92,58 @@ def poll(
     probe: Callable[[], T | None],
     *,
     deadline: Deadline,
-    cancel: CancelToken,
     backoff: Backoff,
-    on_timeout: Callable[[], OrchestratorError] | None = None,
+    cancel: CancelToken | None = None,
+    on_timeout: Callable[[], BaseException] | None = None,
 ) -> T:
     """Call ``probe`` until it returns something other than None.
 
     Raises the cancel reason as soon as the token is cancelled, and ``on_timeout()`` (or
-    :class:`DeadlineExceeded`) when the deadline passes first.
+    :class:`DeadlineExceeded`) when the deadline passes first. Without a token the wait can
+    only end by the probe's answer, an exception from the probe, or the deadline.
     """
     for interval in backoff.intervals():
-        cancel.check()
+        if cancel is not None:
+            cancel.check()
         result = probe()
         if result is not None:
             return result
         left = deadline.remaining()
         if left <= 0:
             raise on_timeout() if on_timeout else DeadlineExceeded(f"timed out waiting for {deadline.what}")
-        cancel.sleep(min(interval, left))
+        pause = min(interval, left)
+        if cancel is not None:
+            cancel.sleep(pause)
+        else:
+            deadline.clock.sleep(pause)
+    raise AssertionError("unreachable")
+
+
+def retry(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    attempts: int,
+    backoff: Backoff,
+    retry_on: Callable[[Exception], bool],
+    before_retry: Callable[[Exception], None] | None = None,
+    clock: Clock = REAL_CLOCK,
+) -> T:
+    """``fn()``, called again after a backoff pause when it raises an exception that
+    ``retry_on`` accepts, at most ``attempts`` times in all; the last failure is raised.
+    Only ``Exception`` is caught: an interrupt or a cancellation is never retried.
+    ``before_retry(e)`` runs before each new try (to log, or to prepare it)."""
+    pauses = backoff.intervals()
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - filtered by retry_on
+            if attempt == attempts or not retry_on(e):
+                raise
+            pause = next(pauses)
+            if before_retry is not None:
+                before_retry(e)
+            else:
+                log.warning("%s failed (%s); trying again in %.1f s (%d of %d)", what, e, pause, attempt, attempts)
+            clock.sleep(pause)
     raise AssertionError("unreachable")

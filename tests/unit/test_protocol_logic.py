@@ -101,3 +101,41 @@ def test_phase_table_covers_every_phase_and_barrier_none_is_always_followed_by_a
         if PHASE_TABLE[p].barrier is Barrier.NONE:
             assert PHASE_TABLE[Phase(p + 1)].barrier is Barrier.ALL
     assert PHASE_TABLE[Phase.SYNC_END].barrier is Barrier.ALL
+
+
+def test_poll_without_a_token_ends_at_its_deadline_on_the_fake_clock():
+    from orchestrator.errors import DeadlineExceeded
+    from orchestrator.protocol.waiting import Backoff, Deadline, poll
+
+    clock, probes = FakeClock(), []
+    with pytest.raises(DeadlineExceeded, match="timed out waiting for x"):
+        poll(lambda: probes.append(clock.monotonic()), deadline=Deadline.after(10, "x", clock), backoff=Backoff(1, 4))
+    assert [round(t - probes[0], 3) for t in probes] == [0, 1, 3, 7, 10]  # 1, 2, 4, then only what is left
+
+
+def test_retry_retries_only_what_it_is_told_and_never_an_interrupt():
+    from orchestrator.protocol.waiting import Backoff, retry
+
+    clock, calls = FakeClock(), []
+
+    def flaky():
+        calls.append(clock.monotonic())
+        if len(calls) < 3:
+            raise OSError("stale")
+        return "ok"
+
+    assert retry(flaky, what="x", attempts=4, backoff=Backoff(0.1, 1), retry_on=lambda e: isinstance(e, OSError), clock=clock) == "ok"
+    assert [round(t - calls[0], 3) for t in calls] == [0, 0.1, 0.3]
+    calls.clear()
+    with pytest.raises(OSError):  # the last failure is raised once the tries are spent
+        retry(flaky, what="x", attempts=2, backoff=Backoff(0, 0), retry_on=lambda e: True, clock=clock)
+    assert len(calls) == 2
+    calls.clear()
+
+    def interrupted():
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        retry(interrupted, what="x", attempts=5, backoff=Backoff(0, 0), retry_on=lambda e: True, clock=clock)
+    assert calls == [1]

@@ -29,7 +29,7 @@ from orchestrator.node.ports import free_port
 from orchestrator.node.procs import Children
 from orchestrator.protocol import child_error
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
+from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll, retry
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ _BIND_FAILED = ("Address already in use", "Errno 98")
 
 
 class EngineFailed(ChildFailed):
-    """An engine exited before it served."""
+    """An engine exited before it served, or something else answers on its port."""
 
 
 class EngineProcess:
@@ -105,15 +105,16 @@ class EngineProcess:
 
     def wait_ready(self, cancel: CancelToken, taken: set[int]) -> EngineClient:
         """Wait until the launched engine serves its own name; a lost port race is retried."""
-        for attempt in range(BIND_RETRIES + 1):
-            try:
-                return self._wait_ready(cancel)
-            except _BindFailed:
-                if attempt == BIND_RETRIES:
-                    raise RuntimeError(f"engine {self.spec.engine} could not bind a port after {BIND_RETRIES + 1} tries; see {self.log_file}") from None
-                log.warning("engine %d lost port %s to another process; retrying on the next free port", self.spec.engine, self.port)
-                self.launch(self.checkpoint, taken | {self.port})
-        raise AssertionError("unreachable")
+
+        def relaunch(_: Exception) -> None:
+            log.warning("engine %d lost port %s to another process; retrying on the next free port", self.spec.engine, self.port)
+            self.launch(self.checkpoint, taken | {self.port})
+
+        try:
+            return retry(lambda: self._wait_ready(cancel), what=f"starting engine {self.spec.engine}", attempts=BIND_RETRIES + 1,
+                         backoff=Backoff(0.0, 0.0), retry_on=lambda e: isinstance(e, _BindFailed), before_retry=relaunch)
+        except _BindFailed:
+            raise EngineFailed(f"engine {self.spec.engine} could not bind a port after {BIND_RETRIES + 1} tries; see {self.log_file}") from None
 
     def _wait_ready(self, cancel: CancelToken) -> EngineClient:
         timeout = self.rollout.engine_start_timeout_s
@@ -131,7 +132,7 @@ class EngineProcess:
         cancel.check()
         self._raise_if_exited()
         if self.name not in client.models():
-            raise RuntimeError(f"port {self.port} is served by another process, not engine {self.spec.engine}; see {self.log_file}")
+            raise EngineFailed(f"port {self.port} is served by another process, not engine {self.spec.engine}; see {self.log_file}")
         self.client = client
         log.info("engine %d serves %s on port %d", self.spec.engine, self.checkpoint, self.port)
         return client

@@ -25,11 +25,12 @@ from orchestrator.config import RunConfig
 from orchestrator.data import checkpoints
 from orchestrator.demo.tasks import read_tasks
 from orchestrator.engine.client import EngineClient
-from orchestrator.errors import ChildFailed
+from orchestrator.errors import ChildFailed, OrchestratorError
 from orchestrator.node import gpus
 from orchestrator.node.procs import Children
 from orchestrator.protocol import child_error, fsio
 from orchestrator.protocol.layout import RunLayout
+from orchestrator.protocol.waiting import Backoff, Deadline, poll
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl import rendezvous
 from orchestrator.workloads.rl.engine_process import NodeEngines
@@ -37,6 +38,8 @@ from orchestrator.workloads.rl.engine_process import NodeEngines
 log = logging.getLogger(__name__)
 
 PROMPTS_PER_REQUEST = 16
+# How often the rollout's consumer looks for a finished batch.
+_BATCH_BACKOFF = Backoff(0.005, 0.1)
 
 
 class TrainerFailed(ChildFailed):
@@ -153,15 +156,17 @@ class RLWorkload:
         for t in threads:
             t.start()
         try:
+            def next_done():
+                try:
+                    return done.get_nowait()
+                except queue.Empty:
+                    if not any(t.is_alive() for t in threads) and done.empty():
+                        raise OrchestratorError("every rollout thread ended with batches left") from None
+                    return None
+
             for _ in batches:
-                while True:
-                    ctx.cancel.check()
-                    try:
-                        item = done.get(timeout=0.2)
-                        break
-                    except queue.Empty:
-                        if not any(t.is_alive() for t in threads) and done.empty():
-                            raise RuntimeError("every rollout thread ended with batches left") from None
+                # The phase's deadline bounds this wait: the monitor cancels the rank when it passes.
+                item = poll(next_done, deadline=Deadline.never(f"{split} rollout batches"), cancel=ctx.cancel, backoff=_BATCH_BACKOFF)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -272,12 +277,16 @@ class RLWorkload:
                 procs.append((w, log_path, self.children.start(
                     [sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(config_path)],
                     env=env, stdout=out, stderr=subprocess.STDOUT)))
-        failed = []
+        def ended():
+            """The failed workers as soon as one fails, or [] once all have succeeded."""
+            failed = [(w, lp, p) for w, lp, p in procs if p.poll() not in (None, 0)]
+            if failed or all(p.returncode is not None for _, _, p in procs):
+                return failed
+            return None
+
         try:
-            while not failed and any(p.poll() is None for _, _, p in procs):
-                ctx.cancel.sleep(0.2)
-                failed = [(w, lp, p) for w, lp, p in procs if p.poll() not in (None, 0)]
-            failed = failed or [(w, lp, p) for w, lp, p in procs if p.returncode != 0]
+            # deadlines.train bounds this wait: the monitor cancels the rank when it passes.
+            failed = poll(ended, deadline=Deadline.never("the train workers"), cancel=ctx.cancel, backoff=Backoff(0.2, 0.2))
         finally:
             for _, _, p in procs:
                 self.children.stop(p)  # the others of a failed step: they would wait out the collective timeout
