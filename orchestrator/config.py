@@ -19,6 +19,7 @@ from typing import Annotated
 
 import msgspec
 
+from orchestrator import defaults
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import PHASE_TABLE, Phase, RLPhase
 
@@ -37,7 +38,7 @@ class Workload(enum.Enum):
 class CoordinationConfig:
     heartbeat_interval_s: float = 5.0
     """How often each rank rewrites its heartbeat counter. At most node_timeout_s / 4."""
-    node_timeout_s: float = 180.0
+    node_timeout_s: float = defaults.NODE_TIMEOUT_S
     """A rank whose heartbeat counter has not changed for this long (on the reader's own
     monotonic clock) is dead. Must exceed the filesystem's cache window (NFS attributes up to
     60 s, blobfuse2 120 s by default), GC pauses and server stalls."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -37,8 +38,23 @@ class ConfigError(ValueError):
     """Bad input or configuration: exit code 2, nothing written."""
 
 
-# Failure kinds that are a root cause of an attempt's end (a "peer" record only reports one).
-ROOT_CAUSE_KINDS = frozenset({"error", "interrupted", "deadline", "join"})
+class FailureKind(StrEnum):
+    """What ended a rank, in its failure record and in an attempt's culprit."""
+
+    DEAD = "dead"
+    """Its heartbeat stopped (judged by another rank)."""
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+    """SIGINT or SIGTERM."""
+    DEADLINE = "deadline"
+    JOIN = "join"
+    """It never joined the attempt."""
+    PEER = "peer"
+    """It stopped because another rank failed: a report of a root cause, never one itself."""
+
+
+# The kinds a rank records as the cause of an attempt's end ("dead" is judged by others, "peer" only reports).
+ROOT_CAUSE_KINDS = frozenset({FailureKind.ERROR, FailureKind.INTERRUPTED, FailureKind.DEADLINE, FailureKind.JOIN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,36 +65,24 @@ class Culprit:
     host: str
     iteration: int | None
     phase: str | None
-    kind: str  # "dead" | "error" | "interrupted" | "deadline" | "join"
+    kind: FailureKind
     error: str
     child: dict | None = None
     """The error record of the child process (trainer, engine) whose failure this was, if any."""
 
-    def to_json(self) -> dict:
-        return {
-            "rank": self.rank,
-            "host": self.host,
-            "iteration": self.iteration,
-            "phase": self.phase,
-            "kind": self.kind,
-            "error": self.error,
-            "child": self.child,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Culprit":
-        return cls(d["rank"], d["host"], d.get("iteration"), d.get("phase"), d["kind"], d["error"], d.get("child"))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FailureKind(self.kind))  # a kind no reader knows fails here, not later
 
     def describe(self) -> str:
         where = f"rank {self.rank} on host {self.host}"
         at = f"iteration {self.iteration}, phase {self.phase}" if self.iteration is not None else "start-up"
-        if self.kind == "dead":
+        if self.kind is FailureKind.DEAD:
             return f"{where} died (heartbeat stopped) at {at}: {self.error}"
-        if self.kind == "interrupted":
+        if self.kind is FailureKind.INTERRUPTED:
             return f"{where} was stopped by the user ({self.error}) at {at}"
-        if self.kind == "deadline":
+        if self.kind is FailureKind.DEADLINE:
             return f"{where} hit a deadline at {at}: {self.error}"
-        if self.kind == "join":
+        if self.kind is FailureKind.JOIN:
             return f"{where} did not join: {self.error}"
         return f"{where} failed at {at}: {self.error}"
 

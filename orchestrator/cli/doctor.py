@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from orchestrator import terminal
+from orchestrator import defaults, terminal
 from orchestrator.config import resolve_rank
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, BadInput, ConfigError
 from orchestrator.node import identity
@@ -31,7 +31,7 @@ from orchestrator.ops.doctor.session import run as run_session
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True,
               help="Seconds to wait for the other ranks (and for each measurement).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: problems, ranks, filesystem.")
-@click.option("--node-timeout", "node_timeout_s", type=float, default=180.0, show_default=True,
+@click.option("--node-timeout", "node_timeout_s", type=float, default=defaults.NODE_TIMEOUT_S, show_default=True,
               help="The run's coordination.node_timeout_s: filesystem latency near a quarter of it is a problem.")
 @click.option("--min-free-gib", type=float, default=10.0, show_default=True, help="Free space the log path needs.")
 @click.option("--max-clock-skew", "max_skew_s", type=float, default=2.0, show_default=True, help="Clock skew (s) reported as a problem.")

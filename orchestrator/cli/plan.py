@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from orchestrator import terminal
+from orchestrator import records, terminal
 from orchestrator.config import build_sections, parse_overrides
 from orchestrator.errors import EXIT_BAD_INPUT, ConfigError
 from orchestrator.node import gpus, placement
@@ -46,7 +46,7 @@ def plan(num_nodes: int | None, gpus_per_node: int | None, log_path: Path | None
     except ConfigError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     if as_json:
-        terminal.out.print_json(json.dumps({**resolved.to_json(), "cluster_source": source}))
+        terminal.out.print_json(json.dumps({**records.to_dict(resolved), "cluster_source": source}))
         return
     _show(resolved, source, rollout)
 

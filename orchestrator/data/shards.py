@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from orchestrator.errors import OrchestratorError
 from orchestrator.protocol import fsio
 
 
-class ShardError(Exception):
+class ShardError(OrchestratorError):
     """A shard or aggregate does not match its manifest."""
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator import defaults
 from orchestrator.node.facts import reachable_addresses
 
 GIB = 1024**3
@@ -24,7 +25,7 @@ GIB = 1024**3
 class Thresholds:
     min_free_bytes: int = 10 * GIB
     max_clock_skew_s: float = 2.0
-    node_timeout_s: float = 180.0  # coordination.node_timeout_s the run will use
+    node_timeout_s: float = defaults.NODE_TIMEOUT_S  # coordination.node_timeout_s the run will use
     visibility_fraction: float = 0.25  # flag filesystem visibility beyond this share of the node timeout
 
     @property

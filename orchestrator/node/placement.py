@@ -14,7 +14,7 @@ Both mappings empty is the CPU placement: one train worker and one engine per no
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 from orchestrator.errors import ConfigError
@@ -96,27 +96,6 @@ class Placement:
     def checkpoint_node(self) -> int:
         """The node of train worker 0: it hosts the training rendezvous and writes the checkpoint."""
         return self.train_workers[0].node
-
-    def to_json(self) -> dict:
-        return {
-            "num_nodes": self.num_nodes,
-            "gpus_per_node": self.gpus_per_node,
-            "colocated": self.colocated,
-            "gpus_per_engine": self.gpus_per_engine,
-            "train_workers": [asdict(w) for w in self.train_workers],
-            "engines": [{**asdict(e), "gpus": list(e.gpus)} for e in self.engines],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Placement":
-        return cls(
-            num_nodes=d["num_nodes"],
-            gpus_per_node=d["gpus_per_node"],
-            colocated=d["colocated"],
-            gpus_per_engine=d["gpus_per_engine"],
-            train_workers=tuple(TrainWorker(**w) for w in d["train_workers"]),
-            engines=tuple(Engine(e["engine"], e["node"], tuple(e["gpus"]), e["port"]) for e in d["engines"]),
-        )
 
 
 def check_mappings(train_mapping: str, rollout_mapping: str, gpus_per_engine: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

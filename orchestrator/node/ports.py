@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+from orchestrator.errors import OrchestratorError
+
 
 def free_port(first: int, tries: int = 200, exclude: set[int] | frozenset[int] = frozenset()) -> int:
     """The first port from ``first`` on that nothing listens on (skipping ``exclude``: ports
@@ -18,4 +20,4 @@ def free_port(first: int, tries: int = 200, exclude: set[int] | frozenset[int] =
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free TCP port in {first}..{first + tries - 1}")
+    raise OrchestratorError(f"no free TCP port in {first}..{first + tries - 1}")

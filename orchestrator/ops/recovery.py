@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+from orchestrator import records
 from orchestrator.data import shards
 from orchestrator.errors import BadInput
 from orchestrator.ops import status
@@ -73,7 +74,7 @@ def sync_state(layout: RunLayout) -> dict:
         corrupt = False
     except BadInput:
         current, corrupt = None, True
-    out: dict = {"lease": current.to_json() if current else None, "lease_corrupt": corrupt,
+    out: dict = {"lease": records.to_dict(current) if current else None, "lease_corrupt": corrupt,
                  "progress": fsio.read_record(layout.progress), "attempt": None}
     if current is not None:
         attempt = layout.attempt(current.attempt)

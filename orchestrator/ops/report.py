@@ -39,6 +39,7 @@ from pathlib import Path
 from orchestrator.data import shards, summary
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
+from orchestrator.protocol.api import Event
 from orchestrator.protocol.events import read_events
 from orchestrator.protocol.layout import RunLayout
 
@@ -186,19 +187,19 @@ def rank_segments(events: list[dict]) -> list[dict]:
             continue
         kind, it, ph = ev.get("event"), ev.get("iteration"), ev.get("phase")
         same = open_seg is not None and open_seg["iteration"] == it and open_seg["phase"] == ph
-        if kind == "phase":
+        if kind == Event.PHASE:
             # the previous phase had no barrier (or the log lost its arrival): its work ends here
             close(ev, complete=open_seg is not None and open_seg["kind"] == "work")
             start("work", ev, it, ph)
-        elif kind == "arrive":
+        elif kind == Event.ARRIVE:
             close(ev, complete=same and open_seg["kind"] == "work")
             start("wait", ev, it, ph)
-        elif kind == "all_arrived":
+        elif kind == Event.ALL_ARRIVED:
             close(ev, complete=same and open_seg["kind"] == "wait")
             start("decide", ev, it, ph)
-        elif kind == "released":
+        elif kind == Event.RELEASED:
             close(ev, complete=same and open_seg["kind"] in ("wait", "decide"))
-        elif kind == "end":
+        elif kind == Event.END:
             close(ev, complete=False)
     if open_seg is not None and open_ev is not None:
         last = next(ev for ev in reversed(events) if isinstance(ev, dict) and _is_number(ev.get("t")))

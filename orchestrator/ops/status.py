@@ -20,8 +20,8 @@ from orchestrator.phase_table import Phase, RLPhase
 from orchestrator.protocol import events as events_mod
 from orchestrator.protocol import fsio
 from orchestrator.protocol import lease as lease_mod
+from orchestrator.protocol.api import TERMINAL_STATES, Event
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.protocol.liveness import TERMINAL_STATES
 
 
 def _server_now(directory: Path) -> float | None:
@@ -146,11 +146,11 @@ def phase_durations(layout: RunLayout) -> dict[tuple[int, int], float]:
         current: tuple[tuple[int, int], float] | None = None
         for e in events_mod.read_events(layout.attempt(root.name).events(0)):
             key = (e.get("iteration"), e.get("phase"))
-            if e["event"] == "phase":
+            if e["event"] == Event.PHASE:
                 if current is not None:
                     durations[current[0]] = e["mono"] - current[1]
                 current = (key, e["mono"])
-            elif e["event"] == "released" and current is not None and key == current[0]:
+            elif e["event"] == Event.RELEASED and current is not None and key == current[0]:
                 durations[key] = e["mono"] - current[1]
     return durations
 

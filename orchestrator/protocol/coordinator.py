@@ -22,14 +22,16 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from orchestrator import defaults, records
 from orchestrator.config import RunConfig
-from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, ChildFailed, ConfigError, Culprit, DeadlineExceeded, PeerFailed
+from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, ChildFailed, ConfigError, Culprit, DeadlineExceeded, FailureKind, PeerFailed
 from orchestrator.node import checks, facts, gpus, identity
 from orchestrator.node import placement as placement_mod
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import faults, fsio
 from orchestrator.protocol import lease as lease_mod
+from orchestrator.protocol.api import Event, HeartbeatState
 from orchestrator.protocol.events import EventLog
 from orchestrator.protocol.heartbeat import Heartbeat
 from orchestrator.protocol.join import Abandoned, Admit, Enter, MasterJoin, Started, TimedOut, Wait, WorkerJoin, WorkerView, config_mismatch
@@ -39,9 +41,6 @@ from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
 
 log = logging.getLogger(__name__)
 
-# A worker gives the master this much longer than the phase deadline, so that the master,
-# which knows who is missing, is the one to report a barrier timeout.
-WORKER_DEADLINE_GRACE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +97,7 @@ class Coordinator:
 
     def _enter(self, attempt_id: str) -> None:
         if self.heartbeat is not None:
-            self.heartbeat.close("stopped")
+            self.heartbeat.close(HeartbeatState.STOPPED)
             self.events.close()
         self.attempt_id = attempt_id
         self.events = EventLog(self.attempt.events(self.rank), self.rank)
@@ -159,7 +158,7 @@ class Coordinator:
         mismatch = config_mismatch(mine, joins)
         if mismatch is not None:
             r, detail = mismatch
-            culprit = Culprit(r, joins[r]["host"], None, None, "error", f"configuration differs from the master's ({detail})")
+            culprit = Culprit(r, joins[r]["host"], None, None, FailureKind.ERROR, f"configuration differs from the master's ({detail})")
             publish_abort(self.attempt, culprit)
             raise BadInput(f"rank {r} on host {joins[r]['host']} runs a different configuration: {detail}")
         self._preflight(joins)
@@ -177,7 +176,7 @@ class Coordinator:
             "rl_phase": self.config.rl_phase.value,
             "coordination": {"node_timeout_s": self.c.node_timeout_s, "heartbeat_interval_s": self.c.heartbeat_interval_s},
             "gpus": {str(r): rep for r, rep in sorted(reports.items())},
-            "placement": self.placement.to_json(),
+            "placement": records.to_dict(self.placement),
         }
         fsio.write_record(self.attempt.start, start)
         return Start(self.attempt_id, iteration, phase, plan, dict(self.hosts), self.placement)
@@ -185,7 +184,7 @@ class Coordinator:
     def _join_timed_out(self, missing: tuple[int, ...]) -> PeerFailed:
         first = min(missing)
         return self._abort(Culprit(
-            first, self._last_known_host(first), None, None, "join",
+            first, self._last_known_host(first), None, None, FailureKind.JOIN,
             f"rank {first} did not join attempt {self.attempt_id} within coordination.join_timeout_s={self.c.join_timeout_s:g} s; "
             f"missing ranks: {_ranks(missing)}. Start them with the same command (--worker R), then re-run"))
 
@@ -228,7 +227,7 @@ class Coordinator:
             seen = "; ".join(f"node {n} ({r['host']}): {r['count']} GPU(s) ({r['source']})" for n, r in sorted(reports.items()))
             culprit_node = _short_node(reports)
             message = f"the cluster does not fit the GPU placement: {e}. The nodes report: {seen}"
-            publish_abort(self.attempt, Culprit(culprit_node, reports[culprit_node]["host"], None, None, "error", message))
+            publish_abort(self.attempt, Culprit(culprit_node, reports[culprit_node]["host"], None, None, FailureKind.ERROR, message))
             raise BadInput(message) from None
         if resolved.on_gpu:
             log.info("placement: %d train worker(s), %d engine(s), %s", len(resolved.train_workers), len(resolved.engines),
@@ -242,7 +241,7 @@ class Coordinator:
             self.monitor.halt()
             self.monitor = None
         if self.heartbeat is not None:
-            self.heartbeat.close("failed")
+            self.heartbeat.close(HeartbeatState.FAILED)
             self.heartbeat = None
         if self.events is not None:
             self.events.close()
@@ -255,7 +254,7 @@ class Coordinator:
     def _join_as_worker(self) -> Start:
         # The master reports missing ranks at its join deadline; the worker waits a little longer.
         timeout = self._join_timeout_s if self._join_timeout_s is not None else self.c.join_timeout_s
-        deadline = Deadline.after(timeout + WORKER_DEADLINE_GRACE_S, "the master to start an attempt")
+        deadline = Deadline.after(timeout + defaults.WORKER_GRACE_S, "the master to start an attempt")
         join = self._worker_join
         said: set[str] = set()
 
@@ -282,7 +281,7 @@ class Coordinator:
         self.hosts.update({int(r): h for r, h in start["hosts"].items()})
         if start["fingerprint"] != self.config.fingerprint():
             raise BadInput(f"this rank's configuration differs from the master's: master {start['fingerprint']} vs {self.config.fingerprint()}")
-        self.placement = placement_mod.Placement.from_json(start["placement"])
+        self.placement = records.from_dict(start["placement"], placement_mod.Placement)
         self._start_monitor()
         return Start(start["attempt"], start["iteration"], Phase(start["phase"]), start["plan"], dict(self.hosts), self.placement)
 
@@ -302,7 +301,7 @@ class Coordinator:
         return WorkerView(lease, fsio.read_record(attempt.start), fsio.read_record(attempt.abort), joined_start, joined_abort)
 
     def _no_master(self) -> PeerFailed:
-        return PeerFailed(Culprit(0, "?", None, None, "join",
+        return PeerFailed(Culprit(0, "?", None, None, FailureKind.JOIN,
                                   f"no master started an attempt with this rank within coordination.join_timeout_s="
                                   f"{self.c.join_timeout_s:g} s; start rank 0 with --master"))
 
@@ -324,8 +323,8 @@ class Coordinator:
         self.where = (iteration, phase.label)
         self.monitor.work_deadline = work_deadline
         self._phase_began = time.monotonic()
-        self.events.emit("phase", iteration=iteration, phase=int(phase))
-        self.heartbeat.update(iteration=iteration, phase=phase.label, state="working", progress=None)
+        self.events.emit(Event.PHASE, iteration=iteration, phase=int(phase))
+        self.heartbeat.update(iteration=iteration, phase=phase.label, state=HeartbeatState.WORKING, progress=None)
 
     def fault_point(self, action: str, iteration: int, phase: Phase) -> None:
         """Where a test's ORCHESTRATOR_FAULT may hold this rank or make it fail."""
@@ -350,13 +349,13 @@ class Coordinator:
             {"attempt": self.attempt_id, "iteration": iteration, "phase": int(phase), "payload": payload or {}},
         )
         arrived = time.monotonic()
-        self.events.emit("arrive", iteration=iteration, phase=int(phase), work_s=round(arrived - self._phase_began, 4),
+        self.events.emit(Event.ARRIVE, iteration=iteration, phase=int(phase), work_s=round(arrived - self._phase_began, 4),
                          payload=_counts(payload))
-        self.heartbeat.update(state="waiting")
+        self.heartbeat.update(state=HeartbeatState.WAITING)
         self.fault_point("hold-after-arrive", iteration, phase)
         if self.is_master:
             decision = self._release(iteration, phase, deadline, decide)
-            self.events.emit("released", iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
+            self.events.emit(Event.RELEASED, iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
             return decision
         def probe():
             fsio.refresh_dir(self.attempt.root)
@@ -364,12 +363,12 @@ class Coordinator:
 
         release = poll(
             probe,
-            deadline=deadline.extended(WORKER_DEADLINE_GRACE_S),
+            deadline=deadline.extended(defaults.WORKER_GRACE_S),
             cancel=self.cancel,
             backoff=self.backoff,
             on_timeout=lambda: self._deadline(iteration, phase, f"the master did not release {phase.label} in time", culprit_rank=0),
         )
-        self.events.emit("released", iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
+        self.events.emit(Event.RELEASED, iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
         return release["decision"]
 
     def _release(self, iteration, phase, deadline, decide) -> dict:
@@ -396,7 +395,7 @@ class Coordinator:
                 culprit_rank=min(missing),
             ),
         )
-        self.events.emit("all_arrived", iteration=iteration, phase=int(phase))
+        self.events.emit(Event.ALL_ARRIVED, iteration=iteration, phase=int(phase))
         self.monitor.work_deadline = deadline  # the decision is the master's work: bound it too
         decision = decide(arrivals)
         self.monitor.work_deadline = None
@@ -408,7 +407,7 @@ class Coordinator:
 
     def _deadline(self, iteration, phase, message, culprit_rank: int | None = None):
         rank = self.rank if culprit_rank is None else culprit_rank
-        culprit = Culprit(rank, self.hosts.get(rank, "?"), iteration, phase.label, "deadline", message)
+        culprit = Culprit(rank, self.hosts.get(rank, "?"), iteration, phase.label, FailureKind.DEADLINE, message)
         if self.is_master:
             publish_abort(self.attempt, culprit)
         return DeadlineExceeded(culprit.describe())
@@ -419,12 +418,12 @@ class Coordinator:
 
     def _hold(self) -> None:
         log.warning("fault injection: holding at %s", self.where)
-        self.heartbeat.update(state="held")
+        self.heartbeat.update(state=HeartbeatState.HELD)
         self.cancel.sleep(faults.HOLD_LIMIT_S)
 
     # -- ending -----------------------------------------------------------------------------
 
-    def record_failure(self, kind: str, error: str, exc: BaseException | None = None, culprit: Culprit | None = None) -> None:
+    def record_failure(self, kind: FailureKind, error: str, exc: BaseException | None = None, culprit: Culprit | None = None) -> None:
         """Write this rank's failure record (and, on the master, the attempt's abort)."""
         if self.attempt_id is None:
             return
@@ -437,12 +436,12 @@ class Coordinator:
             "kind": kind,
             "error": error,
             "traceback": "".join(traceback.format_exception(exc))[-4000:] if exc is not None else None,
-            "culprit": culprit.to_json() if culprit is not None else None,
+            "culprit": records.to_dict(culprit) if culprit is not None else None,
             "child": exc.child if isinstance(exc, ChildFailed) else None,
             "at": time.time(),
         }
         if self.events is not None:
-            self.events.emit("error", iteration=iteration, phase=phase, kind=kind, error=error[:2000],
+            self.events.emit(Event.ERROR, iteration=iteration, phase=phase, kind=kind, error=error[:2000],
                              culprit=culprit.rank if culprit is not None else None)
         try:
             fsio.write_record(self.attempt.failure(self.rank), body)
@@ -451,13 +450,13 @@ class Coordinator:
         except OSError as e:
             log.error("could not write the failure record: %s", e)
 
-    def close(self, state: str) -> None:
+    def close(self, state: HeartbeatState) -> None:
         if self.monitor is not None:
             self.monitor.halt()
         if self.heartbeat is not None:
             self.heartbeat.close(state)
         if self.events is not None:
-            self.events.emit("end", state=state)
+            self.events.emit(Event.END, state=state)
             self.events.close()
         if self.lease is not None:
             lease_mod.release(self.layout, self.lease)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from orchestrator.node import identity
 from orchestrator.protocol import fsio
+from orchestrator.protocol.api import HeartbeatState
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class Heartbeat:
             "counter": 0,
             "iteration": None,
             "phase": None,
-            "state": "joining",
+            "state": HeartbeatState.JOINING,
             "progress": None,
         }
         self._phase_since = self._state_since = time.monotonic()

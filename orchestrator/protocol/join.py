@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orchestrator import records
 from orchestrator.errors import Culprit
 from orchestrator.protocol.lease import Lease
 from orchestrator.protocol.waiting import Deadline
@@ -141,7 +142,7 @@ class WorkerJoin:
             # The attempt this rank joined, first: its master may start it and even finish it
             # (releasing the lease) between two polls.
             if view.joined_abort is not None:
-                return Abandoned(Culprit.from_json(view.joined_abort["culprit"]))
+                return Abandoned(records.from_dict(view.joined_abort["culprit"], Culprit))
             if self._mine(view.joined_start):
                 return Started(view.joined_start)
         action = self._follow_lease(view)

@@ -16,16 +16,18 @@ Two masters racing for the same generation are decided by an ``O_EXCL`` claim fi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
-from dataclasses import dataclass
 
+from orchestrator import records
 from orchestrator.errors import BadInput
 from orchestrator.node import identity
 from orchestrator.protocol import fsio
+from orchestrator.protocol.api import TERMINAL_STATES
 from orchestrator.protocol.clock import REAL_CLOCK, Clock
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.protocol.liveness import TERMINAL_STATES, LivenessTracker
+from orchestrator.protocol.liveness import LivenessTracker
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 _SETTLE_BACKOFF = Backoff(0.05, 0.05)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Lease:
     generation: int
     attempt: str
@@ -42,20 +44,6 @@ class Lease:
     pid: int
     pid_start: float | None
     released: bool = False
-
-    def to_json(self) -> dict:
-        return {
-            "generation": self.generation,
-            "attempt": self.attempt,
-            "host": self.host,
-            "pid": self.pid,
-            "pid_start": self.pid_start,
-            "released": self.released,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Lease":
-        return cls(d["generation"], d["attempt"], d["host"], d["pid"], d.get("pid_start"), d.get("released", False))
 
 
 _NO_LEASE = object()
@@ -72,7 +60,7 @@ def read_lease(layout: RunLayout, settle_s: float = 5.0, clock: Clock = REAL_CLO
         fsio.refresh_dir(layout.control)
         body = fsio.read_record(layout.lease)
         if body is not None:
-            return Lease.from_json(body)
+            return records.from_dict(body, Lease)
         return _NO_LEASE if fsio.read_bytes(layout.lease) is None else None
 
     found = poll(
@@ -85,7 +73,7 @@ def read_lease(layout: RunLayout, settle_s: float = 5.0, clock: Clock = REAL_CLO
     return None if found is _NO_LEASE else found
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class HolderView:
     """What a would-be master read of the current holder in one poll."""
 
@@ -95,19 +83,19 @@ class HolderView:
     """The holder's heartbeat record (None: absent or unreadable)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Take:
     generation: int
     holder_dead: bool
     """True when a holder was judged dead (not merely absent or released)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Refuse:
     holder: Lease
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Watch:
     """Not known yet: read the holder's heartbeat again."""
 
@@ -164,7 +152,7 @@ def acquire(layout: RunLayout, timeout_s: float, poll_s: float, clock: Clock = R
         nonlocal watching
         holder = None
         if takeover.needs_holder:
-            holder = HolderView(identity.same_host_process_alive(current.to_json()),
+            holder = HolderView(identity.same_host_process_alive(records.to_dict(current)),
                                 fsio.read_record(layout.attempt(current.attempt).heartbeat(0)))
         action = takeover.decide(holder, clock.monotonic())
         if isinstance(action, Watch):
@@ -191,7 +179,7 @@ def acquire(layout: RunLayout, timeout_s: float, poll_s: float, clock: Clock = R
         raise BadInput(f"another master claimed generation {generation} of this run at the same moment; start only one --master")
     me = identity.me()
     lease = Lease(generation, new_attempt_id(generation), me["host"], me["pid"], me["pid_start"])
-    fsio.write_record(layout.lease, lease.to_json())
+    fsio.write_record(layout.lease, records.to_dict(lease))
     return lease
 
 
@@ -199,4 +187,4 @@ def release(layout: RunLayout, lease: Lease) -> None:
     """Mark the lease free so the next master need not wait for this one to look dead."""
     current = read_lease(layout)
     if current is not None and current.generation == lease.generation:
-        fsio.write_record(layout.lease, {**lease.to_json(), "released": True})
+        fsio.write_record(layout.lease, records.to_dict(dataclasses.replace(lease, released=True)))

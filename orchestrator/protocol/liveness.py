@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orchestrator.protocol.api import TERMINAL_STATES
+
 
 @dataclass(slots=True)
 class _Seen:
@@ -59,6 +61,3 @@ class LivenessTracker:
                 out.append(rank)
         return out
 
-
-# Heartbeat states a rank writes as it leaves: it is gone, but not dead.
-TERMINAL_STATES = frozenset({"done", "stopped", "failed", "interrupted"})

@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Callable
 
-from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, PeerFailed
+from orchestrator import records
+from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, FailureKind, PeerFailed
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import AttemptLayout
 from orchestrator.protocol.liveness import LivenessTracker
@@ -44,7 +45,7 @@ def culprit_dead(rank: int, tracker: LivenessTracker, now: float, hosts: dict[in
         host=last.get("host") or hosts.get(rank, "?"),
         iteration=last.get("iteration"),
         phase=last.get("phase"),
-        kind="dead",
+        kind=FailureKind.DEAD,
         error=f"no heartbeat for {tracker.silent_for(rank, now):.1f} s (node timeout {tracker.timeout_s:g} s)",
     )
 
@@ -66,7 +67,7 @@ def master_verdict(
 
 def worker_verdict(abort: dict | None, tracker: LivenessTracker, now: float, hosts: dict[int, str]) -> Culprit | None:
     if abort is not None:
-        return Culprit.from_json(abort["culprit"])
+        return records.from_dict(abort["culprit"], Culprit)
     if tracker.dead(now):
         return culprit_dead(0, tracker, now, hosts)
     return None
@@ -170,7 +171,7 @@ class Monitor:
 
     def _overran(self, deadline: Deadline) -> None:
         iteration, phase = self.where()
-        culprit = Culprit(self.rank, self.host, iteration, phase, "deadline", f"the phase's work ran past {deadline.what}")
+        culprit = Culprit(self.rank, self.host, iteration, phase, FailureKind.DEADLINE, f"the phase's work ran past {deadline.what}")
         log.error("%s", culprit.describe())
         if self.is_master:
             publish_abort(self.attempt, culprit)
@@ -193,4 +194,4 @@ def publish_abort(attempt: AttemptLayout, culprit: Culprit) -> None:
     and the main thread may both try, hence the lock)."""
     with _abort_lock:
         if fsio.read_record(attempt.abort) is None:
-            fsio.write_record(attempt.abort, {"culprit": culprit.to_json(), "at": time.time()})
+            fsio.write_record(attempt.abort, {"culprit": records.to_dict(culprit), "at": time.time()})

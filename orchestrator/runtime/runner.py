@@ -23,6 +23,7 @@ from orchestrator.errors import (
     BadInput,
     ChildFailed,
     DeadlineExceeded,
+    FailureKind,
     Interrupted,
     OrchestratorError,
     PeerFailed,
@@ -31,6 +32,7 @@ from orchestrator.errors import (
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Barrier, Phase, RLPhase
 from orchestrator.protocol import fsio
+from orchestrator.protocol.api import HeartbeatState
 from orchestrator.protocol.coordinator import Coordinator
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.waiting import CancelToken, Deadline
@@ -91,7 +93,7 @@ class Rank:
 
     def run(self) -> int:
         _install_signal_handlers()
-        state = "failed"
+        state = HeartbeatState.FAILED
         try:
             while True:
                 try:
@@ -103,12 +105,12 @@ class Rank:
                     if not self._may_wait_for_master(e):
                         raise
                     self._leave_for_new_master(e)
-            state = "done"
+            state = HeartbeatState.DONE
             log.info("run complete")
             return EXIT_OK
         except BaseException as e:  # noqa: BLE001 - every ending is classified, recorded and reported
             cause = self._root_cause(e)
-            state = {StopRequested: "stopped", Interrupted: "interrupted"}.get(type(cause), "failed")
+            state = {StopRequested: HeartbeatState.STOPPED, Interrupted: HeartbeatState.INTERRUPTED}.get(type(cause), HeartbeatState.FAILED)
             return self._report(cause, e)
         finally:
             _ignore_signals()
@@ -119,7 +121,7 @@ class Rank:
     def _may_wait_for_master(self, e: PeerFailed) -> bool:
         """A worker whose master died waits for a new one (coordination.master_wait_s > 0)."""
         c = e.culprit
-        return not self.config.is_master and self.config.coordination.master_wait_s > 0 and c.rank == 0 and c.kind == "dead"
+        return not self.config.is_master and self.config.coordination.master_wait_s > 0 and c.rank == 0 and c.kind is FailureKind.DEAD
 
     def _leave_for_new_master(self, e: PeerFailed) -> None:
         """Leave the dead master's attempt (its children stopped, its work durable as always)
@@ -127,7 +129,7 @@ class Rank:
         wait = self.config.coordination.master_wait_s
         log.warning("%s. Waiting up to %.0f s (coordination.master_wait_s) for a new master: restart rank 0 with the "
                     "same command; the run resumes from its last finished phase", e, wait)
-        self.coordinator.record_failure("peer", str(e), culprit=e.culprit)
+        self.coordinator.record_failure(FailureKind.PEER, str(e), culprit=e.culprit)
         self.cancel.cancel(OrchestratorError("leaving the attempt of a dead master"))
         self._stop_children()
         self.cancel = CancelToken()
@@ -151,26 +153,26 @@ class Rank:
             log.warning("%s; re-run the same command to continue", cause)
             return EXIT_OK
         if isinstance(cause, Interrupted):
-            self.coordinator.record_failure("interrupted", cause.signal_name)
+            self.coordinator.record_failure(FailureKind.INTERRUPTED, cause.signal_name)
             log.error("interrupted by %s at %s; re-run the same command to resume", cause.signal_name, where)
             return EXIT_INTERRUPTED
         if isinstance(cause, PeerFailed):
-            self.coordinator.record_failure("peer", str(cause), culprit=cause.culprit)
+            self.coordinator.record_failure(FailureKind.PEER, str(cause), culprit=cause.culprit)
             log.error("%s. This rank (%d) stops too. Once that is fixed, re-run the same commands on every node; "
                       "the run resumes from its last finished phase", cause, rank)
             return cause.exit_code
         if isinstance(cause, BadInput):
-            self.coordinator.record_failure("error", str(cause))
+            self.coordinator.record_failure(FailureKind.ERROR, str(cause))
             log.error("%s", cause)
             return cause.exit_code
         if isinstance(cause, DeadlineExceeded):
-            self.coordinator.record_failure("deadline", str(cause), raised)
+            self.coordinator.record_failure(FailureKind.DEADLINE, str(cause), raised)
             log.error("deadline at %s: %s. Raise the deadline (deadlines.PHASE=SECONDS) if the work is just slow, "
                       "then re-run the same commands to resume", where, cause)
             return EXIT_ERROR
         if not isinstance(cause, Exception):
             raise cause  # SystemExit and the like: not ours to classify
-        self.coordinator.record_failure("error", f"{type(cause).__name__}: {cause}", cause)
+        self.coordinator.record_failure(FailureKind.ERROR, f"{type(cause).__name__}: {cause}", cause)
         log.error("rank %d failed at %s: %s: %s", rank, where, type(cause).__name__, cause,
                   exc_info=(type(cause), cause, cause.__traceback__))
         return EXIT_ERROR

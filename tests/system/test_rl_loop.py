@@ -92,6 +92,10 @@ def test_three_ranks_two_iterations_train_across_processes_and_every_engine_serv
 
 def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
     log_path = tmp_path / "run"
+    # An update before its rollout is a state the user fixes: exit 2, saying what to run.
+    early = _local(_flags(demo_data, tmp_path / "early", num_nodes=2, weights="1,1", rl_phase="update", extra=["--max-iterations=1"]))
+    assert early.returncode == 2, early.stdout[-4000:]
+    assert "no sealed train aggregate" in early.stdout and "--rollout-split train-only" in early.stdout
     rollout = _local(_flags(demo_data, log_path, num_nodes=2, weights="1,1", rl_phase="rollout",
                             extra=["--rollout-split=train-only", "--max-iterations=1"]))
     assert rollout.returncode == 0, rollout.stdout[-4000:]

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator import records
 from orchestrator.errors import ConfigError
 from orchestrator.node import gpus, placement
 from tests.fake_gpus import fake_nvidia_smi, gpu_env
@@ -126,7 +127,7 @@ def test_nodes_reporting_different_counts_are_named():
 
 def test_placement_round_trips_through_json():
     p = resolve(2, 8, "0-15", "0-11", gpe=2)
-    assert placement.Placement.from_json(json.loads(json.dumps(p.to_json()))) == p
+    assert records.from_dict(json.loads(json.dumps(records.to_dict(p))), placement.Placement) == p
 
 
 # -- properties -----------------------------------------------------------------------------------

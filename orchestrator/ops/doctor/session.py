@@ -38,6 +38,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator import defaults
 from orchestrator.errors import (
     EXIT_ERROR,
     EXIT_OK,
@@ -60,9 +61,6 @@ WAIT_BACKOFF = Backoff(0.01, 0.25)
 MEASURE_BACKOFF = Backoff(0.001, 0.05)
 # How often a waiting worker re-reads session.json (moved or closed sessions).
 SESSION_CHECK_S = 0.5
-# A worker gives the master this much more than --timeout at each step (the master's own
-# waits are --timeout long, and it moves on only after them).
-WORKER_GRACE_S = 10.0
 
 
 class RanksMissing(OrchestratorError):
@@ -386,9 +384,9 @@ class Worker:
 
         def on_timeout():
             return RanksMissing(f"the master (rank 0) stopped answering in doctor session {self.session}: "
-                                f"no {what} within {self.o.timeout_s + WORKER_GRACE_S:g} s", [0])
+                                f"no {what} within {self.o.timeout_s + defaults.WORKER_GRACE_S:g} s", [0])
 
-        return poll(watched, deadline=Deadline.after(self.o.timeout_s + WORKER_GRACE_S, what), cancel=self.cancel,
+        return poll(watched, deadline=Deadline.after(self.o.timeout_s + defaults.WORKER_GRACE_S, what), cancel=self.cancel,
                     backoff=backoff, on_timeout=on_timeout)
 
     def _in_session(self, record: dict) -> dict:

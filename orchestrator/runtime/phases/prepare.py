@@ -11,8 +11,8 @@ from orchestrator.runtime.context import PhaseContext
 from orchestrator.runtime.phases import aggregate
 
 
-class MissingTrainingData(Exception):
-    pass
+class MissingTrainingData(BadInput):
+    """``--rl-phase update`` for an iteration whose rollout has not run: the user runs it (exit 2)."""
 
 
 def check_training_data(ctx: PhaseContext) -> None:

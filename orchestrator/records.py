@@ -1,0 +1,29 @@
+"""One serializer for the records ranks exchange through files (the lease, a culprit, the
+placement): a frozen dataclass to a JSON-ready dict and back, by msgspec.
+
+Decoding checks every field's type against the dataclass (a tuple field accepts the JSON
+list, an enum field its value), so a record that does not fit raises ``ValueError`` naming
+the field instead of travelling on half-read. Records written by older versions decode as
+long as their fields are a superset of the required ones (unknown fields are ignored).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+def to_dict(record: Any) -> dict:
+    """``record`` (a dataclass) as plain JSON values: tuples become lists, enums their values."""
+    return msgspec.to_builtins(record)
+
+
+def from_dict(data: Any, kind: type[T]) -> T:
+    """The ``kind`` record in ``data``; ``ValueError`` naming the field when it does not fit."""
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"not a valid {kind.__name__} record: {e}") from None
