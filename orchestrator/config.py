@@ -156,6 +156,9 @@ class RLConfig:
     eval_temperature: float = 0.5
     reward: str = "orchestrator.rewards:exact_match"
     """The reward function, as module:function (task dict, completion text) -> float."""
+    max_reward_error_fraction: float = 0.01
+    """A sample whose reward raises scores 0; a rank fails when more than this share of the
+    samples of its rollout failed."""
     lr: LearningRate = 3e-4
     """AdamW learning rate; the optimizer's moments carry over from one iteration to the next."""
     epochs: Epochs = 4
@@ -180,6 +183,8 @@ class RLConfig:
                 raise ConfigError(f"rl.{name} must be at least 1, got {getattr(self, name)}")
         for name, problem in _out_of_bounds(self):
             raise ConfigError(f"rl.{name} {problem}")
+        if not 0 <= self.max_reward_error_fraction <= 1:
+            raise ConfigError(f"rl.max_reward_error_fraction must be in [0, 1], got {self.max_reward_error_fraction}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rl.top_p must be in (0, 1], got {self.top_p}")
         if self.temperature < 0 or self.eval_temperature < 0:

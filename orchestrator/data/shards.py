@@ -210,6 +210,7 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict) 
     seen: set[str] = set()
     counts: dict[str, int] = {}
     total, trajectories, h, size = 0, 0, hashlib.sha256(), 0
+    reward_errors, first_error = 0, None
     try:
         with open(tmp, "wb") as out:
             for label, shard in sources:
@@ -219,6 +220,10 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict) 
                         raise ShardError(f"{label}: task {record['task_id']} appears twice (in {shard})")
                     seen.add(record["task_id"])
                     trajectories += len(record.get("samples") or [record])
+                    for sample in record.get("samples") or []:
+                        if isinstance(sample, dict) and sample.get("reward_error"):
+                            reward_errors += 1
+                            first_error = first_error or {"task_id": record["task_id"], "error": sample["reward_error"]}
                     out.write(raw)
                     h.update(raw)
                     size += len(raw)
@@ -233,7 +238,9 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict) 
         tmp.unlink(missing_ok=True)
         raise
     # A record is one task; its trajectories are its samples (a record without samples is one).
-    manifest = Manifest(total, size, h.hexdigest(), {"per_source": counts, "trajectories": trajectories, **extra})
+    # Samples whose reward failed (scored 0) are counted, with the first one's error.
+    manifest = Manifest(total, size, h.hexdigest(), {"per_source": counts, "trajectories": trajectories,
+                                                     "reward_errors": reward_errors, "first_reward_error": first_error, **extra})
     fsio.write_record(manifest_path(dest), manifest.to_json())
     return manifest
 

@@ -42,9 +42,9 @@ def _flags(data, log_path, *, num_nodes=3, weights="2,1,1", rl_phase="both", ext
     return flags
 
 
-def _local(flags, timeout=240):
+def _local(flags, timeout=240, env=None):
     return subprocess.run([sys.executable, "-m", "orchestrator", "local", *flags], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def _sha(path):
@@ -208,3 +208,46 @@ def test_a_trainer_that_fails_is_named_with_its_own_error_record_in_the_failure_
     shown = subprocess.run([sys.executable, "-m", "orchestrator", "status", f"--log-path={log_path}"], capture_output=True,
                            text=True, timeout=60, env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"})
     assert "raised in the trainer" in shown.stdout and "    BadTrainInput: optimizer state" in shown.stdout, shown.stdout
+
+
+REWARDS = """
+from orchestrator.rewards import exact_match
+
+
+def first_eval_task_fails(task, completion):
+    if task["id"] == "test-000000":
+        raise ZeroDivisionError("boom in the reward")
+    return exact_match(task, completion)
+
+
+def always_fails(task, completion):
+    return task["no_such_column"]
+"""
+
+
+def test_a_failing_reward_scores_zero_is_counted_and_past_the_limit_fails_the_rank_unwritten(demo_data, tmp_path):
+    (tmp_path / "user_rewards.py").write_text(REWARDS)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+    # Within the limit: 2 of the 32 eval samples fail (6%, limit 10%); they score 0 and are counted.
+    tolerant = tmp_path / "tolerant"
+    result = _local(_flags(demo_data, tolerant, num_nodes=1, weights="1", extra=[
+        "--max-iterations=1", "rl.reward=user_rewards:first_eval_task_fails", "rl.max_reward_error_fraction=0.1"]), env=env)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert "ZeroDivisionError: boom in the reward" in result.stdout  # the first traceback is logged
+    errors = status_json(tolerant)["iterations"][0]["reward_errors"]
+    assert list(errors) == ["eval"] and errors["eval"]["count"] == 2 and errors["eval"]["samples"] == 32
+    assert errors["eval"]["first_task_id"] == "test-000000" and "ZeroDivisionError" in errors["eval"]["first_error"]
+    failed = [s for r in _aggregate(RunLayout(tolerant), 1, "eval") for s in r["samples"] if "reward_error" in s]
+    assert len(failed) == 2 and all(s["reward"] == 0.0 for s in failed)
+
+    # Past the limit: the rank fails naming the task, and the failing batch is never written.
+    broken = tmp_path / "broken"
+    result = _local(_flags(demo_data, broken, num_nodes=1, weights="1", extra=[
+        "--max-iterations=1", "rl.reward=user_rewards:always_fails"]), env=env)
+    assert result.returncode == 1, result.stdout[-6000:]
+    failure = status_json(broken)["failure"]
+    assert failure["phase"] == "1:rollout" and "RewardFailed" in failure["error"]
+    assert re.search(r"failed on 32 of 32 train samples.*first on task train-\d+: KeyError: 'no_such_column'", failure["error"])
+    shard = RunLayout(broken).iteration(1).shard("train", 0)
+    assert not shard.exists() or shard.read_text() == ""

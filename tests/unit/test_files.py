@@ -80,3 +80,14 @@ def test_merge_streams_shards_and_refuses_duplicates(tmp_path):
     m = shards.merge([("rank 0", a), ("rank 1", b)], tmp_path / "agg.jsonl")
     assert m.count == 3 and m.extra["per_source"] == {"rank 0": 2, "rank 1": 1}
     assert [json.loads(l)["task_id"] for l in (tmp_path / "agg.jsonl").read_text().splitlines()] == ["t0", "t1", "t2"]
+
+
+def test_merge_counts_samples_whose_reward_failed(tmp_path):
+    records = [{"task_id": "t0", "samples": [{"reward": 1.0}, {"reward": 0.0, "reward_error": "KeyError: x"}]},
+               {"task_id": "t1", "samples": [{"reward": 0.0, "reward_error": "KeyError: y"}]}]
+    shard = tmp_path / "r00000.jsonl"
+    shard.write_text("".join(json.dumps(r) + "\n" for r in records))
+    shards.seal(shard, rank=0)
+    m = shards.merge([("rank 0", shard)], tmp_path / "agg.jsonl")
+    assert m.extra["trajectories"] == 3 and m.extra["reward_errors"] == 2
+    assert m.extra["first_reward_error"] == {"task_id": "t0", "error": "KeyError: x"}

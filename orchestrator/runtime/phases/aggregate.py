@@ -61,10 +61,24 @@ def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
     return m
 
 
+def note_reward_errors(ctx: PhaseContext, split: str, m: shards.Manifest) -> None:
+    """The split's failed reward calls (samples scored 0) into the iteration's summary."""
+    count = m.extra.get("reward_errors") or 0
+    if not count:
+        return
+    first = m.extra.get("first_reward_error") or {}
+    done = (summary.read(ctx.layout, ctx.iteration) or {}).get("reward_errors") or {}
+    entry = {"count": count, "samples": m.extra.get("trajectories"), "first_task_id": first.get("task_id"), "first_error": first.get("error")}
+    summary.update(ctx.layout, ctx.iteration, reward_errors={**done, split: entry})
+    ctx.log.warning("%d of %s %s samples of iteration %d scored 0 because rl.reward failed; first on task %s (see the "
+                    "iteration's summary.json)", count, m.extra.get("trajectories"), split, ctx.iteration, first.get("task_id"))
+
+
 def merge_train_shards(ctx: PhaseContext) -> None:
     if not ctx.plan["train"]["enabled"]:
         return
     m = merge_split(ctx, "train")
     trajectories = m.extra.get("trajectories", m.count)
     summary.update(ctx.layout, ctx.iteration, trajectories=trajectories)
+    note_reward_errors(ctx, "train", m)
     ctx.log.info("aggregated %d train trajectories (%d tasks) of iteration %d", trajectories, m.count, ctx.iteration)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from orchestrator.data import summary
 from orchestrator.runtime.context import PhaseContext
-from orchestrator.runtime.phases.aggregate import merge_split
+from orchestrator.runtime.phases.aggregate import merge_split, note_reward_errors
 from orchestrator.runtime.phases.rollout import generate_shard, seal_shard
 
 
@@ -23,7 +23,7 @@ def run_eval_share(ctx: PhaseContext) -> dict | None:
 def aggregate_results(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     if not ctx.plan["eval"]["enabled"]:
         return {}
-    merge_split(ctx, "eval")
+    note_reward_errors(ctx, "eval", merge_split(ctx, "eval"))
     metrics = ctx.workload.metrics(ctx, ctx.it.aggregate("eval"))
     summary.update(ctx.layout, ctx.iteration, evaluated=True, metrics=metrics)
     summary.append_metrics(ctx.layout, ctx.iteration, metrics)

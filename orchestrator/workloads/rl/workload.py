@@ -34,6 +34,7 @@ from orchestrator.protocol.waiting import Backoff, Deadline, poll
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl import rendezvous
 from orchestrator.workloads.rl.engine_process import NodeEngines
+from orchestrator.workloads.rl.scoring import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,14 @@ class RLWorkload:
     # -- rollout and eval ----------------------------------------------------------------------
 
     def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
-        """Batches of records in completion order; a node's engines share the batches."""
+        """Batches of records in completion order; a node's engines share the batches. A
+        batch whose reward failures pass rl.max_reward_error_fraction fails the rank unwritten."""
+        scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
+        for batch in self._batches(ctx, split, task_ids, scorer):
+            scorer.check(batch)
+            yield batch
+
+    def _batches(self, ctx: PhaseContext, split: str, task_ids: list[str], scorer: Scorer) -> Iterator[list[dict]]:
         if not task_ids:
             return
         if not self.clients:
@@ -129,11 +137,11 @@ class RLWorkload:
         if len(self.clients) == 1:
             for batch in batches:
                 ctx.cancel.check()
-                yield self._complete(ctx, split, self.clients[0], batch)
+                yield self._complete(ctx, split, self.clients[0], batch, scorer)
             return
-        yield from self._rollout_parallel(ctx, split, batches)
+        yield from self._rollout_parallel(ctx, split, batches, scorer)
 
-    def _rollout_parallel(self, ctx: PhaseContext, split: str, batches: list[list[str]]) -> Iterator[list[dict]]:
+    def _rollout_parallel(self, ctx: PhaseContext, split: str, batches: list[list[str]], scorer: Scorer) -> Iterator[list[dict]]:
         todo: queue.SimpleQueue = queue.SimpleQueue()
         for b in batches:
             todo.put(b)
@@ -147,7 +155,7 @@ class RLWorkload:
                 except queue.Empty:
                     return
                 try:
-                    done.put(self._complete(ctx, split, client, batch))
+                    done.put(self._complete(ctx, split, client, batch, scorer))
                 except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
                     done.put(e)
                     return
@@ -173,7 +181,7 @@ class RLWorkload:
         finally:
             stop.set()
 
-    def _complete(self, ctx: PhaseContext, split: str, client: EngineClient, task_ids: list[str]) -> list[dict]:
+    def _complete(self, ctx: PhaseContext, split: str, client: EngineClient, task_ids: list[str], scorer: Scorer) -> list[dict]:
         train = split == "train"
         n = self.rl.samples_per_prompt if train else self.rl.eval_samples
         temperature = self.rl.temperature if train else self.rl.eval_temperature
@@ -184,9 +192,16 @@ class RLWorkload:
         groups = client.complete([t["prompt"] for t in batch], n=n, temperature=temperature, top_p=self.rl.top_p,
                                  max_tokens=self.rl.max_tokens, seed=seed, logprobs=0)
         seconds = (time.monotonic() - began) / len(batch)
-        return [self._record(ctx, split, task, group, policy, seconds) for task, group in zip(batch, groups)]
+        return [self._record(ctx, split, task, group, policy, seconds, scorer) for task, group in zip(batch, groups)]
 
-    def _record(self, ctx: PhaseContext, split: str, task: dict, group, policy: str, seconds: float) -> dict:
+    def _record(self, ctx: PhaseContext, split: str, task: dict, group, policy: str, seconds: float, scorer: Scorer) -> dict:
+        samples = []
+        for c in group:
+            reward, error = scorer.score(task, c.text)
+            sample = {"text": c.text, "reward": reward, "finish_reason": c.finish_reason, "logprobs": c.token_logprobs}
+            if error is not None:
+                sample["reward_error"] = error
+            samples.append(sample)
         return {
             "task_id": task["id"],
             "split": split,
@@ -197,15 +212,7 @@ class RLWorkload:
             "prompt": task["prompt"],
             "answer": task["answer"],
             "seconds": seconds,
-            "samples": [
-                {
-                    "text": c.text,
-                    "reward": float(self.reward(task, c.text)),
-                    "finish_reason": c.finish_reason,
-                    "logprobs": c.token_logprobs,
-                }
-                for c in group
-            ],
+            "samples": samples,
         }
 
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
