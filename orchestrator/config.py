@@ -202,6 +202,33 @@ WEIGHT_UPDATES = ("auto", "restart")
 
 
 @dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where the tasks come from (docs/data.md)."""
+
+    train_file: str = "tasks/train.jsonl"
+    """Train tasks, JSON lines or Parquet (.parquet); relative paths are under --data-path."""
+    test_file: str = "tasks/test.jsonl"
+    """Eval tasks, in the same formats."""
+    prompt_key: str = "prompt"
+    """The column of the prompt: a string, or a list of chat messages rendered with the model's chat template."""
+    answer_key: str = "answer"
+    """The column of the reference answer the reward compares with."""
+    id_key: str = "id"
+    """The column of a task's unique id; a file without it numbers its rows (1, 2, ...)."""
+    system_prompt: str = ""
+    """A system message put before every prompt (a string prompt then becomes the user's
+    message); both go through the chat template."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_file", "test_file", "prompt_key", "answer_key", "id_key"):
+            if not getattr(self, name):
+                raise ConfigError(f"data.{name} must not be empty")
+        for name in ("train_file", "test_file"):
+            if Path(getattr(self, name)).suffix not in (".jsonl", ".json", ".parquet"):
+                raise ConfigError(f"data.{name}={getattr(self, name)!r}: task files are JSON lines (.jsonl) or Parquet (.parquet)")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainPlacementConfig:
     device_mapping: str = ""
     """Global GPU ranks of the train workers, one GPU each: "0-15", "0,1,2,3" (empty: CPU, one
@@ -286,6 +313,7 @@ class RunConfig:
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)  # type: ignore[valid-type]
     rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainPlacementConfig = field(default_factory=TrainPlacementConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
@@ -327,9 +355,10 @@ class RunConfig:
         """The base model: a Hugging Face directory under --data-path."""
         return Path(self.data_path) / "model"
 
-    @property
-    def tasks_path(self) -> Path:
-        return Path(self.data_path) / "tasks"
+    def task_file(self, split: str) -> Path:
+        """The task file of ``split`` ("train" or "eval"): ``data.train_file`` or ``data.test_file``."""
+        name = self.data.train_file if split == "train" else self.data.test_file
+        return Path(self.data_path) / name  # an absolute name stays as it is
 
     @property
     def is_master(self) -> bool:
@@ -348,6 +377,7 @@ class RunConfig:
             "seed": self.seed,
             "rehearsal": dataclasses.asdict(self.rehearsal) if self.workload is Workload.REHEARSAL else None,
             "rl": dataclasses.asdict(self.rl) if self.workload is Workload.RL else None,
+            "data": dataclasses.asdict(self.data) if self.workload is Workload.RL else None,
             "train": dataclasses.asdict(self.train),
             "rollout": {k: v for k, v in dataclasses.asdict(self.rollout).items() if k not in ("engine_url", "engine_start_timeout_s")},
         }
@@ -359,13 +389,14 @@ def _fmt(x: float) -> str:
 
 # --- dotted overrides -------------------------------------------------------------------
 
-_SECTIONS = ("coordination", "deadlines", "rehearsal", "rl", "train", "rollout")
+_SECTIONS = ("coordination", "deadlines", "rehearsal", "rl", "data", "train", "rollout")
 _TOP_LEVEL_OVERRIDABLE = ("seed",)
 _SECTION_CLASSES = {
     "coordination": CoordinationConfig,
     "deadlines": DeadlineConfig,
     "rehearsal": RehearsalConfig,
     "rl": RLConfig,
+    "data": DataConfig,
     "train": TrainPlacementConfig,
     "rollout": RolloutConfig,
 }

@@ -1,17 +1,20 @@
 """A run's config against this node: what ``config.py`` cannot check from the values alone.
 
 ``RunConfig`` validates values (ranges, combinations, mapping syntax): the same on every
-node. These checks look at the node itself (the files under ``--data-path``, whether the
-reward module and vLLM import here), so a config that passes on one node can fail here on
-another. Both run before anything is written; a failure is a ConfigError (exit 2).
+node. These checks look at the node itself (the files under ``--data-path`` and every row of
+the task files, whether the reward module and vLLM import here), so a config that passes on
+one node can fail here on another. Both run before anything is written; a failure is a ConfigError (exit 2).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig, Workload
+from orchestrator.data import tasks
 from orchestrator.errors import ConfigError
 
 
@@ -28,10 +31,26 @@ def check(config: RunConfig) -> None:
             "rollout.engine=vllm but vLLM is not installed in this Python: pip install 'orchestrator[vllm]' "
             "on a GPU node, or run scripts/setup-vllm.sh for vLLM on CPU"
         )
-    needed = (config.model_path / "config.json", config.tasks_path / "train.jsonl", config.tasks_path / "test.jsonl")
+    needed = (config.model_path / "config.json", config.task_file("train"), config.task_file("eval"))
     missing = [p for p in needed if not p.is_file()]
     if missing:
         raise ConfigError(
             f"--data-path {config.data_path} lacks {', '.join(map(str, missing))}: make the demo data with "
             f"`orchestrator demo-data --data-path {config.data_path}`, or add --rehearsal for simulated work"
         )
+    chat = bool(config.data.system_prompt)
+    for split in ("train", "eval"):
+        chat |= any(isinstance(t["prompt"], list) for t in tasks.read(tasks.for_split(config, split)))
+    if chat and not has_chat_template(config.model_path):
+        why = "data.system_prompt is set" if config.data.system_prompt else "the prompts are chat messages"
+        raise ConfigError(f"{why}, but the model {config.model_path} has no chat template "
+                          f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+
+
+def has_chat_template(model: Path) -> bool:
+    if (model / "chat_template.jinja").is_file() or (model / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((model / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -16,6 +16,8 @@ import json
 import random
 from pathlib import Path
 
+from orchestrator.data import tasks as data_tasks
+
 MAX_OPERAND = 49
 
 
@@ -38,21 +40,5 @@ def write_tasks(path: Path, tasks: list[dict]) -> None:
 
 
 def read_tasks(path: Path) -> list[dict]:
-    """Tasks of a JSON-lines file, validated: each needs a unique ``id``, a ``prompt`` and an ``answer``."""
-    tasks, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                task = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not a JSON object: {e}") from None
-            missing = [k for k in ("id", "prompt", "answer") if not isinstance(task.get(k), str)]
-            if missing:
-                raise ValueError(f"{path}:{n}: task lacks string field(s) {', '.join(missing)}")
-            if task["id"] in seen:
-                raise ValueError(f"{path}:{n}: duplicate task id {task['id']!r}")
-            seen.add(task["id"])
-            tasks.append(task)
-    return tasks
+    """Tasks of a JSON-lines file, validated like any task file (``data/tasks.py``)."""
+    return data_tasks.read(data_tasks.TaskSource(path))

@@ -96,3 +96,34 @@ def test_what_this_node_lacks_for_the_real_loop_exits_2_and_writes_nothing(tmp_p
     text = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and message in text and (hint is None or hint in text), text
     assert list(tmp_path.iterdir()) == [], "nothing may be created"
+
+
+GOOD = {"id": "t1", "prompt": "1+1=", "answer": "2"}
+ROW_CASES = {
+    "missing key": ([GOOD, {"id": "t2", "answer": "3"}], [], "train.jsonl, row 2: no column 'prompt' (data.prompt_key)"),
+    "prompt neither text nor messages": ([{**GOOD, "prompt": {"text": "1+1="}}], [],
+                                         "row 1: column 'prompt' must be a string or a list of chat messages"),
+    "duplicate id": ([GOOD, GOOD], [], "train.jsonl, row 2: duplicate id 't1' in column 'id' (first in row 1)"),
+    "renamed key absent": ([GOOD], ["data.answer_key=solution"], "row 1: no column 'solution' (data.answer_key)"),
+    "unreadable parquet": ([GOOD], ["data.train_file=tasks/train.parquet"], "train.parquet: not a readable Parquet file"),
+    "chat messages without a chat template": ([{**GOOD, "prompt": [{"role": "user", "content": "1+1="}]}], [],
+                                              "the prompts are chat messages, but the model"),
+}
+
+
+@pytest.mark.parametrize("rows,extra,message", ROW_CASES.values(), ids=ROW_CASES.keys())
+def test_bad_task_rows_exit_2_naming_file_row_and_key(tmp_path, rows, extra, message):
+    import json
+
+    data = tmp_path / "data"
+    (data / "model").mkdir(parents=True)
+    (data / "model" / "config.json").write_text("{}")
+    (data / "tasks").mkdir()
+    (data / "tasks" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "tasks" / "test.jsonl").write_text(json.dumps(GOOD) + "\n")
+    (data / "tasks" / "train.parquet").write_bytes(b"PAR1 but not really")
+    flags = [f for f in _base(tmp_path) if f != "--rehearsal"]
+    result = _run(flags + ["--master", *extra])
+    text = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and message in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"], "nothing may be written to the run"

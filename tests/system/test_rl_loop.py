@@ -251,3 +251,73 @@ def test_a_failing_reward_scores_zero_is_counted_and_past_the_limit_fails_the_ra
     assert re.search(r"failed on 32 of 32 train samples.*first on task train-\d+: KeyError: 'no_such_column'", failure["error"])
     shard = RunLayout(broken).iteration(1).shard("train", 0)
     assert not shard.exists() or shard.read_text() == ""
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the demo model sees the bare prompt
+
+
+def _data_with(demo_data, root, files, chat_template=False):
+    """A data path with the demo model and these task files (name -> writer)."""
+    import shutil
+
+    shutil.copytree(demo_data / "model", root / "model")
+    if chat_template:
+        config = json.loads((root / "model" / "tokenizer_config.json").read_text())
+        (root / "model" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    (root / "tasks").mkdir()
+    for name, write in files.items():
+        write(root / "tasks" / name)
+    return root
+
+
+def _demo_rows(demo_data, name):
+    return [json.loads(line) for line in (demo_data / "tasks" / name).read_text().splitlines()]
+
+
+def _each_task_once(log_path, iterations, per_iteration):
+    layout = RunLayout(log_path)
+    for i in iterations:
+        ids = [r["task_id"] for r in _aggregate(layout, i)]
+        assert len(ids) == len(set(ids)) == per_iteration
+        evals = [r["task_id"] for r in _aggregate(layout, i, "eval")]
+        assert len(evals) == len(set(evals)) == 16
+
+
+def test_parquet_question_answer_columns_run_on_two_ranks(demo_data, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def parquet(source):
+        def write(path):
+            rows = _demo_rows(demo_data, source)
+            pq.write_table(pa.table({"question": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}), path)
+        return write
+
+    data = _data_with(demo_data, tmp_path / "data", {"train.parquet": parquet("train.jsonl"), "test.parquet": parquet("test.jsonl")})
+    log_path = tmp_path / "run"
+    result = _local(_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
+        "--max-iterations=2", "data.train_file=tasks/train.parquet", "data.test_file=tasks/test.parquet", "data.prompt_key=question"]))
+    assert result.returncode == 0, result.stdout[-6000:]
+    _each_task_once(log_path, (1, 2), 8)
+    record = _aggregate(RunLayout(log_path), 1)[0]
+    assert record["task_id"].isdigit() and re.fullmatch(r"\d+\+\d+=", record["prompt"])  # row numbers as ids
+
+
+def test_chat_messages_run_on_two_ranks_through_the_chat_template(demo_data, tmp_path):
+    def chat(source):
+        def write(path):
+            rows = [{"id": r["id"], "messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                    for r in _demo_rows(demo_data, source)]
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return write
+
+    files = {"train_chat.jsonl": chat("train.jsonl"), "test_chat.jsonl": chat("test.jsonl")}
+    data = _data_with(demo_data, tmp_path / "data", files, chat_template=True)
+    log_path = tmp_path / "run"
+    result = _local(_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
+        "--max-iterations=2", "data.train_file=tasks/train_chat.jsonl", "data.test_file=tasks/test_chat.jsonl",
+        "data.prompt_key=messages"]))
+    assert result.returncode == 0, result.stdout[-6000:]
+    _each_task_once(log_path, (1, 2), 8)
+    record = _aggregate(RunLayout(log_path), 1)[0]
+    assert re.fullmatch(r"\d+\+\d+=", record["prompt"])  # rendered by the template, not the message list

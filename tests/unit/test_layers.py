@@ -10,9 +10,9 @@ ROOT = Path(__file__).resolve().parents[2] / "orchestrator"
 LAYERS = [
     {"orchestrator", "orchestrator.defaults", "orchestrator.errors", "orchestrator.phase_table", "orchestrator.records", "orchestrator.rewards", "orchestrator.terminal"},
     {"orchestrator.node"},
-    {"orchestrator.config", "orchestrator.preflight"},
+    {"orchestrator.config"},
     {"orchestrator.protocol"},
-    {"orchestrator.data"},
+    {"orchestrator.data", "orchestrator.preflight"},
     {"orchestrator.runtime"},
     {"orchestrator.workloads", "orchestrator.engine", "orchestrator.train", "orchestrator.demo"},
     {"orchestrator.ops"},

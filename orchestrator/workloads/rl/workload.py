@@ -22,8 +22,7 @@ from typing import Iterator
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig
-from orchestrator.data import checkpoints
-from orchestrator.demo.tasks import read_tasks
+from orchestrator.data import checkpoints, tasks
 from orchestrator.engine.client import EngineClient
 from orchestrator.errors import ChildFailed, OrchestratorError
 from orchestrator.node import gpus
@@ -53,8 +52,13 @@ class RLWorkload:
         self.rl = config.rl
         self.children = children
         self.reward = rewards.load(self.rl.reward)
-        self.tasks = {split: read_tasks(config.tasks_path / f"{name}.jsonl") for split, name in (("train", "train"), ("eval", "test"))}
-        self.by_id = {t["id"]: t for tasks in self.tasks.values() for t in tasks}
+        self.tasks = {split: tasks.read(tasks.for_split(config, split)) for split in ("train", "eval")}
+        self.by_id = {split: {t["id"]: t for t in split_tasks} for split, split_tasks in self.tasks.items()}
+        self._tokenizer = None  # the base model's, for prompts that go through its chat template
+        if config.data.system_prompt or any(isinstance(t["prompt"], list) for ts in self.tasks.values() for t in ts):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
         self.layout = RunLayout(config.log_path)
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
@@ -186,13 +190,20 @@ class RLWorkload:
         n = self.rl.samples_per_prompt if train else self.rl.eval_samples
         temperature = self.rl.temperature if train else self.rl.eval_temperature
         policy = str(self.checkpoint())
-        batch = [self.by_id[t] for t in task_ids]
+        batch = [self.by_id[split][t] for t in task_ids]
         seed = random.Random(f"{self.config.seed}:{split}:{ctx.iteration}:{batch[0]['id']}").randrange(2**31)
         began = time.monotonic()
-        groups = client.complete([t["prompt"] for t in batch], n=n, temperature=temperature, top_p=self.rl.top_p,
+        groups = client.complete([self._prompt_text(t) for t in batch], n=n, temperature=temperature, top_p=self.rl.top_p,
                                  max_tokens=self.rl.max_tokens, seed=seed, logprobs=0)
         seconds = (time.monotonic() - began) / len(batch)
         return [self._record(ctx, split, task, group, policy, seconds, scorer) for task, group in zip(batch, groups)]
+
+    def _prompt_text(self, task: dict) -> str:
+        """What the engine continues and the trainer trains on: the prompt, through the chat
+        template when it is chat messages or a system prompt is set."""
+        if self._tokenizer is None:
+            return task["prompt"]
+        return tasks.render(task["prompt"], self._tokenizer, self.config.data.system_prompt)
 
     def _record(self, ctx: PhaseContext, split: str, task: dict, group, policy: str, seconds: float, scorer: Scorer) -> dict:
         samples = []
@@ -209,7 +220,7 @@ class RLWorkload:
             "rank": ctx.rank,
             "attempt": ctx.attempt_id,
             "policy": policy,
-            "prompt": task["prompt"],
+            "prompt": self._prompt_text(task),
             "answer": task["answer"],
             "seconds": seconds,
             "samples": samples,

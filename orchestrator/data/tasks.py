@@ -1,0 +1,130 @@
+"""Task files: JSON lines or Parquet, with the columns the config names.
+
+A row becomes a task dict: ``id`` (the ``data.id_key`` column as a string, or the row
+number, 1 for the first row, when the file has no such column), ``prompt`` (the
+``data.prompt_key`` column: a string, sent as is, or a list of chat messages
+``[{"role": ..., "content": ...}]``), ``answer`` (the ``data.answer_key`` column; a number
+becomes its string) and every other column of the row under its own name, for the reward
+function. A bad row is a :class:`ConfigError` naming the file, the row and the key (exit 2,
+raised by the preflight before anything is written).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from orchestrator.config import RunConfig
+from orchestrator.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSource:
+    path: Path
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    id_key: str = "id"
+
+
+def for_split(config: RunConfig, split: str) -> TaskSource:
+    """The task file of ``split`` ("train" or "eval") and the columns the config names."""
+    d = config.data
+    return TaskSource(config.task_file(split), prompt_key=d.prompt_key, answer_key=d.answer_key, id_key=d.id_key)
+
+
+def read(source: TaskSource) -> list[dict]:
+    """Every task of ``source``, validated (ConfigError naming file, row and key)."""
+    tasks, seen = [], {}
+    for row_number, row in _rows(source.path):
+        where = f"{source.path}, row {row_number}"
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: not an object with named columns")
+        task = {**row, "id": _task_id(row, row_number, source, where), "prompt": _prompt(row, source, where),
+                "answer": _answer(row, source, where)}
+        if task["id"] in seen:
+            raise ConfigError(f"{where}: duplicate id {task['id']!r} in column {source.id_key!r} (first in row {seen[task['id']]})")
+        seen[task["id"]] = row_number
+        tasks.append(task)
+    if not tasks:
+        raise ConfigError(f"{source.path} holds no tasks")
+    return tasks
+
+
+def _rows(path: Path) -> Iterator[tuple[int, object]]:
+    if not path.is_file():
+        raise ConfigError(f"task file {path} does not exist")
+    if path.suffix == ".parquet":
+        yield from enumerate(_parquet_rows(path), 1)
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield n, json.loads(line)
+                except ValueError as e:
+                    raise ConfigError(f"{path}, row {n}: not JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e}); task files are JSON lines (.jsonl) or Parquet (.parquet)") from None
+
+
+def _parquet_rows(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{path}: reading Parquet needs pyarrow: pip install 'orchestrator[parquet]'") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+        raise ConfigError(f"{path}: not a readable Parquet file: {type(e).__name__}: {e}") from None
+
+
+def _task_id(row: dict, row_number: int, source: TaskSource, where: str) -> str:
+    if source.id_key not in row:
+        return str(row_number)
+    value = row[source.id_key]
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise ConfigError(f"{where}: column {source.id_key!r} must be a non-empty string or an integer, got {value!r}")
+    return str(value)
+
+
+def _prompt(row: dict, source: TaskSource, where: str) -> str | list[dict]:
+    if source.prompt_key not in row:
+        raise ConfigError(f"{where}: no column {source.prompt_key!r} (data.prompt_key); the row has {', '.join(map(repr, row))}")
+    value = row[source.prompt_key]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise ConfigError(f"{where}: column {source.prompt_key!r} must be a string or a list of chat messages "
+                      f"[{{\"role\": ..., \"content\": ...}}], got {str(value)[:200]}")
+
+
+def _is_message(m: object) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def _answer(row: dict, source: TaskSource, where: str) -> str:
+    if source.answer_key not in row:
+        raise ConfigError(f"{where}: no column {source.answer_key!r} (data.answer_key); the row has {', '.join(map(repr, row))}")
+    value = row[source.answer_key]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where}: column {source.answer_key!r} must be a string or a number, got {str(value)[:200]}")
+
+
+def render(prompt: str | list[dict], tokenizer, system_prompt: str = "") -> str:
+    """The text the engine continues: a string prompt as is (as the user's message when a
+    ``system_prompt`` is set), chat messages through the tokenizer's chat template with the
+    generation prompt added."""
+    if isinstance(prompt, str) and not system_prompt:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
