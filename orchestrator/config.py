@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 import types
 import typing
@@ -149,6 +150,9 @@ class RLConfig:
     top_p: float = 1.0
     max_tokens: int = 8
     """Longest completion, in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion (cut from its text), besides every EOS id of the model's
+    generation_config. On the command line a JSON list, rl.stop='["</answer>", "\\n\\n"]', or one string."""
     eval_tasks: int = 200
     """Eval tasks, the first of tasks/test.jsonl: the same set every evaluated iteration."""
     eval_samples: int = 4
@@ -183,6 +187,8 @@ class RLConfig:
                 raise ConfigError(f"rl.{name} must be at least 1, got {getattr(self, name)}")
         for name, problem in _out_of_bounds(self):
             raise ConfigError(f"rl.{name} {problem}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"rl.stop must be non-empty strings, got {self.stop!r}")
         if not 0 <= self.max_reward_error_fraction <= 1:
             raise ConfigError(f"rl.max_reward_error_fraction must be in [0, 1], got {self.max_reward_error_fraction}")
         if not 0 < self.top_p <= 1:
@@ -442,6 +448,14 @@ def _coerce(key: str, raw: str, ftype: type) -> object:
     origin = typing.get_origin(ftype)
     if origin in (typing.Union, types.UnionType):
         ftype = next(a for a in typing.get_args(ftype) if a is not type(None))
+    if origin is list:  # a JSON list of strings, or one bare string
+        try:
+            value = json.loads(raw) if raw.startswith("[") else [raw]
+        except ValueError:
+            value = None
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ConfigError(f"{key}={raw!r}: expected a JSON list of strings, e.g. {key}='[\"a\", \"b\"]', or one string")
+        return value
     try:
         if ftype is bool:
             if raw.lower() in ("1", "true", "yes", "on"):

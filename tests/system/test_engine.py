@@ -314,6 +314,30 @@ def test_a_stop_string_ends_the_sample_and_is_cut_from_the_text(engine, client, 
         assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == text[: text.index(stop) + len(stop)]
 
 
+@pytest.mark.timeout(60)
+def test_every_eos_id_of_the_generation_config_ends_a_sample(engine, model_dir, tmp_path):
+    import shutil
+
+    greedy = _complete(engine, prompt=PROMPTS[0], temperature=0, max_tokens=30, return_token_ids=True)["choices"][0]
+    assert len(greedy["token_ids"]) >= 4
+    extra_eos = greedy["token_ids"][2]  # a token greedy decoding reaches: an EOS id too, now
+    first = greedy["token_ids"].index(extra_eos)
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "generation_config.json").read_text())
+    eos = config["eos_token_id"]
+    (copy / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [*(eos if isinstance(eos, list) else [eos]), extra_eos]}))
+    other = Engine(copy, tmp_path / "engine.log")
+    try:
+        choice = _complete(other, prompt=PROMPTS[0], temperature=0, max_tokens=30, return_token_ids=True)["choices"][0]
+    finally:
+        other.kill()
+    # As with the first EOS id: the sample stops there, the id is in the tokens, its text is not.
+    assert choice["token_ids"] == greedy["token_ids"][: first + 1]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+    assert len(choice["text"]) < len(greedy["text"])
+
+
 @pytest.mark.timeout(20)
 def test_max_tokens_ends_a_sample_with_finish_reason_length(client):
     groups = client.complete(PROMPTS, n=4, temperature=1.0, max_tokens=3, seed=5, logprobs=0)

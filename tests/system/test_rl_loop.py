@@ -296,11 +296,14 @@ def test_parquet_question_answer_columns_run_on_two_ranks(demo_data, tmp_path):
     data = _data_with(demo_data, tmp_path / "data", {"train.parquet": parquet("train.jsonl"), "test.parquet": parquet("test.jsonl")})
     log_path = tmp_path / "run"
     result = _local(_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
-        "--max-iterations=2", "data.train_file=tasks/train.parquet", "data.test_file=tasks/test.parquet", "data.prompt_key=question"]))
+        "--max-iterations=2", "data.train_file=tasks/train.parquet", "data.test_file=tasks/test.parquet", "data.prompt_key=question",
+        'rl.stop=["9"]']))
     assert result.returncode == 0, result.stdout[-6000:]
     _each_task_once(log_path, (1, 2), 8)
-    record = _aggregate(RunLayout(log_path), 1)[0]
-    assert record["task_id"].isdigit() and re.fullmatch(r"\d+\+\d+=", record["prompt"])  # row numbers as ids
+    records = _aggregate(RunLayout(log_path), 1) + _aggregate(RunLayout(log_path), 2)
+    assert records[0]["task_id"].isdigit() and re.fullmatch(r"\d+\+\d+=", records[0]["prompt"])  # row numbers as ids
+    samples = [s for r in records for s in r["samples"]]
+    assert all("9" not in s["text"] for s in samples)  # rl.stop reached the engine: it ends a sample, cut from the text
 
 
 def test_chat_messages_run_on_two_ranks_through_the_chat_template(demo_data, tmp_path):
@@ -321,3 +324,8 @@ def test_chat_messages_run_on_two_ranks_through_the_chat_template(demo_data, tmp
     _each_task_once(log_path, (1, 2), 8)
     record = _aggregate(RunLayout(log_path), 1)[0]
     assert re.fullmatch(r"\d+\+\d+=", record["prompt"])  # rendered by the template, not the message list
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = RunLayout(log_path).checkpoint(2)  # what the trainer wrote keeps the template and generation config
+    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == CHAT_TEMPLATE
+    assert (checkpoint / "generation_config.json").is_file() and AutoModelForCausalLM.from_pretrained(checkpoint) is not None

@@ -134,3 +134,19 @@ def test_both_configs_refuse_the_same_values(key, value):
 def test_importing_the_config_stays_cheap():
     code = "import sys, orchestrator.config; assert not {'torch', 'transformers'} & set(sys.modules), 'heavy import'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_rl_stop_takes_a_json_list_or_one_string_and_survives_the_fingerprint_round_trip():
+    import dataclasses
+    import json
+
+    from orchestrator.config import build_sections, parse_overrides
+
+    assert build_sections(parse_overrides(['rl.stop=["</answer>", "\\n\\n"]']))["rl"].stop == ["</answer>", "\n\n"]
+    assert build_sections(parse_overrides(["rl.stop=</s>"]))["rl"].stop == ["</s>"]
+    with pytest.raises(ConfigError, match="expected a JSON list of strings"):
+        parse_overrides(["rl.stop=[1, 2]"])
+    with pytest.raises(ConfigError, match="rl.stop must be non-empty strings"):
+        build_sections(parse_overrides(['rl.stop=[""]']))
+    rl = build_sections(parse_overrides(['rl.stop=["a"]']))["rl"]
+    assert json.loads(json.dumps(dataclasses.asdict(rl))) == dataclasses.asdict(rl)  # workers compare it after JSON

@@ -194,7 +194,7 @@ class RLWorkload:
         seed = random.Random(f"{self.config.seed}:{split}:{ctx.iteration}:{batch[0]['id']}").randrange(2**31)
         began = time.monotonic()
         groups = client.complete([self._prompt_text(t) for t in batch], n=n, temperature=temperature, top_p=self.rl.top_p,
-                                 max_tokens=self.rl.max_tokens, seed=seed, logprobs=0)
+                                 max_tokens=self.rl.max_tokens, stop=self.rl.stop, seed=seed, logprobs=0)
         seconds = (time.monotonic() - began) / len(batch)
         return [self._record(ctx, split, task, group, policy, seconds, scorer) for task, group in zip(batch, groups)]
 
