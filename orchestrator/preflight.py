@@ -38,10 +38,8 @@ def check(config: RunConfig) -> None:
             f"--data-path {config.data_path} lacks {', '.join(map(str, missing))}: make the demo data with "
             f"`orchestrator demo-data --data-path {config.data_path}`, or add --rehearsal for simulated work"
         )
-    chat = bool(config.data.system_prompt)
-    for split in ("train", "eval"):
-        chat |= any(isinstance(t["prompt"], list) for t in tasks.read(tasks.for_split(config, split)))
-    if chat and not has_chat_template(config.model_path):
+    task_lists = [tasks.read(tasks.for_split(config, split)) for split in ("train", "eval")]
+    if tasks.needs_chat_template(task_lists, config.data.system_prompt) and not has_chat_template(config.model_path):
         why = "data.system_prompt is set" if config.data.system_prompt else "the prompts are chat messages"
         raise ConfigError(f"{why}, but the model {config.model_path} has no chat template "
                           f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")

@@ -11,6 +11,7 @@ raised by the preflight before anything is written).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,23 @@ def for_split(config: RunConfig, split: str) -> TaskSource:
 
 
 def read(source: TaskSource) -> list[dict]:
-    """Every task of ``source``, validated (ConfigError naming file, row and key)."""
+    """Every task of ``source``, validated (ConfigError naming file, row and key). A rank
+    reads its files once: the preflight's read serves the workload too while the file is
+    unchanged (the tasks are shared: do not modify them)."""
+    try:
+        st = source.path.stat()
+    except OSError:
+        raise ConfigError(f"task file {source.path} does not exist") from None
+    return _read(source, st.st_mtime_ns, st.st_size)
+
+
+def needs_chat_template(task_lists, system_prompt: str) -> bool:
+    """Whether any prompt goes through the model's chat template (see :func:`render`)."""
+    return bool(system_prompt) or any(isinstance(t["prompt"], list) for tasks in task_lists for t in tasks)
+
+
+@functools.lru_cache(maxsize=4)
+def _read(source: TaskSource, _mtime_ns: int, _size: int) -> list[dict]:
     tasks, seen = [], {}
     for row_number, row in _rows(source.path):
         where = f"{source.path}, row {row_number}"

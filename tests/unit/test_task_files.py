@@ -70,3 +70,11 @@ def test_unreadable_or_missing_files(tmp_path):
         tasks.read(tasks.TaskSource(tmp_path / "t.parquet"))
     with pytest.raises(ConfigError, match=r"task file .*none.jsonl does not exist"):
         tasks.read(tasks.TaskSource(tmp_path / "none.jsonl"))
+
+
+def test_a_file_is_read_once_until_it_changes(tmp_path):
+    f = jsonl(tmp_path / "t.jsonl", [{"id": "a", "prompt": "x", "answer": "1"}])
+    first = tasks.read(tasks.TaskSource(f))
+    assert tasks.read(tasks.TaskSource(f)) is first
+    jsonl(f, [{"id": "a", "prompt": "x", "answer": "1"}, {"id": "b", "prompt": "y", "answer": "2"}])
+    assert [t["id"] for t in tasks.read(tasks.TaskSource(f))] == ["a", "b"]

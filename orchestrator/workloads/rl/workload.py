@@ -55,7 +55,7 @@ class RLWorkload:
         self.tasks = {split: tasks.read(tasks.for_split(config, split)) for split in ("train", "eval")}
         self.by_id = {split: {t["id"]: t for t in split_tasks} for split, split_tasks in self.tasks.items()}
         self._tokenizer = None  # the base model's, for prompts that go through its chat template
-        if config.data.system_prompt or any(isinstance(t["prompt"], list) for ts in self.tasks.values() for t in ts):
+        if tasks.needs_chat_template(self.tasks.values(), config.data.system_prompt):
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
