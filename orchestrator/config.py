@@ -120,6 +120,7 @@ MicroBatch = Annotated[int, msgspec.Meta(ge=1)]
 ClipEps = Annotated[float, msgspec.Meta(gt=0)]
 KLCoef = Annotated[float, msgspec.Meta(ge=0)]
 MaxGradNorm = Annotated[float, msgspec.Meta(gt=0)]
+MaxPromptTokens = Annotated[int, msgspec.Meta(ge=0)]
 
 
 def _bounds(hint) -> str:
@@ -150,6 +151,10 @@ class RLConfig:
     top_p: float = 1.0
     max_tokens: int = 8
     """Longest completion, in tokens."""
+    max_prompt_tokens: MaxPromptTokens = 0
+    """Tasks whose prompt (as the engine sees it: rendered, special tokens included) is longer
+    than this many tokens are left out of the run, with a count in the log and in every
+    iteration's summary. 0: the model's context length minus rl.max_tokens."""
     stop: list[str] = field(default_factory=list)
     """Strings that end a completion (cut from its text), besides every EOS id of the model's
     generation_config. On the command line a JSON list, rl.stop='["</answer>", "\\n\\n"]', or one string."""

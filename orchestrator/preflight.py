@@ -1,9 +1,10 @@
 """A run's config against this node: what ``config.py`` cannot check from the values alone.
 
 ``RunConfig`` validates values (ranges, combinations, mapping syntax): the same on every
-node. These checks look at the node itself (the files under ``--data-path`` and every row of
-the task files, whether the reward module and vLLM import here), so a config that passes on
-one node can fail here on another. Both run before anything is written; a failure is a ConfigError (exit 2).
+node. These checks look at the node itself (the files under ``--data-path``, every row of
+the task files and the length of every prompt, whether the reward module and vLLM import
+here), so a config that passes on one node can fail here on another. Both run before
+anything is written; a failure is a ConfigError (exit 2).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig, Workload
-from orchestrator.data import tasks
+from orchestrator.data import prompts, tasks
 from orchestrator.errors import ConfigError
 
 
@@ -43,6 +44,8 @@ def check(config: RunConfig) -> None:
         why = "data.system_prompt is set" if config.data.system_prompt else "the prompts are chat messages"
         raise ConfigError(f"{why}, but the model {config.model_path} has no chat template "
                           f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    for split in ("train", "eval"):
+        prompts.measure(config, split)  # every prompt rendered and counted against rl.max_prompt_tokens
 
 
 def has_chat_template(model: Path) -> bool:

@@ -50,7 +50,9 @@ class Completion:
     tokens: list[str] | None
     """Each generated token as a string (EOS included); None unless logprobs were asked."""
     token_ids: list[int] | None = None
-    """Generated token ids; only with ``return_token_ids`` (vLLM >= 0.10.2 and the embedded engine)."""
+    """Generated token ids (EOS included); only with ``return_token_ids``."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt as the engine tokenized it; only with ``return_token_ids``."""
 
 
 def _server_message(raw: bytes) -> str:
@@ -203,13 +205,23 @@ class EngineClient:
         # vLLM numbers choices prompt-major: index = prompt_index * n + sample_index.
         return [completions[j * n : (j + 1) * n] for j in range(len(prompts))]
 
-    @staticmethod
-    def _completion(choice: dict, return_token_ids: bool) -> Completion:
+    def _completion(self, choice: dict, return_token_ids: bool) -> Completion:
         logprobs = choice.get("logprobs")
+        token_ids = prompt_token_ids = None
+        if return_token_ids:
+            token_ids, prompt_token_ids = choice.get("token_ids"), choice.get("prompt_token_ids")
+            if not (_is_ids(token_ids) and _is_ids(prompt_token_ids)):
+                raise EngineError(f"{self.base_url}/v1/completions was asked for token ids (return_token_ids) and answered "
+                                  f"without them: vLLM >= 0.10.2 returns them")
         return Completion(
             text=choice["text"],
             finish_reason=choice["finish_reason"],
             token_logprobs=None if logprobs is None else logprobs["token_logprobs"],
             tokens=None if logprobs is None else logprobs["tokens"],
-            token_ids=choice.get("token_ids") if return_token_ids else None,
+            token_ids=token_ids,
+            prompt_token_ids=prompt_token_ids,
         )
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)

@@ -86,7 +86,7 @@ def snapshot(log_path: Path) -> dict:
     for i in range(1, last + 1):
         s = summary.read(layout, i)
         if s is not None:
-            iterations.append({k: s.get(k) for k in ("iteration", "tasks_per_rank", "trajectories", "evaluated", "metrics", "checkpoint", "complete", "reward_errors")})
+            iterations.append({k: s.get(k) for k in ("iteration", "tasks_per_rank", "trajectories", "evaluated", "metrics", "checkpoint", "complete", "reward_errors", "prompts_too_long")})
     barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks) if not current.released else None
     return {
         "log_path": str(log_path),

@@ -30,6 +30,9 @@ class Workload(Protocol):
     def task_ids(self, split: str, iteration: int) -> list[str]:
         """The iteration's task ids of ``split``, the same on every rank."""
 
+    def prompts_too_long(self, split: str) -> int:
+        """How many ``split`` tasks the run leaves out for a prompt over rl.max_prompt_tokens."""
+
     def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
         """Batches of scored records, one record per task (with its ``task_id``). Each batch
         is made durable and counted before the next is asked for; checks ``ctx.cancel``."""

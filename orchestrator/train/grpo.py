@@ -4,15 +4,20 @@ and the deterministic split of records over ranks and steps.
 The trajectory aggregate is JSON lines, one record per task, and a record's samples are
 one GRPO group::
 
-    {"task_id": "train-000042", "prompt": "17+25=", "answer": "42",
-     "samples": [{"text": "42", "reward": 1.0, "finish_reason": "stop", "logprobs": null}, ...]}
+    {"task_id": "train-000042", "prompt": "17+25=", "prompt_token_ids": [1, 5, 11, 6, 9, 10, 17],
+     "answer": "42",
+     "samples": [{"text": "42", "token_ids": [8, 6, 2], "reward": 1.0, "finish_reason": "stop",
+                  "logprobs": [...]}, ...]}
 
 Other keys may be present and are ignored; so are the engine's ``logprobs``: the trainer
 computes the old policy's log-probs itself, so that the ratio compares like with like.
 
-Token layout of one sample: ``tokenizer(prompt)`` (starts with ``<s>``), then
-``tokenizer(text, add_special_tokens=False)``, then ``</s>`` when the engine stopped on it
-(``finish_reason == "stop"``; a ``"length"`` sample was cut off and has no ``</s>``).
+Token layout of one sample: the trainer trains on the ids the engine sampled, never on the
+text re-tokenized (a BPE tokenizer can tokenize a sampled text differently, which would
+silently break the importance ratio): ``prompt_token_ids``, then the sample's ``token_ids``,
+which end with the EOS token when the engine stopped on it. A record written without ids (by
+hand) is tokenized from its text instead: ``tokenizer(prompt)``, then
+``tokenizer(text, add_special_tokens=False)``, then EOS when ``finish_reason == "stop"``.
 
 Every per-token tensor here (log-probs, old and reference log-probs, advantages) is flat,
 holding the completion tokens of a batch in (sequence, position) order: the order in which
@@ -44,6 +49,8 @@ class Sample:
     text: str
     reward: float
     finish_reason: str  # one of FINISH_REASONS
+    token_ids: tuple[int, ...] | None = None
+    """The ids the engine sampled; None in a record written without them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,14 @@ class Record:
     task_id: str
     prompt: str
     samples: tuple[Sample, ...]
+    prompt_token_ids: tuple[int, ...] | None = None
+    """The prompt as the engine tokenized it; when set, every sample has its ``token_ids``."""
+
+
+def _token_ids(value, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError(f"{what} must be a list of token ids (non-negative integers)")
+    return tuple(value)
 
 
 def parse_record(obj: object) -> Record:
@@ -65,6 +80,9 @@ def parse_record(obj: object) -> Record:
     raw = obj.get("samples")
     if not isinstance(raw, list) or not raw:
         raise ValueError("'samples' must be a non-empty list")
+    prompt_ids = None if obj.get("prompt_token_ids") is None else _token_ids(obj["prompt_token_ids"], "'prompt_token_ids'")
+    if prompt_ids is not None and not prompt_ids:
+        raise ValueError("'prompt_token_ids' must not be empty")
     samples = []
     for i, s in enumerate(raw):
         if not isinstance(s, dict):
@@ -76,8 +94,13 @@ def parse_record(obj: object) -> Record:
             raise ValueError(f"samples[{i}].reward must be a finite number, got {reward!r}")
         if s.get("finish_reason") not in FINISH_REASONS:
             raise ValueError(f"samples[{i}].finish_reason must be one of {FINISH_REASONS}, got {s.get('finish_reason')!r}")
-        samples.append(Sample(s["text"], float(reward), s["finish_reason"]))
-    return Record(obj["task_id"], obj["prompt"], tuple(samples))
+        ids = None
+        if prompt_ids is not None:
+            if s.get("token_ids") is None:
+                raise ValueError(f"samples[{i}].token_ids is missing, but the record has prompt_token_ids")
+            ids = _token_ids(s["token_ids"], f"samples[{i}].token_ids")
+        samples.append(Sample(s["text"], float(reward), s["finish_reason"], ids))
+    return Record(obj["task_id"], obj["prompt"], tuple(samples), prompt_ids)
 
 
 def read_records(path: Path) -> list[Record]:
@@ -124,11 +147,14 @@ class Completion:
 
 
 def encode_record(tokenizer, record: Record) -> list[Completion]:
-    """The record's samples as token ids, in sample order (layout: module docstring)."""
+    """The record's samples as token ids, in sample order: the engine's ids when the record
+    has them, else its text tokenized (layout: module docstring)."""
+    advantages = group_advantages([s.reward for s in record.samples])
+    if record.prompt_token_ids is not None:
+        return [Completion(record.prompt_token_ids, s.token_ids, a) for s, a in zip(record.samples, advantages)]
     prompt = tuple(tokenizer(record.prompt)["input_ids"])
     texts = [s.text for s in record.samples]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    advantages = group_advantages([s.reward for s in record.samples])
     out = []
     for sample, ids, advantage in zip(record.samples, encoded, advantages):
         ids = list(ids) + ([tokenizer.eos_token_id] if sample.finish_reason == "stop" else [])

@@ -276,6 +276,7 @@ def _prepare_shard(config: TrainConfig, rdv: Rendezvous, records: list[grpo.Reco
     n = len(records)
     batches = [grpo.epoch_batches(n, rdv.world_size, rdv.rank, config.micro_batch, seed=config.seed, epoch=e) for e in range(config.epochs)]
     needed = sorted({k for epoch in batches for keys in epoch for k in keys})
+    _check_vocabulary(records, model.get_input_embeddings().num_embeddings, config.init_checkpoint)
     completions = {k: grpo.encode_record(tokenizer, records[k]) for k in needed}
     old = _record_logprobs(model, completions, pad_id, device)
     ref = None
@@ -299,6 +300,16 @@ def _read_records(path: Path) -> list[grpo.Record]:
     if not records:
         raise BadTrainInput(f"trajectory aggregate {path} holds no records")
     return records
+
+
+def _check_vocabulary(records: list[grpo.Record], vocab: int, model: Path) -> None:
+    """Every rank checks every record, so a bad one fails them all alike (none waits in a collective)."""
+    for r in records:
+        if r.prompt_token_ids is None:
+            continue
+        if max(max(r.prompt_token_ids), *(max(s.token_ids, default=0) for s in r.samples)) >= vocab:
+            raise BadTrainInput(f"trajectory record {r.task_id} holds a token id past the model's vocabulary of {vocab}: "
+                                f"it was sampled from another model than {model}")
 
 
 def _all_equal(record: grpo.Record) -> bool:
@@ -378,6 +389,7 @@ def train(config: TrainConfig, rdv: Rendezvous, device, started: float) -> dict:
         "completion_tokens": int(total_tokens.item()),
         "mean_reward": sum(s.reward for s in samples) / len(samples),
         "zero_advantage_groups": sum(1 for r in records if _all_equal(r)),
+        "records_tokenized_from_text": sum(1 for r in records if r.prompt_token_ids is None),
         "epochs": config.epochs,
         "steps_per_epoch": steps,
         "micro_batch": config.micro_batch,

@@ -41,6 +41,9 @@ class RehearsalWorkload:
     def tasks_per_iteration(self, split: str) -> int:
         return self.r.tasks if split == "train" else self.r.eval_tasks
 
+    def prompts_too_long(self, split: str) -> int:
+        return 0
+
     def task_ids(self, split: str, iteration: int) -> list[str]:
         return [f"{split}-{iteration:06d}-{k:06d}" for k in range(self.tasks_per_iteration(split))]
 

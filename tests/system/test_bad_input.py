@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from orchestrator.demo import tokenizer as demo_tokenizer
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -108,6 +110,10 @@ ROW_CASES = {
     "unreadable parquet": ([GOOD], ["data.train_file=tasks/train.parquet"], "train.parquet: not a readable Parquet file"),
     "chat messages without a chat template": ([{**GOOD, "prompt": [{"role": "user", "content": "1+1="}]}], [],
                                               "the prompts are chat messages, but the model"),
+    "prompt limit past the context": ([GOOD], ["rl.max_prompt_tokens=60"],
+                                      "rl.max_prompt_tokens=60 plus rl.max_tokens=8 is more than the model's context length of 64"),
+    "every prompt too long": ([GOOD], ["rl.max_prompt_tokens=4"],
+                              "train.jsonl is longer than 4 tokens (the longest rl.max_prompt_tokens allows); the shortest has 5"),
 }
 
 
@@ -117,7 +123,8 @@ def test_bad_task_rows_exit_2_naming_file_row_and_key(tmp_path, rows, extra, mes
 
     data = tmp_path / "data"
     (data / "model").mkdir(parents=True)
-    (data / "model" / "config.json").write_text("{}")
+    (data / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    demo_tokenizer.save(data / "model")  # "1+1=" is 5 tokens: <s> and one per character
     (data / "tasks").mkdir()
     (data / "tasks" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (data / "tasks" / "test.jsonl").write_text(json.dumps(GOOD) + "\n")

@@ -297,13 +297,23 @@ def test_parquet_question_answer_columns_run_on_two_ranks(demo_data, tmp_path):
     log_path = tmp_path / "run"
     result = _local(_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
         "--max-iterations=2", "data.train_file=tasks/train.parquet", "data.test_file=tasks/test.parquet", "data.prompt_key=question",
-        'rl.stop=["9"]']))
+        'rl.stop=["9"]', "rl.max_prompt_tokens=6"]))
     assert result.returncode == 0, result.stdout[-6000:]
     _each_task_once(log_path, (1, 2), 8)
     records = _aggregate(RunLayout(log_path), 1) + _aggregate(RunLayout(log_path), 2)
     assert records[0]["task_id"].isdigit() and re.fullmatch(r"\d+\+\d+=", records[0]["prompt"])  # row numbers as ids
     samples = [s for r in records for s in r["samples"]]
     assert all("9" not in s["text"] for s in samples)  # rl.stop reached the engine: it ends a sample, cut from the text
+    # Token-exact records: the engine's prompt ids (<s> and one id per character) and each sample's sampled ids.
+    assert all(len(r["prompt_token_ids"]) == len(r["prompt"]) + 1 for r in records)
+    assert all(s["token_ids"] and len(s["token_ids"]) == len(s["logprobs"]) for s in samples)
+    # rl.max_prompt_tokens=6: "12+34=" is 7 tokens with <s>, left out and counted in every iteration's summary
+    assert all(len(r["prompt_token_ids"]) <= 6 for r in records)
+    too_long = {split: sum(len(r["prompt"]) + 1 > 6 for r in _demo_rows(demo_data, f"{name}.jsonl"))
+                for split, name in (("train", "train"), ("eval", "test"))}
+    assert all(too_long.values())
+    assert [it["prompts_too_long"] for it in status_json(log_path)["iterations"]] == [too_long, too_long]
+    assert f"{too_long['train']} of 2000 train tasks are left out: their prompt is longer than 6 tokens" in result.stdout
 
 
 def test_chat_messages_run_on_two_ranks_through_the_chat_template(demo_data, tmp_path):

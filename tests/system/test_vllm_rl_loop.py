@@ -32,19 +32,20 @@ SETTINGS = [
 
 
 def _forward_logprobs(model_dir, records):
-    """Per record, per sample: the logprobs of the sampled tokens under ``model_dir``."""
+    """Per record, per sample: the logprobs of the sampled tokens (the ids vLLM returned,
+    EOS included) under ``model_dir``."""
     import torch
 
     from orchestrator.demo import model as demo_model
 
-    m, tok = demo_model.load(model_dir)
+    m, _ = demo_model.load(model_dir)
     m.eval()
     out = []
     for rec in records:
-        prompt = tok(rec["prompt"])["input_ids"]
+        prompt = rec["prompt_token_ids"]
         per_sample = []
         for s in rec["samples"]:
-            ids = tok(s["text"], add_special_tokens=False)["input_ids"]
+            ids = s["token_ids"]
             with torch.inference_mode():
                 logits = m(input_ids=torch.tensor([prompt + ids])).logits[0].float()
             lp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
@@ -57,9 +58,16 @@ def _max_error(records, expected):
     worst = 0.0
     for rec, exp in zip(records, expected):
         for s, e in zip(rec["samples"], exp):
-            got = s["logprobs"][: len(e)]  # a trailing end-of-sequence token has no text
-            worst = max([worst, *(abs(a - b) for a, b in zip(got, e))])
+            assert len(s["logprobs"]) == len(e), "one logprob per sampled id"
+            worst = max([worst, *(abs(a - b) for a, b in zip(s["logprobs"], e))])
     return worst
+
+
+def _ends_of_stopped_samples(records, model_dir):
+    """The last sampled id of every sample that stopped without a stop string, and the EOS ids."""
+    eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    ends = {s["token_ids"][-1] for r in records for s in r["samples"] if s["finish_reason"] == "stop"}
+    return ends, set(eos if isinstance(eos, list) else [eos])
 
 
 @pytest.mark.parametrize("weight_update", ["restart", "auto"])
@@ -85,6 +93,8 @@ def test_rollout_through_vllm_then_vllm_serves_the_trained_checkpoint(demo_data,
         return [json.loads(line) for line in path.read_text().splitlines()]
 
     first, second = eval_records(1), eval_records(2)
+    ends, eos = _ends_of_stopped_samples(first + second, demo_data / "model")
+    assert ends and ends <= eos, f"vLLM's token ids of stopped samples end with {ends}, not an EOS id of {eos}"
     assert {r["policy"] for r in second} == {str(layout.checkpoint(1))}
     base_first = _max_error(first, _forward_logprobs(demo_data / "model", first))
     trained_second = _max_error(second, _forward_logprobs(layout.checkpoint(1), second))

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -91,6 +92,48 @@ def test_encode_record_appends_eos_only_to_stopped_samples():
     assert a.completion_ids == (13, 2)
     assert b.completion_ids == (14, 15)
     assert a.advantage > 0 > b.advantage
+
+
+def _merging_bpe():
+    """A BPE tokenizer that merges "4" "2" into "42": sampled one digit at a time, the text
+    "42" re-tokenizes into one token."""
+    from tokenizers import Tokenizer, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "4": 2, "2": 3, "42": 4, "+": 5, "=": 6, "1": 7}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("4", "2")]))
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+
+
+def test_a_completion_whose_text_retokenizes_differently_is_trained_on_its_sampled_ids():
+    tokenizer = _merging_bpe()
+    sampled = [2, 3, 1]  # "4", "2", </s>: what the engine drew
+    assert tokenizer("42", add_special_tokens=False)["input_ids"] == [4], "the text alone re-tokenizes into other ids"
+    line = {"task_id": "t", "prompt": "41+1=", "prompt_token_ids": [0, 2, 7, 5, 7, 6], "answer": "42",
+            "samples": [{"text": "42", "token_ids": sampled, "reward": 1.0, "finish_reason": "stop"},
+                        {"text": "1", "token_ids": [7, 1], "reward": 0.0, "finish_reason": "stop"}]}
+    record = grpo.parse_record(json.loads(json.dumps(line)))
+    right, wrong = grpo.encode_record(tokenizer, record)
+    assert right.prompt_ids == (0, 2, 7, 5, 7, 6) and right.completion_ids == tuple(sampled)
+    batch = grpo.collate([right, wrong], pad_id=1)
+    assert batch.input_ids[:, 1:][batch.target_mask].tolist() == sampled + [7, 1], "the trained targets are the sampled ids"
+    without_ids = grpo.Record("t", "41+1=", (grpo.Sample("42", 1.0, "stop"),))
+    assert grpo.encode_record(tokenizer, without_ids)[0].completion_ids == (4, 1), "what re-tokenizing would have trained on"
+
+
+@pytest.mark.parametrize("change, complaint", [
+    ({"prompt_token_ids": [0, -1]}, "'prompt_token_ids' must be a list of token ids"),
+    ({"prompt_token_ids": []}, "'prompt_token_ids' must not be empty"),
+    ({"samples": [{"text": "4", "reward": 1, "finish_reason": "stop"}]}, "samples[0].token_ids is missing"),
+    ({"samples": [{"text": "4", "token_ids": [2.0], "reward": 1, "finish_reason": "stop"}]}, "samples[0].token_ids must be a list"),
+])
+def test_a_record_with_bad_token_ids_is_refused(change, complaint):
+    line = {"task_id": "t", "prompt": "4", "prompt_token_ids": [0, 2],
+            "samples": [{"text": "4", "token_ids": [2, 1], "reward": 1, "finish_reason": "stop"}], **change}
+    with pytest.raises(ValueError, match=re.escape(complaint)):
+        grpo.parse_record(line)
 
 
 def test_collate_right_pads_and_marks_the_targets_that_are_completion_tokens():

@@ -78,3 +78,41 @@ def test_a_file_is_read_once_until_it_changes(tmp_path):
     assert tasks.read(tasks.TaskSource(f)) is first
     jsonl(f, [{"id": "a", "prompt": "x", "answer": "1"}, {"id": "b", "prompt": "y", "answer": "2"}])
     assert [t["id"] for t in tasks.read(tasks.TaskSource(f))] == ["a", "b"]
+
+
+# --- prompt lengths ------------------------------------------------------------------------
+
+
+def test_prompt_lengths_count_what_the_engines_tokenizer_makes_special_tokens_included(tmp_path):
+    from transformers import AutoTokenizer
+
+    from orchestrator.data import prompts
+    from orchestrator.demo import tokenizer as demo_tokenizer
+
+    demo_tokenizer.save(tmp_path)
+    texts = ["1+1=", "17+25=", ""]
+    expected = [len(ids) for ids in AutoTokenizer.from_pretrained(tmp_path)(texts)["input_ids"]]
+    assert prompts.count_tokens(texts, tmp_path) == expected == [5, 7, 1]
+
+
+@pytest.mark.parametrize("config, max_tokens, max_prompt_tokens, expected", [
+    ({"max_position_embeddings": 64}, 8, 0, 56),  # unset: what the context leaves beside the completion
+    ({"n_positions": 32}, 8, 0, 24),
+    ({}, 8, 0, None),  # no context length known: no limit
+    ({"max_position_embeddings": 64}, 8, 20, 20),
+    ({"max_position_embeddings": 64}, 8, 57, "plus rl.max_tokens=8 is more than the model's context length of 64"),
+    ({"max_position_embeddings": 8}, 8, 0, "rl.max_tokens=8 leaves no room for a prompt"),
+])
+def test_the_prompt_limit_defaults_to_the_context_left_beside_the_completion(tmp_path, config, max_tokens, max_prompt_tokens, expected):
+    from orchestrator.config import RLConfig, RLPhase, RunConfig
+    from orchestrator.data import prompts
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    run = RunConfig(data_path=tmp_path, log_path=tmp_path / "run", rl_phase=RLPhase.BOTH, rank=0, eval_interval=1,
+                    rl=RLConfig(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens))
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            prompts.limit(run)
+    else:
+        assert prompts.limit(run) == expected

@@ -33,7 +33,8 @@ def plan_iteration(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     if plan is None:
         plan = make_plan(ctx)
         fsio.write_record(ctx.it.plan, plan)
-    summary.update(ctx.layout, ctx.iteration, tasks_per_rank=plan["train"]["per_rank"])
+    too_long = {split: n for split in ("train", "eval") if plan[split]["enabled"] and (n := ctx.workload.prompts_too_long(split))}
+    summary.update(ctx.layout, ctx.iteration, tasks_per_rank=plan["train"]["per_rank"], prompts_too_long=too_long or None)
     return {"plan": plan}
 
 

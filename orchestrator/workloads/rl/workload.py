@@ -22,7 +22,7 @@ from typing import Iterator
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig
-from orchestrator.data import checkpoints, tasks
+from orchestrator.data import checkpoints, prompts
 from orchestrator.engine.client import EngineClient
 from orchestrator.errors import ChildFailed, OrchestratorError
 from orchestrator.node import gpus
@@ -52,13 +52,15 @@ class RLWorkload:
         self.rl = config.rl
         self.children = children
         self.reward = rewards.load(self.rl.reward)
-        self.tasks = {split: tasks.read(tasks.for_split(config, split)) for split in ("train", "eval")}
+        # Each split's tasks with the text the engine continues, without those whose prompt is too long.
+        self.prompts = {split: prompts.measure(config, split) for split in ("train", "eval")}
+        self.tasks = {split: m.tasks for split, m in self.prompts.items()}
         self.by_id = {split: {t["id"]: t for t in split_tasks} for split, split_tasks in self.tasks.items()}
-        self._tokenizer = None  # the base model's, for prompts that go through its chat template
-        if tasks.needs_chat_template(self.tasks.values(), config.data.system_prompt):
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
+        for split, m in self.prompts.items():
+            if m.skipped:
+                log.warning("%d of %d %s tasks are left out: their prompt is longer than %d tokens (rl.max_prompt_tokens%s)",
+                            m.skipped, m.total, split, m.limit, "" if self.rl.max_prompt_tokens else
+                            f" unset: the model's context length less rl.max_tokens={self.rl.max_tokens}")
         self.layout = RunLayout(config.log_path)
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
@@ -69,6 +71,9 @@ class RLWorkload:
     def tasks_per_iteration(self, split: str) -> int:
         wanted = self.rl.train_tasks if split == "train" else self.rl.eval_tasks
         return min(wanted, len(self.tasks[split]))
+
+    def prompts_too_long(self, split: str) -> int:
+        return self.prompts[split].skipped
 
     def task_ids(self, split: str, iteration: int) -> list[str]:
         ids = [t["id"] for t in self.tasks[split]]
@@ -193,23 +198,21 @@ class RLWorkload:
         batch = [self.by_id[split][t] for t in task_ids]
         seed = random.Random(f"{self.config.seed}:{split}:{ctx.iteration}:{batch[0]['id']}").randrange(2**31)
         began = time.monotonic()
-        groups = client.complete([self._prompt_text(t) for t in batch], n=n, temperature=temperature, top_p=self.rl.top_p,
-                                 max_tokens=self.rl.max_tokens, stop=self.rl.stop, seed=seed, logprobs=0)
+        texts = [self.prompts[split].texts[t["id"]] for t in batch]
+        groups = client.complete(texts, n=n, temperature=temperature, top_p=self.rl.top_p, max_tokens=self.rl.max_tokens,
+                                 stop=self.rl.stop, seed=seed, logprobs=0, return_token_ids=True)
         seconds = (time.monotonic() - began) / len(batch)
-        return [self._record(ctx, split, task, group, policy, seconds, scorer) for task, group in zip(batch, groups)]
+        return [self._record(ctx, split, task, text, group, policy, seconds, scorer) for task, text, group in zip(batch, texts, groups)]
 
-    def _prompt_text(self, task: dict) -> str:
-        """What the engine continues and the trainer trains on: the prompt, through the chat
-        template when it is chat messages or a system prompt is set."""
-        if self._tokenizer is None:
-            return task["prompt"]
-        return tasks.render(task["prompt"], self._tokenizer, self.config.data.system_prompt)
-
-    def _record(self, ctx: PhaseContext, split: str, task: dict, group, policy: str, seconds: float, scorer: Scorer) -> dict:
+    def _record(self, ctx: PhaseContext, split: str, task: dict, prompt: str, group, policy: str, seconds: float,
+                scorer: Scorer) -> dict:
+        """One task's trajectory record. The trainer trains on the token ids the engine sampled
+        (``prompt_token_ids``, each sample's ``token_ids``), never on the text re-tokenized."""
         samples = []
         for c in group:
             reward, error = scorer.score(task, c.text)
-            sample = {"text": c.text, "reward": reward, "finish_reason": c.finish_reason, "logprobs": c.token_logprobs}
+            sample = {"text": c.text, "token_ids": c.token_ids, "reward": reward, "finish_reason": c.finish_reason,
+                      "logprobs": c.token_logprobs}
             if error is not None:
                 sample["reward_error"] = error
             samples.append(sample)
@@ -220,7 +223,8 @@ class RLWorkload:
             "rank": ctx.rank,
             "attempt": ctx.attempt_id,
             "policy": policy,
-            "prompt": self._prompt_text(task),
+            "prompt": prompt,
+            "prompt_token_ids": group[0].prompt_token_ids,
             "answer": task["answer"],
             "seconds": seconds,
             "samples": samples,
