@@ -42,3 +42,15 @@ def demo_data(tmp_path_factory):
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     return path
+
+
+@pytest.fixture(scope="session")
+def chat_demo_data(tmp_path_factory):
+    """The chat demo (`demo-data --chat`, seed 0) with a briefly warmed-up model (40 steps:
+    it answers in the format, mostly wrongly)."""
+    path = tmp_path_factory.mktemp("chat-demo") / "data"
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", "--chat", f"--data-path={path}", "--warm-steps=40"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "rl.reward=orchestrator.rewards:math" in result.stderr, "demo-data --chat names the reward the run needs"
+    return path

@@ -8,26 +8,41 @@ from pathlib import Path
 import click
 
 from orchestrator import terminal
-from orchestrator.demo import DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS, DEFAULT_SEED
+from orchestrator.demo import CHAT_ACCURACY_BAND, CHAT_MAX_WARM_STEPS, DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS, DEFAULT_SEED
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR
 from orchestrator.node import identity
+
+
+def _band(band: tuple[float, float]) -> str:
+    return ",".join(map(str, band))
 
 
 @click.command("demo-data")
 @click.option("--data-path", required=True, type=click.Path(path_type=Path), help="Absolute directory to write the demo into.")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True,
               help="Seeds the tasks, the model and its warm start. `run` has its own seed (the `seed=N` override).")
-@click.option("--accuracy-band", default=",".join(map(str, DEFAULT_ACCURACY_BAND)), show_default=True, metavar="LOW,HIGH",
-              help="The warm start stops once greedy accuracy on a validation split of train is in this band.")
-@click.option("--max-warm-steps", type=int, default=DEFAULT_MAX_WARM_STEPS, show_default=True,
-              help="Give up (exit 1) if the band is not reached within this many warm-start steps.")
+@click.option("--accuracy-band", default=None, metavar="LOW,HIGH",
+              help="The warm start stops once greedy accuracy on a validation split of train is in this band. "
+                   f"[default: {_band(DEFAULT_ACCURACY_BAND)}; with --chat, {_band(CHAT_ACCURACY_BAND)}]")
+@click.option("--max-warm-steps", type=int, default=None,
+              help="Give up (exit 1) if the band is not reached within this many warm-start steps. "
+                   f"[default: {DEFAULT_MAX_WARM_STEPS}; with --chat, {CHAT_MAX_WARM_STEPS}]")
 @click.option("--warm-steps", type=int, default=None, help="Exactly this many warm-start steps instead of stopping in the band.")
-def demo_data(data_path: Path, seed: int, accuracy_band: str, max_warm_steps: int, warm_steps: int | None) -> None:
-    """Write synthetic tasks and a tiny warm-started Llama-style model under --data-path."""
+@click.option("--chat", is_flag=True, default=False,
+              help="The chat demo: the same tasks as chat messages answered in \\boxed{}, a tiny Qwen2-style model with a "
+                   "BPE tokenizer and a chat template. Run it with rl.reward=orchestrator.rewards:math.")
+def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_steps: int | None, warm_steps: int | None,
+              chat: bool) -> None:
+    """Write synthetic tasks and a tiny warm-started Llama-style model (with --chat, a
+    Qwen2-style chat model) under --data-path."""
     if not data_path.is_absolute():
         terminal.abort(f"--data-path must be an absolute path, got {data_path}", EXIT_BAD_INPUT)
     if warm_steps is not None and warm_steps < 0:
         terminal.abort(f"--warm-steps must be >= 0, got {warm_steps}", EXIT_BAD_INPUT)
+    if accuracy_band is None:
+        accuracy_band = _band(CHAT_ACCURACY_BAND if chat else DEFAULT_ACCURACY_BAND)
+    if max_warm_steps is None:
+        max_warm_steps = CHAT_MAX_WARM_STEPS if chat else DEFAULT_MAX_WARM_STEPS
     if max_warm_steps < 1:
         terminal.abort(f"--max-warm-steps must be >= 1, got {max_warm_steps}", EXIT_BAD_INPUT)
     from orchestrator.demo import warm_start
@@ -42,7 +57,12 @@ def demo_data(data_path: Path, seed: int, accuracy_band: str, max_warm_steps: in
 
     with terminal.err.status("making the demo data (about half a minute on a laptop CPU)"):
         try:
-            manifest = build(data_path, seed=seed, band=band, max_warm_steps=max_warm_steps, warm_steps=warm_steps)
+            manifest = build(data_path, seed=seed, band=band, max_warm_steps=max_warm_steps, warm_steps=warm_steps, chat=chat)
         except warm_start.WarmStartError as e:
             terminal.abort(f"demo-data (seed {seed}): {e}", EXIT_ERROR)
     terminal.out.print(json.dumps(manifest, indent=2), markup=False)
+    if chat:  # stdout is the manifest alone (JSON); the hint goes with the logs
+        terminal.err.print(f"the chat demo is graded by the math reward: run it with rl.reward=orchestrator.rewards:math, e.g.\n"
+                           f"  python3 -m orchestrator run --data-path {data_path} --log-path LOG_PATH --rl-phase both --eval-interval 3 "
+                           "--max-iterations 10 rl.reward=orchestrator.rewards:math", markup=False)
+

@@ -1,5 +1,7 @@
 """The embedded demo: synthetic tasks with a verifiable answer and a tiny Llama-style model
-made locally (no download), so the whole RL loop runs on a CPU box."""
+made locally (no download), so the whole RL loop runs on a CPU box. The chat demo
+(``demo-data --chat``) asks the same questions as chat messages, of a tiny Qwen2-style model
+with a locally trained BPE tokenizer and a chat template."""
 
 # Defaults of `orchestrator demo-data`. The warm start stops once greedy accuracy on a
 # validation split carved from train is in the band: clearly above zero, clearly short of
@@ -8,3 +10,7 @@ DEFAULT_SEED = 0
 DEFAULT_ACCURACY_BAND = (0.30, 0.40)
 DEFAULT_MAX_WARM_STEPS = 1500
 VALIDATION_TASKS = 200
+
+# The chat demo's (demo-data --chat): docs/demo.md says how they were chosen.
+CHAT_ACCURACY_BAND = (0.30, 0.40)
+CHAT_MAX_WARM_STEPS = 1500

@@ -4,6 +4,9 @@
     <data-path>/model/                                   the base model, Hugging Face format
     <data-path>/demo.json                                what was made: seed, steps, accuracy
 
+With ``chat``: the chat demo, the same tasks as chat messages answered ``\\boxed{42}``, a
+Qwen2-style model and its BPE tokenizer with a chat template (docs/demo.md).
+
 Deterministic for a seed; nothing is downloaded. The model directory is written to a temp
 name and renamed into place, so it is complete or absent.
 """
@@ -17,7 +20,16 @@ import shutil
 import time
 from pathlib import Path
 
-from orchestrator.demo import DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS, DEFAULT_SEED, VALIDATION_TASKS, warm_start
+from orchestrator.demo import (
+    CHAT_ACCURACY_BAND,
+    CHAT_MAX_WARM_STEPS,
+    DEFAULT_ACCURACY_BAND,
+    DEFAULT_MAX_WARM_STEPS,
+    DEFAULT_SEED,
+    VALIDATION_TASKS,
+    chat_tokenizer,
+    warm_start,
+)
 from orchestrator.demo import model as demo_model
 from orchestrator.demo import tasks as demo_tasks
 from orchestrator.protocol import fsio
@@ -29,31 +41,44 @@ def manifest_path(data_path: Path) -> Path:
     return data_path / "demo.json"
 
 
-def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band = warm_start.Band(*DEFAULT_ACCURACY_BAND),
-          max_warm_steps: int = DEFAULT_MAX_WARM_STEPS, warm_steps: int | None = None) -> dict:
-    """Make the demo data, or return what is there if it was made with the same settings.
+def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | None = None, max_warm_steps: int | None = None,
+          warm_steps: int | None = None, chat: bool = False) -> dict:
+    """Make the demo data (the chat demo's with ``chat``), or return what is there if it was
+    made with the same settings.
 
-    The warm start stops in ``band`` (at most ``max_warm_steps`` steps), or with
-    ``warm_steps`` set, after exactly that many steps. Raises warm_start.WarmStartError
-    when the band is not reached; nothing is written to ``model/`` or ``demo.json`` then.
+    The warm start stops in ``band`` (at most ``max_warm_steps`` steps; None: the demo's
+    defaults, demo/__init__.py), or with ``warm_steps`` set, after exactly that many steps.
+    Raises warm_start.WarmStartError when the band is not reached; nothing is written to
+    ``model/`` or ``demo.json`` then.
     """
+    if band is None:
+        band = warm_start.Band(*(CHAT_ACCURACY_BAND if chat else DEFAULT_ACCURACY_BAND))
+    if max_warm_steps is None:
+        max_warm_steps = CHAT_MAX_WARM_STEPS if chat else DEFAULT_MAX_WARM_STEPS
     settings = {"seed": seed, "warm_steps_fixed": warm_steps} | (
-        {"accuracy_band": [band.low, band.high], "max_warm_steps": max_warm_steps} if warm_steps is None else {})
+        {"accuracy_band": [band.low, band.high], "max_warm_steps": max_warm_steps} if warm_steps is None else {}) | (
+        {"chat": True} if chat else {})  # the default demo's settings predate the chat demo
     existing = _read_manifest(data_path)
     if existing is not None and existing.get("settings") == settings:
         log.info("demo data under %s is already there (%s)", data_path, json.dumps(settings))
         return existing
     started = time.monotonic()
-    splits = demo_tasks.make_tasks(seed)
+    splits = demo_tasks.make_tasks(seed, chat=chat)
     fit, validation = splits["train"][:-VALIDATION_TASKS], splits["train"][-VALIDATION_TASKS:]
 
-    model = demo_model.create(seed)
+    fmt = warm_start.CHAT if chat else warm_start.PLAIN
+    if chat:  # the tokenizer learns from the train split's conversations, answers included
+        made_tokenizer = chat_tokenizer.fast(chat_tokenizer.corpus(splits["train"], fmt.target))
+        model = demo_model.create_chat(seed, made_tokenizer)
+    else:
+        made_tokenizer, model = None, demo_model.create(seed)
     staging = data_path / f".model.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    demo_model.save(model, staging)  # the tokenizer files travel with the model
+    demo_model.save(model, staging, made_tokenizer)  # the tokenizer files travel with the model
     _, tokenizer = demo_model.load(staging)
     try:
-        trainer = warm_start.Trainer(model, tokenizer, fit, validation, seed=seed)
+        trainer = warm_start.Trainer(model, tokenizer, fit, validation, seed=seed, fmt=fmt,
+                                     batch_size=warm_start.CHAT_BATCH_SIZE if chat else warm_start.BATCH_SIZE)
         if warm_steps is None:
             log.info("warm start on %d train tasks until greedy accuracy on %d validation tasks is in %s",
                      len(fit), len(validation), band)
@@ -64,10 +89,10 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band = 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    test_accuracy = warm_start.greedy_accuracy(model, tokenizer, splits["test"])
+    test_accuracy = warm_start.greedy_accuracy(model, tokenizer, splits["test"], fmt)
     for split, tasks in splits.items():
         demo_tasks.write_tasks(data_path / "tasks" / f"{split}.jsonl", tasks)
-    demo_model.save(model, staging)
+    demo_model.save(model, staging, made_tokenizer)
     final = data_path / "model"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)

@@ -1,8 +1,9 @@
-"""The demo policy: a tiny Llama-architecture model, made locally from a seed.
+"""The demo policy: a tiny Llama-architecture model, made locally from a seed; the chat
+demo's is a Qwen2-architecture model of the same size with its own tokenizer.
 
-Llama so that vLLM serves the same checkpoint; head dim 32 because vLLM's CPU attention
-needs at least that. Saved in Hugging Face format: ``config.json``, ``model.safetensors``,
-``generation_config.json`` and the tokenizer files.
+Standard architectures so that vLLM serves the same checkpoint; head dim 32 because vLLM's
+CPU attention needs at least that. Saved in Hugging Face format: ``config.json``,
+``model.safetensors``, ``generation_config.json`` and the tokenizer files.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ HIDDEN = 64
 HEADS = 2  # head dim 32
 LAYERS = 2
 MAX_POSITIONS = 64
+CHAT_MAX_POSITIONS = 128
+"""A chat prompt is 24 tokens and its answer at most 8 (rl.max_tokens); the rest is room
+for a system prompt (data.system_prompt). Positions are rotary: the room costs nothing."""
 
 
 def _quiet() -> None:
@@ -25,23 +29,24 @@ def _quiet() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _size() -> dict:
+    """What the two demo models share: their size."""
+    return dict(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                num_key_value_heads=HEADS, tie_word_embeddings=False)
+
+
 def config():
     from transformers import LlamaConfig
 
     vocab = demo_tokenizer.build().get_vocab()
     return LlamaConfig(
         vocab_size=len(vocab),
-        hidden_size=HIDDEN,
-        intermediate_size=4 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=vocab[demo_tokenizer.BOS],
         eos_token_id=vocab[demo_tokenizer.EOS],
         pad_token_id=vocab[demo_tokenizer.PAD],
-        tie_word_embeddings=False,
         torch_dtype="float32",
+        **_size(),
     )
 
 
@@ -55,16 +60,58 @@ def create(seed: int):
     return LlamaForCausalLM(config())
 
 
-def save(model, directory: Path) -> None:
+def chat_config(tokenizer):
+    """The chat demo's Qwen2 configuration for ``tokenizer`` (demo/chat_tokenizer.py)."""
+    from transformers import Qwen2Config
+
+    from orchestrator.demo import chat_tokenizer
+
+    vocab = tokenizer.get_vocab()
+    return Qwen2Config(
+        vocab_size=len(vocab),
+        max_position_embeddings=CHAT_MAX_POSITIONS,
+        max_window_layers=LAYERS,
+        bos_token_id=None,
+        eos_token_id=vocab[chat_tokenizer.EOS],
+        pad_token_id=vocab[chat_tokenizer.PAD],
+        dtype="float32",
+        **_size(),
+    )
+
+
+def create_chat(seed: int, tokenizer):
+    """A freshly initialised chat model for ``tokenizer`` (deterministic for a seed). Its
+    generation config ends a sample at ``<|im_end|>`` or ``<|endoftext|>``, as Qwen2's do."""
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    from orchestrator.demo import chat_tokenizer
+
+    _quiet()
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(chat_config(tokenizer))
+    vocab = tokenizer.get_vocab()
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[vocab[chat_tokenizer.IM_END], vocab[chat_tokenizer.ENDOFTEXT]],
+        pad_token_id=vocab[chat_tokenizer.PAD])
+    return model
+
+
+def save(model, directory: Path, tokenizer=None) -> None:
+    """The model and its tokenizer files: ``tokenizer``'s, or the default demo's when None."""
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
-    demo_tokenizer.save(directory)
+    if tokenizer is None:
+        demo_tokenizer.save(directory)
+    else:
+        tokenizer.save_pretrained(directory)
 
 
 def load(directory: Path):
-    """Model and tokenizer from a Hugging Face directory (safetensors only: nothing is unpickled)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    """Model and tokenizer from a Hugging Face directory (safetensors only: nothing is
+    unpickled), of whichever architecture its config.json names."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet()
-    model = LlamaForCausalLM.from_pretrained(directory, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, use_safetensors=True)
     return model, AutoTokenizer.from_pretrained(directory)

@@ -8,6 +8,12 @@ Task files are JSON lines, one task per line (the format every task source follo
 ``answer`` is what the default reward (``orchestrator.rewards:exact_match``) compares the
 completion with. The train and test splits hold disjoint (a, b) pairs, so eval measures
 generalisation rather than recall of training prompts.
+
+The chat demo (``demo-data --chat``) asks the same questions, with the same ids and
+answers, as chat messages; the model answers ``\\boxed{42}``, graded by
+``orchestrator.rewards:math``:
+
+    {"id": "train-000042", "prompt": [{"role": "user", "content": "What is 17+25? Put the answer in \\\\boxed{}."}], "answer": "42"}
 """
 
 from __future__ import annotations
@@ -19,17 +25,32 @@ from pathlib import Path
 from orchestrator.data import tasks as data_tasks
 
 MAX_OPERAND = 49
+CHAT_QUESTION = "What is {a}+{b}? Put the answer in \\boxed{{}}."
 
 
-def make_tasks(seed: int, test_fraction: float = 0.2) -> dict[str, list[dict]]:
+def make_tasks(seed: int, test_fraction: float = 0.2, *, chat: bool = False) -> dict[str, list[dict]]:
     pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
     random.Random(seed).shuffle(pairs)
     n_test = int(len(pairs) * test_fraction)
     splits = {"test": pairs[:n_test], "train": pairs[n_test:]}
+    prompt = _chat_prompt if chat else _plain_prompt
     return {
-        split: [{"id": f"{split}-{i:06d}", "prompt": f"{a}+{b}=", "answer": str(a + b)} for i, (a, b) in enumerate(items)]
+        split: [{"id": f"{split}-{i:06d}", "prompt": prompt(a, b), "answer": str(a + b)} for i, (a, b) in enumerate(items)]
         for split, items in splits.items()
     }
+
+
+def _plain_prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def _chat_prompt(a: int, b: int) -> list[dict]:
+    return [{"role": "user", "content": CHAT_QUESTION.format(a=a, b=b)}]
+
+
+def boxed(answer: str) -> str:
+    """The chat demo's target completion for ``answer`` (before the end-of-turn token)."""
+    return f"\\boxed{{{answer}}}"
 
 
 def write_tasks(path: Path, tasks: list[dict]) -> None:

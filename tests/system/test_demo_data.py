@@ -30,6 +30,7 @@ def test_demo_data_is_complete_deterministic_and_loads_as_a_llama_checkpoint(tmp
     _demo_data(b, "--warm-steps=20")
     assert manifest["tasks"] == {"train": 2000, "test": 500}
     assert manifest["warm_steps"] == 20 and 0 <= manifest["validation_accuracy"] <= 1
+    assert manifest["settings"] == {"seed": 0, "warm_steps_fixed": 20}, "as before the chat demo: demo data made then is reused"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (a / "model" / name).is_file()
         assert _sha(a / "model" / name) == _sha(b / "model" / name), f"{name} differs between two runs with one seed"

@@ -253,17 +253,11 @@ def test_a_failing_reward_scores_zero_is_counted_and_past_the_limit_fails_the_ra
     assert not shard.exists() or shard.read_text() == ""
 
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the demo model sees the bare prompt
-
-
-def _data_with(demo_data, root, files, chat_template=False):
-    """A data path with the demo model and these task files (name -> writer)."""
+def _data_with(demo_data, root, files):
+    """A data path with the demo's model and these task files (name -> writer)."""
     import shutil
 
     shutil.copytree(demo_data / "model", root / "model")
-    if chat_template:
-        config = json.loads((root / "model" / "tokenizer_config.json").read_text())
-        (root / "model" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     (root / "tasks").mkdir()
     for name, write in files.items():
         write(root / "tasks" / name)
@@ -316,26 +310,33 @@ def test_parquet_question_answer_columns_run_on_two_ranks(demo_data, tmp_path):
     assert f"{too_long['train']} of 2000 train tasks are left out: their prompt is longer than 6 tokens" in result.stdout
 
 
-def test_chat_messages_run_on_two_ranks_through_the_chat_template(demo_data, tmp_path):
+def test_chat_messages_run_on_two_ranks_through_the_chat_template(chat_demo_data, tmp_path):
+    """The chat demo's tasks under a `messages` column: rendered by its ChatML template, sampled
+    by its Qwen2 model with a BPE tokenizer, trained on the sampled ids."""
     def chat(source):
         def write(path):
-            rows = [{"id": r["id"], "messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-                    for r in _demo_rows(demo_data, source)]
+            rows = [{"id": r["id"], "messages": r["prompt"], "answer": r["answer"]} for r in _demo_rows(chat_demo_data, source)]
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return write
 
     files = {"train_chat.jsonl": chat("train.jsonl"), "test_chat.jsonl": chat("test.jsonl")}
-    data = _data_with(demo_data, tmp_path / "data", files, chat_template=True)
+    data = _data_with(chat_demo_data, tmp_path / "data", files)
     log_path = tmp_path / "run"
     result = _local(_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
         "--max-iterations=2", "data.train_file=tasks/train_chat.jsonl", "data.test_file=tasks/test_chat.jsonl",
-        "data.prompt_key=messages"]))
+        "data.prompt_key=messages", "rl.reward=orchestrator.rewards:math"]))
     assert result.returncode == 0, result.stdout[-6000:]
     _each_task_once(log_path, (1, 2), 8)
-    record = _aggregate(RunLayout(log_path), 1)[0]
-    assert re.fullmatch(r"\d+\+\d+=", record["prompt"])  # rendered by the template, not the message list
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from orchestrator.demo import chat_tokenizer
+
+    base = AutoTokenizer.from_pretrained(chat_demo_data / "model")
+    record = _aggregate(RunLayout(log_path), 1)[0]
+    assert re.fullmatch(r"<\|im_start\|>user\nWhat is \d+\+\d+\? .*<\|im_end\|>\n<\|im_start\|>assistant\n", record["prompt"], re.S)
+    assert record["prompt_token_ids"] == base(record["prompt"])["input_ids"]
+    assert all(s["token_ids"] and len(s["token_ids"]) == len(s["logprobs"]) for s in record["samples"])
     checkpoint = RunLayout(log_path).checkpoint(2)  # what the trainer wrote keeps the template and generation config
-    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == CHAT_TEMPLATE
-    assert (checkpoint / "generation_config.json").is_file() and AutoModelForCausalLM.from_pretrained(checkpoint) is not None
+    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == chat_tokenizer.CHAT_TEMPLATE
+    assert GenerationConfig.from_pretrained(checkpoint).eos_token_id == GenerationConfig.from_pretrained(chat_demo_data / "model").eos_token_id
+    assert AutoModelForCausalLM.from_pretrained(checkpoint).config.model_type == "qwen2"

@@ -104,3 +104,54 @@ def test_rollout_through_vllm_then_vllm_serves_the_trained_checkpoint(demo_data,
     assert base_second > 20 * max(trained_second, 1e-4), (
         f"iteration 2's logprobs are as close to the base model ({base_second}) as to the trained one ({trained_second}): "
         f"vLLM did not move to the new weights")
+
+
+def test_the_chat_demo_runs_through_vllm_and_vllm_serves_its_final_checkpoint(chat_demo_data, tmp_path):
+    """The chat demo (Qwen2, BPE, ChatML, two EOS ids) through vLLM: records carry vLLM's ids,
+    the samples are those of the policy each iteration served, and the checkpoint the trainer
+    wrote last is served by a fresh vLLM exactly (config, tokenizer, template, EOS list)."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from orchestrator.data import tasks as data_tasks
+    from orchestrator.engine import vllm
+    from orchestrator.engine.client import EngineClient
+    from orchestrator.node.ports import free_port
+    from tests.harness import kill_tree
+
+    log_path = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", f"--data-path={chat_demo_data}", f"--log-path={log_path}", "--rl-phase=both",
+         "--eval-interval=1", "--max-iterations=2", "--engine=vllm", *SETTINGS, "rollout.weight_update=auto",
+         "rl.reward=orchestrator.rewards:math"],
+        capture_output=True, text=True, timeout=840,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    layout = RunLayout(log_path)
+    second = [json.loads(line) for line in layout.iteration(2).aggregate("eval").read_text().splitlines()]
+    assert second[0]["prompt"].startswith("<|im_start|>user\n")
+    ends, eos = _ends_of_stopped_samples(second, chat_demo_data / "model")
+    assert ends and ends <= eos and len(eos) == 2, (ends, eos)
+    assert _max_error(second, _forward_logprobs(layout.checkpoint(1), second)) < 2e-3
+
+    final = layout.checkpoint(2)
+    assert AutoTokenizer.from_pretrained(final).chat_template, "the checkpoint keeps the chat template"
+    port = free_port(18300)
+    argv = vllm.serve_command(model=str(final), served_model_name="final", port=port, host="127.0.0.1", dtype="float32",
+                              gpu_memory_utilization=0.1, extra_args="--enforce-eager")
+    with open(tmp_path / "vllm.log", "wb") as out:
+        proc = subprocess.Popen(argv, env=vllm.serve_env(gpus=(), base=os.environ), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=120, model="final")
+        client.wait_healthy(300, should_stop=lambda: proc.poll() is not None)
+        task = data_tasks.read(data_tasks.TaskSource(chat_demo_data / "tasks" / "test.jsonl"))[0]
+        prompt = data_tasks.render(task["prompt"], AutoTokenizer.from_pretrained(final))
+        [[c]] = client.complete([prompt], n=1, temperature=0, max_tokens=8, logprobs=0, return_token_ids=True)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=30)
+    assert c.finish_reason == "stop" and c.token_ids[-1] in eos and "\\boxed{" in c.text, c
+    record = {"prompt_token_ids": c.prompt_token_ids, "samples": [{"token_ids": c.token_ids, "logprobs": c.token_logprobs}]}
+    assert _max_error([record], _forward_logprobs(final, [record])) < 2e-3, "vLLM serves the final checkpoint's weights"

@@ -1,11 +1,13 @@
 """The demo's warm start walks into the accuracy band: stops at the first check inside it,
 rolls back and slows down when a check jumps over it, and fails clearly when it cannot land.
 A fake trainer stands in for the model (its accuracy is a function of how far it has
-trained); demo-data's end-to-end tests run the real one."""
+trained); demo-data's end-to-end tests run the real one. What it teaches and grades is the
+task's format: the default demo's answer, or the chat demo's ``\\boxed{}`` one."""
 
 import pytest
 
-from orchestrator.demo.warm_start import CHECK_EVERY, MAX_ROLLBACKS, Band, WarmStartError, to_band
+from orchestrator import rewards
+from orchestrator.demo.warm_start import CHAT, CHECK_EVERY, MAX_ROLLBACKS, PLAIN, Band, WarmStartError, _Examples, to_band
 
 BAND = Band(0.25, 0.40)
 
@@ -76,3 +78,25 @@ def test_a_model_already_above_the_band_is_refused():
 def test_a_band_must_be_an_interval_inside_zero_one(low, high):
     with pytest.raises(ValueError, match="0 <= low < high <= 1"):
         Band(low, high)
+
+
+def test_the_default_demo_learns_its_answer_after_the_prompt_as_before_the_chat_demo(tmp_path):
+    from transformers import AutoTokenizer
+
+    from orchestrator.demo import tokenizer as demo_tokenizer
+
+    demo_tokenizer.save(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    examples = _Examples(tok, [{"id": "1", "prompt": "17+25=", "answer": "42"}], PLAIN)
+    prompt, answer = tok("17+25=")["input_ids"], tok("42", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert prompt[0] == tok.bos_token_id
+    assert examples.rows == [prompt + answer] and examples.labels == [[-100] * len(prompt) + answer]
+    assert PLAIN.max_new_tokens == 4 and PLAIN.correct({"answer": "42"}, "42") and not PLAIN.correct({"answer": "42"}, " 42")
+
+
+@pytest.mark.parametrize("completion", ["\\boxed{42}", "\\boxed{ 42 }", "\\boxed{41}", "\\boxed{42", "\\boxed{4}2", "42", "", "\\boxed{}",
+                                        "\\boxed{4}\\boxed{42}"])
+def test_the_chat_demo_grades_a_completion_as_the_math_reward_does(completion):
+    task = {"id": "1", "prompt": [{"role": "user", "content": "What is 17+25?"}], "answer": "42"}
+    assert CHAT.correct(task, completion) == (rewards.math(task, completion) == 1.0)
+    assert CHAT.target(task) == "\\boxed{42}"

@@ -1,0 +1,76 @@
+"""The chat demo's tokenizer: a byte-level BPE in the manner of Qwen2's, trained locally with
+Hugging Face ``tokenizers`` on the chat-rendered demo prompts and their target completions,
+and saved in the standard files (``tokenizer.json``, ``tokenizer_config.json`` and the chat
+template), so that ``transformers.AutoTokenizer`` and vLLM load exactly what the engine uses.
+
+- Pre-tokenized by Qwen2's split pattern (digits one per token, ``\\boxed`` one word), then
+  mapped to bytes (``ByteLevel``): any text encodes, nothing is unknown.
+- Special tokens ``<|endoftext|>`` (padding), ``<|im_start|>``, ``<|im_end|>`` (the end of a
+  turn: generation ends there); no BOS is added.
+- The ChatML template: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, and
+  ``<|im_start|>assistant\\n`` when the generation prompt is asked for.
+
+Deterministic: the same corpus gives a byte-identical ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIALS = [ENDOFTEXT, IM_START, IM_END]
+PAD, EOS = ENDOFTEXT, IM_END
+VOCAB_SIZE = 320
+"""An upper bound: the demo's corpus runs out of pairs to merge before it (256 bytes, 3
+special tokens and a few dozen merges)."""
+SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+"""Qwen2's pre-tokenizer pattern."""
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """What :data:`CHAT_TEMPLATE` renders (the corpus is made before there is a tokenizer)."""
+    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
+def corpus(tasks: list[dict], target) -> list[str]:
+    """The texts BPE learns from: each task's conversation, its prompt then ``target(task)``
+    as the assistant's turn, cut at the special tokens (they are never merged with text)."""
+    special = re.compile("|".join(map(re.escape, SPECIALS)))
+    texts = []
+    for task in tasks:
+        conversation = chatml([*task["prompt"], {"role": "assistant", "content": target(task)}])
+        texts += [piece for piece in special.split(conversation) if piece]
+    return texts
+
+
+def build(texts: list[str]) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=2, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def fast(texts: list[str]) -> "PreTrainedTokenizerFast":  # noqa: F821
+    """The trained tokenizer as ``transformers`` uses it: EOS ``<|im_end|>``, padding
+    ``<|endoftext|>``, no BOS, the ChatML template."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=build(texts), eos_token=EOS, pad_token=PAD,
+                                   additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE)
