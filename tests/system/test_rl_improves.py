@@ -81,5 +81,11 @@ def test_readme_chat_demo_lifts_eval_accuracy_by_ten_points_with_the_math_reward
     assert demo["settings"]["chat"] and low <= demo["validation_accuracy"] <= high, demo
     curve = _curve(log)
     assert curve[-1] - curve[0] >= 0.10, f"chat demo, seed 1, default kernels: eval accuracy {curve}"
-    records = [json.loads(line) for line in RunLayout(log).iteration(10).aggregate("train").read_text().splitlines()]
+    layout = RunLayout(log)
+    records = [json.loads(line) for line in layout.iteration(10).aggregate("train").read_text().splitlines()]
     assert all(r["prompt"].startswith("<|im_start|>user\n") and r["prompt_token_ids"] for r in records)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = layout.checkpoint(10)
+    assert AutoModelForCausalLM.from_pretrained(final).config.model_type == "qwen2"
+    assert AutoTokenizer.from_pretrained(final).chat_template, "the final checkpoint keeps the chat template"
