@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import types
 import typing
@@ -312,7 +313,9 @@ class RunConfig:
     rl_phase: RLPhase
     rank: int
     num_nodes: int = 1
-    rank_weights: tuple[float, ...] = (1.0,)
+    rank_weights: tuple[float, ...] | None = (1.0,)
+    """Each node's share of rollout and eval; None: ``--rank-weights auto`` (by the GPUs of
+    each node's engines, known once the nodes report theirs)."""
     eval_interval: int | None = None
     rollout_split: RolloutSplit | None = None
     max_iterations: int | None = None
@@ -334,13 +337,15 @@ class RunConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an absolute path (the same on every node), got {getattr(self, name)!s}")
         if self.num_nodes < 1:
             raise ConfigError(f"--num-nodes must be at least 1, got {self.num_nodes}")
-        if len(self.rank_weights) != self.num_nodes:
-            raise ConfigError(
-                f"--rank-weights has {len(self.rank_weights)} value(s) but --num-nodes is {self.num_nodes}: "
-                f"give exactly one positive weight per node, e.g. \"{','.join(['1'] * self.num_nodes)}\""
-            )
-        if any(not (w > 0) for w in self.rank_weights):
-            raise ConfigError(f"--rank-weights must all be positive numbers, got {','.join(map(_fmt, self.rank_weights))}")
+        if self.rank_weights is not None:
+            if len(self.rank_weights) != self.num_nodes:
+                raise ConfigError(
+                    f"--rank-weights has {len(self.rank_weights)} value(s) but --num-nodes is {self.num_nodes}: "
+                    f"give exactly one weight per node, e.g. \"{','.join(['1'] * self.num_nodes)}\", or auto"
+                )
+            if any(not (0 <= w < math.inf) for w in self.rank_weights) or not any(w > 0 for w in self.rank_weights):
+                raise ConfigError(f"--rank-weights must be numbers >= 0 (0 only for a node without rollout engines), at least one "
+                                  f"positive, got {','.join(map(_fmt, self.rank_weights))}")
         if not 0 <= self.rank < self.num_nodes:
             raise ConfigError(f"rank {self.rank} is out of range: with --num-nodes {self.num_nodes} valid ranks are 0..{self.num_nodes - 1}")
         if self.rl_phase is RLPhase.BOTH and self.eval_interval is None:
@@ -354,6 +359,9 @@ class RunConfig:
         from orchestrator.node import placement
 
         placement.check_mappings(self.train.device_mapping, self.rollout.device_mapping, self.rollout.gpus_per_engine)
+        if not self.train.device_mapping and self.rank_weights is not None and 0 in self.rank_weights:
+            raise ConfigError(f"--rank-weights gives node {self.rank_weights.index(0)} weight 0, but without a device mapping every "
+                              f"node runs an engine and rolls out: give every node a positive weight, or auto")
         if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:
             for temp, n, what in ((self.rl.temperature, self.rl.samples_per_prompt, "rl.temperature/rl.samples_per_prompt"),
                                   (self.rl.eval_temperature, self.rl.eval_samples, "rl.eval_temperature/rl.eval_samples")):
@@ -379,7 +387,7 @@ class RunConfig:
         """What every rank of one run must agree on; compared when ranks join an attempt."""
         return {
             "num_nodes": self.num_nodes,
-            "rank_weights": list(self.rank_weights),
+            "rank_weights": "auto" if self.rank_weights is None else list(self.rank_weights),
             "rl_phase": self.rl_phase.value,
             "eval_interval": self.eval_interval,
             "rollout_split": self.rollout_split.value if self.rollout_split else None,
@@ -479,8 +487,33 @@ def build_sections(overrides: dict) -> dict[str, object]:
     return built
 
 
+def slurm_tasks(environ: typing.Mapping[str, str] = os.environ) -> int | None:
+    """``SLURM_NTASKS`` when this process runs under Slurm (None otherwise); ConfigError when
+    Slurm runs more than one task on a node, since a rank is a node."""
+    if "SLURM_NTASKS" not in environ:
+        return None
+    try:
+        tasks, nodes = int(environ["SLURM_NTASKS"]), int(environ.get("SLURM_NNODES", environ["SLURM_NTASKS"]))
+    except ValueError:
+        raise ConfigError(f"environment SLURM_NTASKS={environ['SLURM_NTASKS']!r} or SLURM_NNODES="
+                          f"{environ.get('SLURM_NNODES')!r} is not an integer") from None
+    if tasks != nodes:
+        raise ConfigError(f"Slurm runs SLURM_NTASKS={tasks} tasks on SLURM_NNODES={nodes} nodes, but every node runs one rank: "
+                          f"start one task per node (srun --ntasks-per-node=1), or give --num-nodes and --master/--worker R")
+    return tasks
+
+
+def resolve_num_nodes(given: int | None, environ: typing.Mapping[str, str] = os.environ) -> int:
+    """``--num-nodes``, else Slurm's task count (one task per node), else 1."""
+    if given is not None:
+        return given
+    tasks = slurm_tasks(environ)
+    return 1 if tasks is None else tasks
+
+
 def resolve_rank(master: bool, worker: int | None, num_nodes: int, environ: typing.Mapping[str, str] = os.environ) -> int:
-    """``--master`` is rank 0, ``--worker R`` is rank R; else ``RANK``, then ``NODE_RANK``."""
+    """``--master`` is rank 0, ``--worker R`` is rank R; else ``RANK``, then ``NODE_RANK``,
+    then ``SLURM_PROCID`` (with one Slurm task per node)."""
     if master and worker is not None:
         raise ConfigError("--master and --worker are exclusive: give --master on node 0 and --worker R on the others")
     if master:
@@ -489,23 +522,30 @@ def resolve_rank(master: bool, worker: int | None, num_nodes: int, environ: typi
         if worker == 0:
             raise ConfigError("--worker 0 is the master's rank: use --master on node 0 and --worker 1..N-1 elsewhere")
         return worker
-    for var in ("RANK", "NODE_RANK"):
+    for var in ("RANK", "NODE_RANK", "SLURM_PROCID"):
         if var in environ:
+            if var == "SLURM_PROCID":
+                slurm_tasks(environ)
             try:
                 return int(environ[var])
             except ValueError:
                 raise ConfigError(f"environment {var}={environ[var]!r} is not an integer rank") from None
     if num_nodes == 1:
         return 0
-    raise ConfigError(f"no rank given for a {num_nodes}-node run: pass --master (rank 0) or --worker R, or set RANK")
+    raise ConfigError(f"no rank given for a {num_nodes}-node run: pass --master (rank 0) or --worker R, or set RANK "
+                      f"(srun sets SLURM_PROCID)")
 
 
-def parse_weights(text: str | None, num_nodes: int) -> tuple[float, ...]:
+def parse_weights(text: str | None, num_nodes: int) -> tuple[float, ...] | None:
+    """``--rank-weights``: one number per node, or ``auto`` (None)."""
     if text is None:
         if num_nodes > 1:
-            raise ConfigError(f"--rank-weights is required with --num-nodes {num_nodes}: one positive weight per node, e.g. \"{','.join(['1'] * num_nodes)}\"")
+            raise ConfigError(f"--rank-weights is required with --num-nodes {num_nodes}: one weight per node, e.g. "
+                              f"\"{','.join(['1'] * num_nodes)}\", or auto (each node by its engines' GPUs)")
         return (1.0,)
+    if text.strip() == "auto":
+        return None
     try:
         return tuple(float(w) for w in text.split(","))
     except ValueError:
-        raise ConfigError(f"--rank-weights must be comma-separated positive numbers, got {text!r}") from None
+        raise ConfigError(f"--rank-weights must be comma-separated numbers or auto, got {text!r}") from None

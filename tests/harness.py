@@ -92,14 +92,17 @@ class Cluster:
     def layout(self) -> RunLayout:
         return RunLayout(self.log_path)
 
-    def start(self, rank: int, flags: list[str], env: dict | None = None, cwd: Path | None = None) -> RankProc:
+    def start(self, rank: int, flags: list[str], env: dict | None = None, cwd: Path | None = None, *,
+              with_rank_flag: bool = True) -> RankProc:
+        """Rank ``rank`` with ``--master``/``--worker R`` added, unless ``with_rank_flag`` is
+        false (the rank then comes from ``env``)."""
         self._runs += 1
         log = self.tmp / f"rank{rank}.run{self._runs}.log"
         full_env = {k: v for k, v in os.environ.items() if k != "ORCHESTRATOR_FAULT"}
         full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator", "run", *flags, rank_flag(rank)],
+                [sys.executable, "-m", "orchestrator", "run", *flags, *([rank_flag(rank)] if with_rank_flag else [])],
                 stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True,
             )
         rp = RankProc(rank, proc, log)

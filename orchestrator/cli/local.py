@@ -16,6 +16,7 @@ import click
 
 from orchestrator import terminal
 from orchestrator.cli.run_options import RUN_OPTIONS, ConfigError, apply, build_config
+from orchestrator.config import resolve_num_nodes
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_FAILED
 
 # When ranks disagree, the exit code that says most about the root cause wins.
@@ -40,10 +41,14 @@ def rank_argv(argv: list[str], rank: int) -> list[str]:
 @apply(RUN_OPTIONS)
 @click.pass_context
 def local(click_ctx: click.Context, **params) -> None:
-    """Start --num-nodes ranks of one run on this machine. With no --rank-weights, ranks weigh the same."""
-    n = params["num_nodes"]
+    """Start --num-nodes ranks of one run on this machine. With no --rank-weights, auto: each
+    node by its engines' GPUs (on CPU, the same)."""
+    try:
+        n = params["num_nodes"] = resolve_num_nodes(params["num_nodes"])
+    except ConfigError as e:
+        terminal.abort(str(e), EXIT_BAD_INPUT)
     if params["rank_weights"] is None:
-        params["rank_weights"] = ",".join(["1"] * n)
+        params["rank_weights"] = "auto"
     try:
         for rank in range(n):
             build_config(params, rank=rank)

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from orchestrator import records, terminal
-from orchestrator.config import build_sections, parse_overrides
+from orchestrator.config import build_sections, parse_overrides, parse_weights
 from orchestrator.errors import EXIT_BAD_INPUT, ConfigError
 from orchestrator.node import gpus, placement
 from orchestrator.protocol import fsio, lease
@@ -21,51 +21,66 @@ from orchestrator.protocol.layout import RunLayout
 
 @click.command()
 @click.option("--num-nodes", type=int, default=None, help="Nodes in the cluster (default 1, or the run's with --log-path).")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs on each node (default: what this node detects).")
+@click.option("--gpus-per-node", default=None, metavar="N|N0,N1,...",
+              help="GPUs on each node, or one count per node (8,4,4); default: what this node detects.")
+@click.option("--rank-weights", default="auto", show_default=True, help="Rollout weight per node, as for `run`, or auto.")
 @click.option("--log-path", type=click.Path(path_type=Path), default=None, help="Use the GPU counts the nodes of this run reported.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema: docs/placement.md).")
 @click.argument("overrides", nargs=-1)
-def plan(num_nodes: int | None, gpus_per_node: int | None, log_path: Path | None, as_json: bool, overrides: tuple[str, ...]) -> None:
-    """Show where train workers and engines go. KEY=VALUE arguments as for `run`, e.g.
-    train.device_mapping=0-7 rollout.device_mapping=0-7 rollout.gpus_per_engine=2."""
+def plan(num_nodes: int | None, gpus_per_node: str | None, rank_weights: str, log_path: Path | None, as_json: bool,
+         overrides: tuple[str, ...]) -> None:
+    """Show where train workers and engines go, and each node's share of the rollout.
+    KEY=VALUE arguments as for `run`, e.g. train.device_mapping=0-7
+    rollout.device_mapping=0-7 rollout.gpus_per_engine=2."""
     try:
         sections = build_sections(parse_overrides(overrides))
         train = sections.get("train")
         rollout = sections.get("rollout")
         placement.check_mappings(train.device_mapping, rollout.device_mapping, rollout.gpus_per_engine)
-        num_nodes, gpus_per_node, source = _cluster(num_nodes, gpus_per_node, log_path)
+        num_nodes, counts, source = _cluster(num_nodes, gpus_per_node, log_path)
         resolved = placement.resolve(
             num_nodes=num_nodes,
-            gpus_per_node=gpus_per_node,
+            gpus_per_node=counts,
             train_mapping=train.device_mapping,
             rollout_mapping=rollout.device_mapping,
             gpus_per_engine=rollout.gpus_per_engine,
             engine_port=rollout.engine_port,
         )
-        placement.check_runnable(resolved)
+        weights = placement.rollout_weights(resolved, parse_weights(rank_weights, num_nodes))
+        if len(weights) != num_nodes:
+            raise ConfigError(f"--rank-weights has {len(weights)} value(s) but the cluster has {num_nodes} node(s)")
     except ConfigError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     if as_json:
-        terminal.out.print_json(json.dumps({**records.to_dict(resolved), "cluster_source": source}))
+        terminal.out.print_json(json.dumps({**records.to_dict(resolved), "rollout_weights": list(weights), "cluster_source": source}))
         return
-    _show(resolved, source, rollout)
+    _show(resolved, weights, source, rollout)
 
 
-def _cluster(num_nodes: int | None, gpus_per_node: int | None, log_path: Path | None) -> tuple[int, int, str]:
+def _cluster(num_nodes: int | None, gpus_per_node: str | None, log_path: Path | None) -> tuple[int, tuple[int, ...], str]:
     if num_nodes is not None and num_nodes < 1:
         raise ConfigError(f"--num-nodes must be at least 1, got {num_nodes}")
-    if gpus_per_node is not None and gpus_per_node < 0:
-        raise ConfigError(f"--gpus-per-node must be >= 0, got {gpus_per_node}")
     if log_path is not None and gpus_per_node is None:
         reports = _reported(log_path)
-        count = placement.cluster_gpus(reports)
         if num_nodes is not None and num_nodes != len(reports):
             raise ConfigError(f"--num-nodes {num_nodes} but the run under {log_path} has {len(reports)} nodes")
-        return len(reports), count, f"reported by the {len(reports)} node(s) of the run under {log_path}"
+        return len(reports), placement.cluster_gpus(reports), f"reported by the {len(reports)} node(s) of the run under {log_path}"
     if gpus_per_node is None:
         mine = gpus.detect()
-        return num_nodes or 1, mine["count"], f"detected on this node ({mine['source']})"
-    return num_nodes or 1, gpus_per_node, "described on the command line"
+        n = num_nodes or 1
+        return n, (mine["count"],) * n, f"detected on this node ({mine['source']})"
+    try:
+        counts = tuple(int(c) for c in gpus_per_node.split(","))
+    except ValueError:
+        raise ConfigError(f"--gpus-per-node must be a count or one count per node (8,4,4), got {gpus_per_node!r}") from None
+    if any(c < 0 for c in counts):
+        raise ConfigError(f"--gpus-per-node must be >= 0, got {gpus_per_node}")
+    if len(counts) > 1:
+        if num_nodes is not None and num_nodes != len(counts):
+            raise ConfigError(f"--gpus-per-node gives {len(counts)} counts but --num-nodes is {num_nodes}")
+        return len(counts), counts, "described on the command line"
+    n = num_nodes or 1
+    return n, counts * n, "described on the command line"
 
 
 def _reported(log_path: Path) -> dict[int, dict]:
@@ -82,11 +97,21 @@ def _reported(log_path: Path) -> dict[int, dict]:
     return {int(n): r for n, r in start["gpus"].items()}
 
 
-def _show(resolved: placement.Placement, source: str, rollout) -> None:
-    mode = "CPU (no device mapping)" if not resolved.gpus_per_node and not resolved.gpus_per_engine else (
+def _show(resolved: placement.Placement, weights: tuple[float, ...], source: str, rollout) -> None:
+    mode = "CPU (no device mapping)" if not resolved.gpus_per_engine else (
         "colocated: engines and training share GPUs; engines stop before each training step"
         if resolved.colocated else "disaggregated: engines and training use separate GPUs")
-    terminal.out.print(f"{resolved.num_nodes} node(s) x {resolved.gpus_per_node} GPUs ({source}); {mode}")
+    counts = resolved.gpus_per_node
+    cluster = f"{resolved.num_nodes} node(s) x {counts[0]} GPUs" if len(set(counts)) == 1 else (
+        f"{resolved.num_nodes} nodes of {','.join(map(str, counts))} GPUs")
+    terminal.out.print(f"{cluster} ({source}); {mode}")
+    total = sum(weights)
+    terminal.display_table(
+        "nodes: each rolls out and evaluates its weight's share of the tasks; only nodes with engines have a share",
+        ["node", "GPUs", "train workers", "engines", "rollout weight", "share"],
+        [[n, counts[n], len(resolved.train_workers_on(n)), len(resolved.engines_on(n)), f"{weights[n]:g}", f"{weights[n] / total:.0%}"]
+         for n in range(resolved.num_nodes)],
+    )
     terminal.display_table(
         f"{len(resolved.train_workers)} train worker(s)",
         ["node", "ranks", "GPUs (node-local)"],

@@ -15,6 +15,7 @@ from orchestrator.config import (
     build_sections,
     parse_overrides,
     parse_weights,
+    resolve_num_nodes,
     resolve_rank,
 )
 from orchestrator.errors import ConfigError
@@ -26,7 +27,7 @@ RUN_OPTIONS = [
     click.option("--rl-phase", required=True, type=click.Choice([p.value for p in RLPhase]), help="rollout: phases 0-6; update: 7-13; both: 0-13."),
     click.option("--eval-interval", type=int, default=None, help="Evaluate on iterations 1, 1+N, ... (required with both)."),
     click.option("--rollout-split", type=click.Choice([s.value for s in RolloutSplit]), default=None, help="Required with --rl-phase rollout."),
-    click.option("--num-nodes", type=int, default=1, show_default=True, help="Number of nodes (ranks)."),
+    click.option("--num-nodes", type=int, default=None, help="Number of nodes (ranks). Default: SLURM_NTASKS under Slurm, else 1."),
     click.option("--rank-weights", default=None, help='One positive weight per node, e.g. "2,1,1"; tasks split by largest remainder.'),
     click.option("--max-iterations", type=int, default=None, help="Stop after this iteration (default: unbounded)."),
     click.option("--rehearsal", is_flag=True, help="Walk the full protocol with simulated work: no GPU or model needed."),
@@ -39,7 +40,8 @@ RUN_OPTIONS = [
 
 RANK_OPTIONS = [
     click.option("--master", is_flag=True, help="This node is rank 0."),
-    click.option("--worker", type=int, default=None, metavar="R", help="This node is worker rank R (else env RANK, then NODE_RANK)."),
+    click.option("--worker", type=int, default=None, metavar="R",
+                 help="This node is worker rank R (else env RANK, then NODE_RANK, then SLURM_PROCID)."),
 ]
 
 
@@ -55,7 +57,7 @@ def apply(options):
 def build_config(params: dict, rank: int | None = None) -> RunConfig:
     """A validated RunConfig from the parsed flags, checked against this node (``preflight``);
     raises ConfigError on bad input."""
-    num_nodes = params["num_nodes"]
+    num_nodes = resolve_num_nodes(params["num_nodes"])
     if rank is None:
         rank = resolve_rank(params.get("master", False), params.get("worker"), num_nodes)
     overrides = parse_overrides(params["overrides"])

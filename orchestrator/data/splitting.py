@@ -1,7 +1,8 @@
 """Rank-weighted task splitting by the largest-remainder (Hamilton) method.
 
 Each rank gets ``floor(total * w_r / sum(w))`` tasks; the leftover tasks go one each to
-the ranks with the largest fractional remainders, ties broken by the lower rank. The
+the ranks with the largest fractional remainders, ties broken by the lower rank (a rank of
+weight 0 gets none: its remainder is 0 and a positive one always exists). The
 result is deterministic, sums to ``total``, and no rank is ever more than one task away
 from its exact proportional share. Fractions are computed exactly (``fractions.Fraction``)
 so that float rounding never changes who gets a leftover task.
@@ -16,8 +17,8 @@ from typing import Sequence
 def split_counts(total: int, weights: Sequence[float]) -> list[int]:
     if total < 0:
         raise ValueError(f"total must be >= 0, got {total}")
-    if not weights or any(not (w > 0) for w in weights):
-        raise ValueError(f"weights must be positive, got {list(weights)}")
+    if not weights or any(not (w >= 0) for w in weights) or not any(w > 0 for w in weights):
+        raise ValueError(f"weights must be >= 0 with at least one positive, got {list(weights)}")
     exact = [Fraction(w) for w in weights]
     denom = sum(exact)
     quotas = [total * w / denom for w in exact]

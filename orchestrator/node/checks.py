@@ -345,8 +345,9 @@ def check_gpu_count(facts: Mapping[int, dict], th: Thresholds) -> list[dict]:
         return []
     bad, detail = found
     return [problem("gpu_count", bad, f"GPU count differs: {detail.replace(' on ', ' GPU(s) on ')}",
-                    "Check `nvidia-smi -L` and CUDA_VISIBLE_DEVICES on the nodes named: a missing GPU (Xid error, fallen off "
-                    "the bus) needs the node drained; a CUDA_VISIBLE_DEVICES left over from a shell hides GPUs.")]
+                    "Nodes may differ (global GPU ranks count each node's own GPUs, docs/placement.md), but if these should "
+                    "match, check `nvidia-smi -L` and CUDA_VISIBLE_DEVICES on the nodes named: a missing GPU (Xid error, fallen "
+                    "off the bus) needs the node drained; a CUDA_VISIBLE_DEVICES left over from a shell hides GPUs.")]
 
 
 def check_disk_space(facts: Mapping[int, dict], th: Thresholds) -> list[dict]:

@@ -2,11 +2,13 @@
 of its GPUs and ports. Derived from the device mappings and the GPU counts the nodes
 report, never assumed (see docs/placement.md).
 
-A device mapping lists global GPU ranks: node ``n`` owns ranks ``n*G .. n*G+G-1`` where
-``G`` is the GPUs per node, the same on every node. Train workers take one GPU each, in the
-order the mapping lists them; engines take ``gpus_per_engine`` consecutive entries each and
-must find them all on one node. Overlapping train and rollout mappings share GPUs
-(colocated: engines stop before training); disjoint ones do not (disaggregated).
+A device mapping lists global GPU ranks, counted node 0's GPUs first, then node 1's, and so
+on, from the GPUs each node reports (nodes may differ: 8, 4, 4 gives node 1 ranks 8-11).
+Train workers take one GPU each, in the order the mapping lists them; engines take
+``gpus_per_engine`` consecutive entries each and must find them all on one node.
+Overlapping train and rollout mappings share GPUs (colocated: engines stop before
+training); disjoint ones do not (disaggregated). A node may run only train workers or only
+engines; one with neither has no part in the run and is refused.
 
 Both mappings empty is the CPU placement: one train worker and one engine per node, no GPUs.
 """
@@ -76,7 +78,8 @@ class Engine:
 @dataclass(frozen=True, slots=True)
 class Placement:
     num_nodes: int
-    gpus_per_node: int
+    gpus_per_node: tuple[int, ...]
+    """The GPUs of each node, node 0 first."""
     colocated: bool
     train_workers: tuple[TrainWorker, ...]
     engines: tuple[Engine, ...]
@@ -84,7 +87,11 @@ class Placement:
 
     @property
     def on_gpu(self) -> bool:
-        return self.gpus_per_node > 0 and any(w.gpu is not None for w in self.train_workers)
+        return any(w.gpu is not None for w in self.train_workers)
+
+    def engine_gpus_on(self, node: int) -> int:
+        """GPUs the node's engines hold (on CPU: its engine count), its ``--rank-weights auto`` weight."""
+        return sum(len(e.gpus) or 1 for e in self.engines_on(node))
 
     def train_workers_on(self, node: int) -> list[TrainWorker]:
         return [w for w in self.train_workers if w.node == node]
@@ -117,51 +124,71 @@ def check_mappings(train_mapping: str, rollout_mapping: str, gpus_per_engine: in
     return train, rollout
 
 
+def per_node_counts(num_nodes: int, gpus_per_node: int | Sequence[int]) -> tuple[int, ...]:
+    """One GPU count per node: a single number is every node's."""
+    if isinstance(gpus_per_node, int):
+        return (gpus_per_node,) * num_nodes
+    counts = tuple(gpus_per_node)
+    if len(counts) != num_nodes:
+        raise ConfigError(f"{len(counts)} GPU count(s) ({','.join(map(str, counts))}) for {num_nodes} node(s): give one per node")
+    return counts
+
+
+def _describe(counts: tuple[int, ...]) -> str:
+    if len(set(counts)) == 1:
+        return f"{len(counts)} node(s) x {counts[0]} GPUs per node"
+    return f"{len(counts)} nodes of {','.join(map(str, counts))} GPUs"
+
+
 def resolve(
     *,
     num_nodes: int,
-    gpus_per_node: int,
+    gpus_per_node: int | Sequence[int],
     train_mapping: str,
     rollout_mapping: str,
     gpus_per_engine: int = 1,
     engine_port: int = 8000,
 ) -> Placement:
-    """The placement of both roles on ``num_nodes`` nodes of ``gpus_per_node`` GPUs each.
-    Raises ConfigError naming the numbers when the mappings do not fit."""
+    """The placement of both roles on ``num_nodes`` nodes with ``gpus_per_node`` GPUs (one
+    count for all, or one per node). Raises ConfigError naming the numbers when the mappings
+    do not fit."""
     if num_nodes < 1:
         raise ConfigError(f"the cluster needs at least 1 node, got {num_nodes}")
     train, rollout = check_mappings(train_mapping, rollout_mapping, gpus_per_engine)
     if not train:
         return _cpu(num_nodes, engine_port)
-    total = num_nodes * gpus_per_node
+    counts = per_node_counts(num_nodes, gpus_per_node)
+    owner = [(n, local) for n, c in enumerate(counts) for local in range(c)]  # global GPU rank -> (node, local id)
     for key, gpus in (("train.device_mapping", train), ("rollout.device_mapping", rollout)):
-        beyond = [g for g in gpus if g >= total]
+        beyond = [g for g in gpus if g >= len(owner)]
         if beyond:
-            raise ConfigError(
-                f"{key} uses GPU {max(beyond)}, but {num_nodes} node(s) x {gpus_per_node} GPUs per node have GPUs 0-{total - 1}"
-                if total else f"{key} needs GPUs, but the {num_nodes} node(s) have none"
-            )
-    if gpus_per_engine > gpus_per_node:
-        raise ConfigError(f"rollout.gpus_per_engine={gpus_per_engine} exceeds the {gpus_per_node} GPUs of a node: an engine runs on one node")
-    workers = tuple(TrainWorker(rank=i, node=g // gpus_per_node, gpu=g % gpus_per_node) for i, g in enumerate(train))
+            raise ConfigError(f"{key} uses GPU {max(beyond)}, but {_describe(counts)} have GPUs 0-{len(owner) - 1}"
+                              if owner else f"{key} needs GPUs, but the {num_nodes} node(s) have none")
+    workers = tuple(TrainWorker(rank=i, node=owner[g][0], gpu=owner[g][1]) for i, g in enumerate(train))
     engines: list[Engine] = []
     per_node: dict[int, int] = {}
     for e in range(len(rollout) // gpus_per_engine):
         chunk = rollout[e * gpus_per_engine : (e + 1) * gpus_per_engine]
-        nodes = sorted({g // gpus_per_node for g in chunk})
+        nodes = sorted({owner[g][0] for g in chunk})
         if len(nodes) > 1:
             raise ConfigError(
                 f"engine {e} would straddle nodes {' and '.join(map(str, nodes))}: its GPUs {','.join(map(str, chunk))} "
-                f"(rollout.gpus_per_engine={gpus_per_engine}, {gpus_per_node} GPUs per node); an engine's GPUs must be on one node"
+                f"(rollout.gpus_per_engine={gpus_per_engine}, {_describe(counts)}); an engine's GPUs must be on one node"
             )
         node = nodes[0]
         k = per_node.get(node, 0)
         per_node[node] = k + 1
         port = engine_port + k if engine_port else 0  # 0: any free port, chosen at start
-        engines.append(Engine(engine=e, node=node, gpus=tuple(g % gpus_per_node for g in chunk), port=port))
+        engines.append(Engine(engine=e, node=node, gpus=tuple(owner[g][1] for g in chunk), port=port))
+    idle = [n for n in range(num_nodes) if n not in per_node and not any(w.node == n for w in workers)]
+    if idle:
+        raise ConfigError(
+            f"{', '.join(f'node {n}' for n in idle)} would neither train nor roll out: no GPU of "
+            f"{'it' if len(idle) == 1 else 'them'} is in train.device_mapping or rollout.device_mapping ({_describe(counts)}); "
+            f"map some of its GPUs, or run on fewer nodes")
     return Placement(
         num_nodes=num_nodes,
-        gpus_per_node=gpus_per_node,
+        gpus_per_node=counts,
         colocated=bool(set(train) & set(rollout)),
         train_workers=workers,
         engines=tuple(engines),
@@ -172,7 +199,7 @@ def resolve(
 def _cpu(num_nodes: int, engine_port: int) -> Placement:
     return Placement(
         num_nodes=num_nodes,
-        gpus_per_node=0,
+        gpus_per_node=(0,) * num_nodes,
         colocated=True,
         train_workers=tuple(TrainWorker(rank=n, node=n, gpu=None) for n in range(num_nodes)),
         engines=tuple(Engine(engine=n, node=n, gpus=(), port=engine_port) for n in range(num_nodes)),
@@ -180,26 +207,27 @@ def _cpu(num_nodes: int, engine_port: int) -> Placement:
     )
 
 
-def check_runnable(placement: Placement, hosts: Sequence[str] | None = None) -> None:
-    """What a run needs beyond a valid placement: every node rolls out its share of the tasks
-    (rank weights are positive), so every node needs an engine."""
-    without = [n for n in range(placement.num_nodes) if not placement.engines_on(n)]
-    if without:
-        names = ", ".join(f"node {n}" + (f" ({hosts[n]})" if hosts else "") for n in without)
-        raise ConfigError(
-            f"{names} would run no rollout engine, but every node rolls out its share of the tasks "
-            f"(--rank-weights): extend rollout.device_mapping to GPUs on {'that node' if len(without) == 1 else 'those nodes'}"
-        )
+def rollout_weights(placement: Placement, weights: Sequence[float] | None, hosts: Sequence[str] | None = None) -> tuple[float, ...]:
+    """Each node's share of rollout and eval: ``--rank-weights`` checked against the engines
+    (a node with engines needs a positive weight, a node without takes 0), or with ``None``
+    (``--rank-weights auto``) its engines' GPUs."""
+    if weights is None:
+        return tuple(float(placement.engine_gpus_on(n)) for n in range(placement.num_nodes))
+
+    def name(n: int) -> str:
+        return f"node {n}" + (f" ({hosts[n]})" if hosts else "")
+
+    for n, w in enumerate(weights):
+        engines = placement.engines_on(n)
+        if engines and w <= 0:
+            raise ConfigError(f"--rank-weights gives {name(n)} weight {w:g}, but it runs {len(engines)} rollout engine(s): "
+                              f"give it a positive weight, or --rank-weights auto (each node by its engines' GPUs)")
+        if not engines and w > 0:
+            raise ConfigError(f"--rank-weights gives {name(n)} weight {w:g}, but it runs no rollout engine (rollout.device_mapping "
+                              f"has none of its GPUs): give it 0, or --rank-weights auto")
+    return tuple(weights)
 
 
-def cluster_gpus(reports: dict[int, dict]) -> int:
-    """The GPUs per node of a cluster from each node's report ``{node: {"count", "host", ...}}``;
-    raises ConfigError naming the nodes when they differ."""
-    counts = {n: r["count"] for n, r in sorted(reports.items())}
-    if len(set(counts.values())) > 1:
-        listed = ", ".join(f"node {n} ({reports[n].get('host', '?')}) {c}" for n, c in counts.items())
-        raise ConfigError(
-            f"the nodes report different GPU counts: {listed}. Global GPU ranks need the same count on every node: "
-            f"set CUDA_VISIBLE_DEVICES so that each node shows the same number"
-        )
-    return next(iter(counts.values())) if counts else 0
+def cluster_gpus(reports: dict[int, dict]) -> tuple[int, ...]:
+    """Each node's GPU count, node 0 first, from the reports ``{node: {"count", ...}}``."""
+    return tuple(r["count"] for _, r in sorted(reports.items()))

@@ -222,7 +222,7 @@ class Coordinator:
                 num_nodes=self.config.num_nodes, gpus_per_node=gpus_per_node, train_mapping=train.device_mapping,
                 rollout_mapping=rollout.device_mapping, gpus_per_engine=rollout.gpus_per_engine, engine_port=rollout.engine_port,
             )
-            placement_mod.check_runnable(resolved, [reports[n]["host"] for n in sorted(reports)])
+            placement_mod.rollout_weights(resolved, self.config.rank_weights, [reports[n]["host"] for n in sorted(reports)])
         except ConfigError as e:
             seen = "; ".join(f"node {n} ({r['host']}): {r['count']} GPU(s) ({r['source']})" for n, r in sorted(reports.items()))
             culprit_node = _short_node(reports)

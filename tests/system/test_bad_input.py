@@ -34,8 +34,10 @@ def _base(tmp_path, **over):
 
 CASES = {
     "weight count differs from num-nodes": ({"--rank-weights": "1,1"}, ["--master"], "--rank-weights has 2 value(s) but --num-nodes is 3"),
-    "zero weight": ({"--rank-weights": "1,0,1"}, ["--master"], "must all be positive"),
-    "negative weight": ({"--rank-weights": "1,-1,1"}, ["--master"], "must all be positive"),
+    "zero weight where every node has an engine": ({"--rank-weights": "1,0,1"}, ["--master"],
+                                                   "gives node 1 weight 0, but without a device mapping every node runs an engine"),
+    "negative weight": ({"--rank-weights": "1,-1,1"}, ["--master"], "must be numbers >= 0"),
+    "only zero weights": ({"--rank-weights": "0,0,0"}, ["--master"], "at least one positive"),
     "rank out of range": ({}, ["--worker=3"], "rank 3 is out of range"),
     "master and worker": ({}, ["--master", "--worker=1"], "--master and --worker are exclusive"),
     "both without eval interval": ({"--eval-interval": None}, ["--master"], "--rl-phase both needs --eval-interval"),

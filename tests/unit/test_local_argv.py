@@ -23,4 +23,4 @@ def test_every_run_flag_given_to_local_reaches_each_rank():
 def test_flags_left_out_are_left_out():
     params = _parsed(local, ["--data-path=/d", "--log-path=/l", "--rl-phase=rollout", "--rollout-split=train-only"])
     assert _run_argv(params, local.params) == ["--data-path=/d", "--log-path=/l", "--rl-phase=rollout",
-                                               "--rollout-split=train-only", "--num-nodes=1"]
+                                               "--rollout-split=train-only"]

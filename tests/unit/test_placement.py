@@ -93,7 +93,7 @@ def test_a_mapping_that_does_not_divide_names_the_numbers():
 
 
 def test_an_engine_straddling_two_nodes_names_them():
-    with pytest.raises(ConfigError, match=r"engine 1 would straddle nodes 0 and 1: its GPUs 2,3 \(rollout.gpus_per_engine=2, 3 GPUs per node\)"):
+    with pytest.raises(ConfigError, match=r"engine 1 would straddle nodes 0 and 1: its GPUs 2,3 \(rollout.gpus_per_engine=2, 2 node\(s\) x 3 GPUs per node\)"):
         resolve(2, 3, "0-5", "0-5", gpe=2)
 
 
@@ -114,15 +114,39 @@ def test_no_mapping_is_the_cpu_placement():
     assert not p.on_gpu
 
 
-def test_every_node_needs_an_engine_to_run():
+def test_rollout_follows_the_engines_a_node_without_them_weighs_zero():
     p = resolve(2, 4, "0-3", "4-7")  # node 0 trains, node 1 rolls out
-    with pytest.raises(ConfigError, match=r"node 0 \(a\) would run no rollout engine"):
-        placement.check_runnable(p, ["a", "b"])
+    assert placement.rollout_weights(p, None) == (0.0, 4.0)
+    assert placement.rollout_weights(p, (0, 2)) == (0, 2)
+    with pytest.raises(ConfigError, match=r"gives node 0 \(a\) weight 1, but it runs no rollout engine"):
+        placement.rollout_weights(p, (1, 1), ["a", "b"])
+    with pytest.raises(ConfigError, match=r"gives node 1 \(b\) weight 0, but it runs 4 rollout engine\(s\)"):
+        placement.rollout_weights(p, (0, 0), ["a", "b"])
 
 
-def test_nodes_reporting_different_counts_are_named():
-    with pytest.raises(ConfigError, match=r"node 0 \(h0\) 8, node 1 \(h1\) 4"):
-        placement.cluster_gpus({0: {"count": 8, "host": "h0"}, 1: {"count": 4, "host": "h1"}})
+def test_a_node_that_neither_trains_nor_rolls_out_is_refused():
+    with pytest.raises(ConfigError, match=r"node 1 would neither train nor roll out"):
+        resolve(3, 4, "0-3", "8-11")
+
+
+def test_auto_weighs_nodes_by_their_engines_gpus():
+    p = resolve(2, 8, "0-15", "0-11", gpe=2)  # ROLL's example: 8 + 4 rollout GPUs
+    assert placement.rollout_weights(p, None) == (8.0, 4.0)
+    assert placement.rollout_weights(resolve(3, 0, "", ""), None) == (1.0, 1.0, 1.0)  # CPU: one engine each
+
+
+def test_uneven_nodes_count_global_ranks_node_by_node():
+    """One 8-GPU and two 4-GPU nodes: node 1 holds global GPUs 8-11, node 2 12-15."""
+    p = resolve(3, (8, 4, 4), "0-7", "8-15", gpe=2)
+    assert p.gpus_per_node == (8, 4, 4) and not p.colocated
+    assert [(w.node, w.gpu) for w in p.train_workers] == [(0, g) for g in range(8)]
+    assert [(e.node, e.gpus, e.port) for e in p.engines] == [
+        (1, (0, 1), 8000), (1, (2, 3), 8001), (2, (0, 1), 8000), (2, (2, 3), 8001)]
+    with pytest.raises(ConfigError, match=r"uses GPU 16, but 3 nodes of 8,4,4 GPUs have GPUs 0-15"):
+        resolve(3, (8, 4, 4), "0-7", "8-16")
+    with pytest.raises(ConfigError, match=r"engine 0 would straddle nodes 0 and 1: its GPUs 6,7,8,9"):
+        resolve(3, (8, 4, 4), "0-5", "6-9", gpe=4)
+    assert placement.cluster_gpus({1: {"count": 4}, 0: {"count": 8}, 2: {"count": 4}}) == (8, 4, 4)
 
 
 def test_placement_round_trips_through_json():
@@ -134,41 +158,48 @@ def test_placement_round_trips_through_json():
 
 @st.composite
 def clusters(draw):
-    nodes = draw(st.integers(1, 4))
-    gpn = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    total = nodes * gpn
+    counts = draw(st.lists(st.sampled_from([1, 2, 3, 4, 8]), min_size=1, max_size=4))
+    if draw(st.booleans()):
+        counts = [counts[0]] * len(counts)  # uniform clusters, the common case
+    total = sum(counts)
     train = draw(st.lists(st.integers(0, total + 1), min_size=1, max_size=total + 2, unique=True))
     rollout = draw(st.lists(st.integers(0, total + 1), min_size=1, max_size=total + 2, unique=True))
     gpe = draw(st.integers(1, 4))
-    return nodes, gpn, train, rollout, gpe
+    return counts, train, rollout, gpe
 
 
 @settings(max_examples=400, deadline=None)
 @given(clusters())
 def test_placement_invariants(cluster):
-    nodes, gpn, train, rollout, gpe = cluster
+    counts, train, rollout, gpe = cluster
+    nodes = len(counts)
+    offset = [sum(counts[:n]) for n in range(nodes)]
+    node_of = [n for n, c in enumerate(counts) for _ in range(c)]
     try:
-        p = resolve(nodes, gpn, ",".join(map(str, train)), ",".join(map(str, rollout)), gpe=gpe, port=9000)
+        p = resolve(nodes, tuple(counts), ",".join(map(str, train)), ",".join(map(str, rollout)), gpe=gpe, port=9000)
     except ConfigError as e:
         # Refused only for a reason the inputs really have.
-        beyond = max(train + rollout) >= nodes * gpn
+        beyond = max(train + rollout) >= sum(counts)
         undivided = len(rollout) % gpe != 0
-        too_wide = gpe > gpn
         chunks = [rollout[i:i + gpe] for i in range(0, len(rollout) - len(rollout) % gpe, gpe)]
-        straddles = any(len({g // gpn for g in c}) > 1 for c in chunks)
-        assert beyond or undivided or too_wide or straddles, str(e)
+        straddles = not beyond and any(len({node_of[g] for g in c}) > 1 for c in chunks)
+        idle = not beyond and set(range(nodes)) - {node_of[g] for g in train + rollout}
+        assert beyond or undivided or straddles or idle, str(e)
         return
     # Counts add up.
     assert len(p.train_workers) == len(train)
     assert len(p.engines) * gpe == len(rollout)
     # Every GPU at most once per role, and exactly the mapped ones.
-    train_gpus = [w.node * gpn + w.gpu for w in p.train_workers]
-    engine_gpus = [e.node * gpn + g for e in p.engines for g in e.gpus]
+    train_gpus = [offset[w.node] + w.gpu for w in p.train_workers]
+    engine_gpus = [offset[e.node] + g for e in p.engines for g in e.gpus]
     assert sorted(train_gpus) == sorted(train) and len(set(train_gpus)) == len(train_gpus)
     assert sorted(engine_gpus) == sorted(rollout) and len(set(engine_gpus)) == len(engine_gpus)
+    # Every node has a part; auto weights are the engines' GPUs, and sum to the rollout's.
+    assert all(p.train_workers_on(n) or p.engines_on(n) for n in range(nodes))
+    assert sum(placement.rollout_weights(p, None)) == len(rollout)
     # Engines never straddle nodes; ids are node-local; ports are distinct on a node.
     for e in p.engines:
-        assert len(e.gpus) == gpe and all(0 <= g < gpn for g in e.gpus)
+        assert len(e.gpus) == gpe and all(0 <= g < counts[e.node] for g in e.gpus)
     for n in range(nodes):
         ports = [e.port for e in p.engines_on(n)]
         assert ports == list(range(9000, 9000 + len(ports)))
@@ -221,7 +252,7 @@ def test_plan_uses_the_gpus_this_node_detects(tmp_path):
                         "rollout.gpus_per_engine=2", "--json"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["gpus_per_node"] == 4 and len(out["engines"]) == 2
+    assert out["gpus_per_node"] == [4] and len(out["engines"]) == 2 and out["rollout_weights"] == [4.0]
     assert "nvidia-smi" in out["cluster_source"]
 
 

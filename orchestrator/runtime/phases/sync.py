@@ -5,6 +5,7 @@ from __future__ import annotations
 from orchestrator.config import RolloutSplit
 from orchestrator.data import summary
 from orchestrator.data.splitting import split_counts
+from orchestrator.node import placement
 from orchestrator.phase_table import RLPhase, eval_due
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
@@ -12,7 +13,8 @@ from orchestrator.runtime.context import PhaseContext
 
 def make_plan(ctx: PhaseContext) -> dict:
     """Who rolls out how many tasks of each split this iteration: a pure function of the
-    config and the iteration, so every master that computes it gets the same plan."""
+    config, the placement (``--rank-weights auto``) and the iteration, so every master that
+    computes it gets the same plan."""
     cfg = ctx.config
     if cfg.rl_phase is RLPhase.ROLLOUT:
         train = cfg.rollout_split is RolloutSplit.TRAIN_ONLY
@@ -21,9 +23,10 @@ def make_plan(ctx: PhaseContext) -> dict:
         train = True
         evaluate = eval_due(ctx.iteration, cfg.eval_interval)
     plan = {"iteration": ctx.iteration}
+    weights = placement.rollout_weights(ctx.coordinator.placement, cfg.rank_weights)
     for split, enabled in (("train", train), ("eval", evaluate)):
         total = ctx.workload.tasks_per_iteration(split) if enabled else 0
-        plan[split] = {"enabled": enabled, "total": total, "per_rank": split_counts(total, cfg.rank_weights)}
+        plan[split] = {"enabled": enabled, "total": total, "per_rank": split_counts(total, weights)}
     return plan
 
 
