@@ -46,9 +46,10 @@ def plan(num_nodes: int | None, gpus_per_node: str | None, rank_weights: str, lo
             gpus_per_engine=rollout.gpus_per_engine,
             engine_port=rollout.engine_port,
         )
-        weights = placement.rollout_weights(resolved, parse_weights(rank_weights, num_nodes))
-        if len(weights) != num_nodes:
-            raise ConfigError(f"--rank-weights has {len(weights)} value(s) but the cluster has {num_nodes} node(s)")
+        given = parse_weights(rank_weights, num_nodes)
+        if given is not None and len(given) != num_nodes:
+            raise ConfigError(f"--rank-weights has {len(given)} value(s) but the cluster has {num_nodes} node(s)")
+        weights = placement.rollout_weights(resolved, given)
     except ConfigError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     if as_json:
