@@ -245,6 +245,10 @@ class TrainPlacementConfig:
     device_mapping: str = ""
     """Global GPU ranks of the train workers, one GPU each: "0-15", "0,1,2,3" (empty: CPU, one
     worker per node). See docs/placement.md."""
+    keep_alive: bool = True
+    """One trainer process per train worker for the whole attempt: it forms the process group
+    once and keeps the model and the optimizer in memory across iterations. false: a new
+    trainer process per iteration, which loads the checkpoint (weights and optimizer state)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -307,6 +311,23 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Which iteration checkpoints the master keeps (data/retention.py). Whatever these say,
+    the current checkpoint and every checkpoint a consumer marker names are kept too."""
+
+    keep_last: int = 3
+    """The newest checkpoints kept, the current one among them; at least 1."""
+    keep_every: int = 0
+    """Also keep the checkpoint of every iteration divisible by this (0: none kept for that reason)."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last must be at least 1 (the current checkpoint is always kept), got {self.keep_last}")
+        if self.keep_every < 0:
+            raise ConfigError(f"checkpoint.keep_every must be >= 0 (0: none kept for that reason), got {self.keep_every}")
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     data_path: Path
     log_path: Path
@@ -330,6 +351,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainPlacementConfig = field(default_factory=TrainPlacementConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         for name in ("data_path", "log_path"):
@@ -399,6 +421,8 @@ class RunConfig:
             "data": dataclasses.asdict(self.data) if self.workload is Workload.RL else None,
             "train": dataclasses.asdict(self.train),
             "rollout": {k: v for k, v in dataclasses.asdict(self.rollout).items() if k not in ("engine_url", "engine_start_timeout_s")},
+            # Not `checkpoint`: only the master removes checkpoints, so the workers' values are never
+            # used, and a rerun may change them (keep fewer when the disk fills) without a mismatch.
         }
 
 
@@ -408,7 +432,7 @@ def _fmt(x: float) -> str:
 
 # --- dotted overrides -------------------------------------------------------------------
 
-_SECTIONS = ("coordination", "deadlines", "rehearsal", "rl", "data", "train", "rollout")
+_SECTIONS = ("coordination", "deadlines", "rehearsal", "rl", "data", "train", "rollout", "checkpoint")
 _TOP_LEVEL_OVERRIDABLE = ("seed",)
 _SECTION_CLASSES = {
     "coordination": CoordinationConfig,
@@ -418,6 +442,7 @@ _SECTION_CLASSES = {
     "data": DataConfig,
     "train": TrainPlacementConfig,
     "rollout": RolloutConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 

@@ -98,7 +98,7 @@ PHASE_TABLE: dict[Phase, PhaseSpec] = {
     Phase.TRAIN: PhaseSpec(Actor.ALL, Barrier.ALL, 24 * _HOUR, "multi-node training"),
     Phase.PUBLISH: PhaseSpec(Actor.MASTER, Barrier.ALL, 2 * _HOUR, "master publishes the new checkpoint"),
     Phase.ENGINE_RESTART: PhaseSpec(Actor.ALL, Barrier.ALL, _HOUR, "restart the engine on the new checkpoint"),
-    Phase.SYNC_END: PhaseSpec(Actor.ALL, Barrier.ALL, _HOUR, "final sync of the iteration"),
+    Phase.SYNC_END: PhaseSpec(Actor.MASTER, Barrier.ALL, _HOUR, "final sync; master removes checkpoints retention does not keep"),
 }
 
 assert set(PHASE_TABLE) == set(Phase), "every phase needs a row"

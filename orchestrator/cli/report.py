@@ -1,5 +1,6 @@
-"""`orchestrator report`: reward/eval curves, a per-rank phase timeline and barrier waits as
-PNG charts, ``report.json`` and one static HTML page (``index.html``)."""
+"""`orchestrator report`: reward/eval curves, a per-rank phase timeline, barrier waits and
+each iteration's time breakdown as PNG charts, ``report.json`` and one static HTML page
+(``index.html``)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,9 @@ from rich.text import Text
 from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, BadInput
 from orchestrator.ops.status import snapshot
+from orchestrator.ops.timing import EventReader
 from orchestrator.protocol import child_error
+from orchestrator.protocol.layout import RunLayout
 
 WATCH_INTERVAL_S = 2.0
 
@@ -28,7 +30,8 @@ def status(log_path: Path, as_json: bool, watch: bool) -> None:
     """Show where every rank of the run is, whom a barrier waits for, and the last failure."""
     if not log_path.is_absolute():
         terminal.abort(f"--log-path must be absolute, got {log_path}", EXIT_BAD_INPUT)
-    snap = _snapshot(log_path)
+    events = EventReader(RunLayout(log_path))  # kept across refreshes: each reads only what the event logs gained
+    snap = _snapshot(log_path, events)
     if not watch:
         if as_json:
             terminal.out.print_json(json.dumps(snap))
@@ -45,19 +48,19 @@ def status(log_path: Path, as_json: bool, watch: bool) -> None:
                 if snap["master"]["released"]:
                     return
                 time.sleep(WATCH_INTERVAL_S)
-                snap = _snapshot(log_path)
+                snap = _snapshot(log_path, events)
         with Live(view(snap), console=terminal.out, auto_refresh=False) as live:
             while not snap["master"]["released"]:
                 time.sleep(WATCH_INTERVAL_S)
-                snap = _snapshot(log_path)
+                snap = _snapshot(log_path, events)
                 live.update(view(snap), refresh=True)
     except KeyboardInterrupt:
         return
 
 
-def _snapshot(log_path: Path) -> dict:
+def _snapshot(log_path: Path, events: EventReader) -> dict:
     try:
-        return snapshot(log_path)
+        return snapshot(log_path, events)
     except BadInput as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
 
@@ -98,6 +101,9 @@ def view(snap: dict) -> Group:
         ])
     if its:
         parts.append(terminal.table(None, ["iter", "tasks/rank", "trajectories", "eval", "accuracy", "complete"], its))
+    timed = [it for it in snap["iterations"] if it.get("complete") and it.get("timing") and it["timing"]["phases"]]
+    if timed:
+        parts.append(Text(time_line(timed[-1]["iteration"], timed[-1]["timing"])))
     f = snap["failure"]
     if f:
         parts.append(Text(f"failure: rank {f['rank']} on {f['host']} at iteration {f['iteration']}, phase {f['phase']}: {f['error']}"))
@@ -110,6 +116,27 @@ def view(snap: dict) -> Group:
                               f"resumes from its last finished phase); `orchestrator recover --log-path {snap['log_path']}` "
                               f"shows what survived"))
     return Group(*parts)
+
+
+TIME_LINE_PHASES = 4  # the slowest phases named; the rest are summed as "other"
+
+
+def time_line(iteration: int, timing: dict) -> str:
+    """One line of where an iteration's time went: its slowest phases, the parts of training
+    inside the train phase, and the engines' parts (they fall in several phases)."""
+    parts = timing["parts"]
+    train = [f"{p.split('.', 1)[1]} {_duration(s)}" for p, s in parts.items() if p.startswith("train.") and p != "train.total"]
+    engine = [f"{p.split('.', 1)[1]} {_duration(s)}" for p, s in parts.items() if p.startswith("engine.")]
+    ranked = sorted(timing["phases"].items(), key=lambda kv: -kv[1])
+    shown = []
+    for label, seconds in ranked[:TIME_LINE_PHASES]:
+        name = label.split(":", 1)[1]
+        shown.append(f"{name} {_duration(seconds)}" + (f" ({', '.join(train)})" if name == "train" and train else ""))
+    rest = sum(s for _, s in ranked[TIME_LINE_PHASES:])
+    if rest:
+        shown.append(f"other {_duration(rest)}")
+    line = f"last iteration {iteration} took {_duration(timing['total_s'])}: {', '.join(shown)}"
+    return line + (f"; engines (slowest): {', '.join(engine)}" if engine else "")
 
 
 def _duration(seconds: float | None) -> str:

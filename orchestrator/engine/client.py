@@ -149,6 +149,13 @@ class EngineClient:
         except (KeyError, TypeError) as e:
             raise EngineError(f"{self.base_url}/v1/models answered an unexpected shape: {str(body)[:200]}") from e
 
+    def reload(self, directory: str, served_model_name: str) -> float:
+        """Embedded engine: serve ``directory`` in place under a new name, which this client
+        uses from now on; returns the server's seconds. Raises EngineHTTPError when refused."""
+        body = self._json("POST", "/reload", {"model": directory, "served_model_name": served_model_name})
+        self._model = served_model_name
+        return float(body.get("seconds", 0.0))
+
     def model(self) -> str:
         if self._model is None:
             names = self.models()

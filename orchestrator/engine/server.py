@@ -12,6 +12,13 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (non-st
 request that cannot be served as asked gets a 400 rather than a silent approximation: unknown
 fields, ``stream``, ``echo`` and token-id prompts included. SIGTERM or SIGINT stops the
 server and the process exits 0. One log line per request goes to stderr.
+
+``POST /reload`` with ``{"model": DIR, "served_model_name": NAME}`` moves the running server
+to another checkpoint of the same architecture, in place (the counterpart of vLLM's
+``reload_weights``): DIR's safetensors are copied into the loaded model between two
+generations, and from then on the server answers to NAME only, so that a client still
+asking for the old name gets a 404 instead of the new policy's samples. A checkpoint that
+does not fit (another architecture, missing tensors) is a 400 and the old one serves on.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class CompletionRequest:
     params: SamplingParams
     return_token_ids: bool
 
+
+_RELOAD_FIELDS = frozenset({"model", "served_model_name"})
 
 _FIELDS = frozenset(
     {"model", "prompt", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs", "return_token_ids"}
@@ -210,6 +219,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/health": ("GET", self._health),
             "/v1/models": ("GET", self._models),
             "/v1/completions": ("POST", self._completions),
+            "/reload": ("POST", self._reload),
         }
         path = self.path.split("?", 1)[0]
         detail = ""
@@ -257,7 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
         }
         return HTTPStatus.OK, {"object": "list", "data": [card]}, ""
 
-    def _completions(self):
+    def _json_body(self):
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             raise RequestRejected("a JSON body with a Content-Length header is required")
@@ -265,13 +275,35 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestRejected(f"request body over {_MAX_BODY_BYTES} bytes", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         raw = self.rfile.read(int(length))
         try:
-            body = json.loads(raw)
+            return json.loads(raw)
         except ValueError as e:  # bad UTF-8 too
             raise RequestRejected(f"invalid JSON body: {e}") from e
+
+    def _reload(self):
+        body = self._json_body()
+        if not isinstance(body, dict) or set(body) != _RELOAD_FIELDS or not all(isinstance(v, str) and v for v in body.values()):
+            raise RequestRejected(f"a reload takes exactly {', '.join(sorted(_RELOAD_FIELDS))}, both non-empty strings")
+        directory = Path(body["model"])
+        started = time.monotonic()
+        with self.server.generate_lock:  # between two generations: no request sees two sets of weights
+            try:
+                load_weights(self.server.sampler.model, directory)
+            except (OSError, ValueError) as e:
+                raise RequestRejected(f"cannot reload {directory}: {e}") from e
+            self.server.model_name, self.server.model_dir = body["served_model_name"], str(directory)
+        seconds = time.monotonic() - started
+        log.info("reloaded %s in place in %.2fs as %r (model.safetensors sha256 %s)", directory, seconds, body["served_model_name"],
+                 _weights_sha256(directory))
+        return HTTPStatus.OK, {"model": body["served_model_name"], "root": str(directory), "seconds": round(seconds, 4)}, ""
+
+    def _completions(self):
+        body = self._json_body()
         request = parse_completion_request(body, self.server.model_name)
         # The response decodes token strings: HF fast tokenizers must not be used from two
         # threads at once, so that happens under the lock too.
         with self.server.generate_lock:
+            # Checked again under the lock: a reload may have renamed the policy while this waited.
+            parse_completion_request(body, self.server.model_name)
             try:
                 generation = self.server.sampler.generate(request.prompts, request.params)
             except PromptTooLong as e:
@@ -329,9 +361,39 @@ def _publish_port(path: Path, port: int) -> None:
     fsio.atomic_write_bytes(path, f"{port}\n".encode(), durable=False)  # rewritten at every start
 
 
+def load_weights(model, directory: Path) -> None:
+    """Copy ``directory``'s safetensors into ``model``'s parameters (same architecture).
+    Raises ValueError naming what does not fit; a tensor left out of the file is accepted
+    only when it is tied to one the file has (``lm_head`` and the embeddings)."""
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [directory / "model.safetensors"]
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f))
+    own = model.state_dict()
+    unexpected = sorted(set(tensors) - set(own))
+    if unexpected:
+        raise ValueError(f"its weights have tensors the served model lacks: {', '.join(unexpected[:5])}")
+    for name, t in tensors.items():
+        if t.shape != own[name].shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, the served model {tuple(own[name].shape)}")
+    loaded = {own[name].data_ptr() for name in tensors}
+    missing = sorted(n for n in set(own) - set(tensors) if own[n].data_ptr() not in loaded)
+    if missing:
+        raise ValueError(f"its weights lack {', '.join(missing[:5])}")
+    model.load_state_dict(tensors, strict=False)
+
+
 def _weights_sha256(model_dir: Path) -> str:
     """The content hash of the weights served, so operators (and tests) can tell that every
     node's engine serves the same checkpoint."""
+    if not (model_dir / "model.safetensors").is_file():
+        return "sharded"
     h = hashlib.sha256()
     with open(model_dir / "model.safetensors", "rb") as f:
         while block := f.read(1 << 20):

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,58 @@ def _dying_with_this_process(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
+WATCH_INTERVAL_S = 0.2
+
+
 class Children:
-    """The rank's registry of child process groups."""
+    """The rank's registry of child process groups.
+
+    A child that must stay up between phases (a persistent trainer, a serving engine) is
+    ``watch``ed: if it exits before the rank stops it, a watcher thread calls its ``on_exit``
+    within ``WATCH_INTERVAL_S`` (the rank cancels itself, naming the child), rather than the
+    loss surfacing at the next phase that needs it, or never."""
 
     def __init__(self) -> None:
         self._procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()
+        self._watched: dict[subprocess.Popen, Callable[[int], None]] = {}
+        self._watcher: threading.Thread | None = None
+
+    def watch(self, proc: subprocess.Popen, on_exit: Callable[[int], None]) -> None:
+        """Call ``on_exit(returncode)`` (from the watcher thread) once ``proc`` exits unless it
+        is stopped or unwatched first."""
+        with self._lock:
+            self._watched[proc] = on_exit
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._watch_loop, name="children-watch", daemon=True)
+                self._watcher.start()
+
+    def unwatch(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._watched.pop(proc, None)
+
+    def _watch_loop(self) -> None:
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            with self._lock:
+                if not self._watched:
+                    self._watcher = None
+                    return
+            self.reap()
+
+    def reap(self) -> None:
+        """Call ``on_exit`` for every watched child that has exited, now (the watcher does it
+        every ``WATCH_INTERVAL_S``; a rank that fails calls it first, so that an error caused
+        by a dead child, a refused connection say, is reported as that child's death)."""
+        with self._lock:
+            ended = [(p, cb) for p, cb in self._watched.items() if p.poll() is not None]
+            for p, _ in ended:
+                del self._watched[p]
+        for p, on_exit in ended:
+            try:
+                on_exit(p.returncode)
+            except Exception:  # noqa: BLE001 - a callback must not end the watcher
+                log.exception("child pid %d: on_exit failed", p.pid)
 
     def start(self, argv: Sequence[str], *, env: dict | None = None, **kwargs) -> subprocess.Popen:
         """Start ``argv`` in its own process group; raises FileNotFoundError, as Popen would,
@@ -63,6 +109,7 @@ class Children:
 
     def stop(self, proc: subprocess.Popen, grace_s: float = 5.0) -> int | None:
         """SIGTERM the child's process group, SIGKILL it after ``grace_s``; returns its code."""
+        self.unwatch(proc)
         _signal_group(proc, signal.SIGTERM)
         try:
             code = proc.wait(timeout=grace_s)
@@ -79,6 +126,7 @@ class Children:
     def stop_all(self, grace_s: float = 5.0) -> None:
         with self._lock:
             procs = list(self._procs)
+            self._watched.clear()
         for proc in procs:
             _signal_group(proc, signal.SIGTERM)
         end = time.monotonic() + grace_s

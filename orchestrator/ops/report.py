@@ -4,8 +4,8 @@ Read-only over the run's files (it never writes under ``--log-path`` except into
 output directory, ``<L>/report/`` by default), so it can run at any time, during a run or
 after it, on any node that mounts the log path.
 
-The data functions (``eval_curve``, ``train_rewards``, ``iteration_rows``,
-``timeline``, ``barrier_waits``, ``collect``) return plain dicts and lists; the plotting
+The data functions (``eval_curve``, ``train_rewards``, ``iteration_rows``, ``timeline``,
+``barrier_waits``, ``iteration_timing``, ``collect``) return plain dicts and lists; the plotting
 and HTML functions only draw what ``collect`` returned. ``write_report`` writes every file
 atomically (temp + rename) and returns the collected data, which is also ``report.json``.
 
@@ -31,12 +31,12 @@ import html
 import io
 import json
 import math
-import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from orchestrator.data import shards, summary
+from orchestrator.ops import timing
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.api import Event
@@ -46,6 +46,7 @@ from orchestrator.protocol.layout import RunLayout
 CURVES_PNG = "curves.png"
 TIMELINE_PNG = "timeline.png"
 BARRIER_WAIT_PNG = "barrier_wait.png"
+BREAKDOWN_PNG = "breakdown.png"
 REPORT_JSON = "report.json"
 INDEX_HTML = "index.html"
 
@@ -128,30 +129,6 @@ def train_rewards(layout: RunLayout) -> list[dict]:
     return out
 
 
-def attempt_ids(layout: RunLayout) -> list[str]:
-    """The run's attempts that have event logs, oldest first (by lease generation)."""
-    fsio.refresh_dir(layout.attempts)
-    try:
-        dirs = [p for p in layout.attempts.iterdir() if layout.attempt(p.name).events_dir.is_dir()]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-    def key(p: Path):
-        m = re.match(r"a(\d+)-", p.name)
-        return (int(m.group(1)) if m else math.inf, p.name)
-
-    return [p.name for p in sorted(dirs, key=key)]
-
-
-def _event_ranks(layout: RunLayout, attempt: str) -> list[int]:
-    ranks = []
-    fsio.refresh_dir(layout.attempt(attempt).events_dir)
-    for p in layout.attempt(attempt).events_dir.glob("r*.jsonl"):
-        if p.stem[1:].isdigit():
-            ranks.append(int(p.stem[1:]))
-    return sorted(ranks)
-
-
 def _seconds(a: dict, b: dict) -> float:
     ma, mb = a.get("mono"), b.get("mono")
     if _is_number(ma) and _is_number(mb) and mb >= ma:
@@ -207,19 +184,25 @@ def rank_segments(events: list[dict]) -> list[dict]:
     return segments
 
 
-def timeline(layout: RunLayout) -> dict:
-    """Every rank's segments over every attempt, with times relative to the run's first event.
+def event_logs(layout: RunLayout) -> list[tuple[str, dict[int, list[dict]]]]:
+    """``(attempt, {rank: events})`` for every attempt with a non-empty event log, oldest first."""
+    per_attempt = []
+    for a in timing.attempt_ids(layout):
+        logs = {r: read_events(layout.attempt(a).events(r)) for r in timing.event_ranks(layout, a)}
+        logs = {r: evs for r, evs in logs.items() if evs}
+        if logs:
+            per_attempt.append((a, logs))
+    return per_attempt
+
+
+def timeline(per_attempt: list[tuple[str, dict[int, list[dict]]]]) -> dict:
+    """Every rank's segments over every attempt (``per_attempt``: :func:`event_logs`), with
+    times relative to the run's first event.
 
     Returns ``{origin_t, attempts: [{attempt, start_s, end_s, ranks}], segments: [...]}``;
     each segment is ``{attempt, rank, kind, iteration, phase, label, start_s, end_s,
     seconds, complete}``, ordered by attempt, rank and time.
     """
-    per_attempt: list[tuple[str, dict[int, list[dict]]]] = []
-    for a in attempt_ids(layout):
-        logs = {r: read_events(layout.attempt(a).events(r)) for r in _event_ranks(layout, a)}
-        logs = {r: evs for r, evs in logs.items() if evs}
-        if logs:
-            per_attempt.append((a, logs))
     times = [ev["t"] for _, logs in per_attempt for evs in logs.values() for ev in evs if _is_number(ev.get("t"))]
     if not times:
         return {"origin_t": None, "attempts": [], "segments": []}
@@ -266,10 +249,17 @@ def barrier_waits(segments: Iterable[dict]) -> list[dict]:
     ]
 
 
-def iteration_rows(layout: RunLayout, evals: list[dict], trains: list[dict], segments: list[dict]) -> list[dict]:
+def iteration_timing(logs: list[tuple[str, dict[int, list[dict]]]]) -> dict[int, dict]:
+    """Each iteration's time breakdown, as ``status --json`` gives it (:func:`timing.iteration_timing`)."""
+    return timing.iteration_timing([(a, r, timing.LogDigest.of(evs)) for a, by_rank in logs for r, evs in by_rank.items()])
+
+
+def iteration_rows(layout: RunLayout, evals: list[dict], trains: list[dict], segments: list[dict],
+                   times: dict[int, dict]) -> list[dict]:
     """One row per iteration seen anywhere (summary, metrics, aggregate or events): the
     table of the HTML page. ``master_s`` is the time rank 0 spent in the iteration's phases
-    (work, wait and decide, over all attempts)."""
+    (work, wait and decide, over all attempts); ``timing`` the iteration's entry of ``times``
+    (:func:`iteration_timing`), or None."""
     by_eval = {e["iteration"]: e for e in evals}
     by_train = {t["iteration"]: t for t in trains}
     master_s: dict[int, float] = {}
@@ -294,6 +284,7 @@ def iteration_rows(layout: RunLayout, evals: list[dict], trains: list[dict], seg
             "checkpoint": s.get("checkpoint"),
             "complete": bool(s.get("complete")),
             "master_s": master_s.get(i),
+            "timing": times.get(i),
         })
     return rows
 
@@ -304,8 +295,9 @@ def collect(log_path: Path) -> dict:
     layout = RunLayout(log_path)
     evals = eval_curve(layout)
     trains = train_rewards(layout)
-    tl = timeline(layout)
-    rows = iteration_rows(layout, evals, trains, tl["segments"])
+    logs = event_logs(layout)
+    tl = timeline(logs)
+    rows = iteration_rows(layout, evals, trains, tl["segments"], iteration_timing(logs))
     if not rows and not tl["segments"]:
         raise NoRunData(f"{log_path} holds no run data (no iterations, metrics.jsonl or event logs)")
     return {
@@ -316,7 +308,7 @@ def collect(log_path: Path) -> dict:
         "train": trains,
         "timeline": tl,
         "barrier_wait": barrier_waits(tl["segments"]),
-        "charts": {"curves": CURVES_PNG, "timeline": TIMELINE_PNG, "barrier_wait": BARRIER_WAIT_PNG},
+        "charts": {"curves": CURVES_PNG, "timeline": TIMELINE_PNG, "barrier_wait": BARRIER_WAIT_PNG, "breakdown": BREAKDOWN_PNG},
     }
 
 
@@ -465,6 +457,61 @@ def barrier_wait_png(data: dict) -> bytes:
     return _png(fig)
 
 
+# The parts of the train and engine phases, in the order they are stacked: train in reds
+# (the train phase's colour), engines in oranges (the engine restart's), darker as they come later.
+TRAIN_PARTS = (
+    ("train.startup", "#fcbba1"), ("train.load", "#fc9272"), ("train.prepare", "#fb6a4a"),
+    ("train.steps", "#de2d26"), ("train.checkpoint", "#a50f15"),
+)
+ENGINE_PARTS = (("engine.start", "#fdd0a2"), ("engine.restart", "#fdae6b"), ("engine.reload", "#e6550d"), ("engine.release", "#a63603"))
+TRAIN_REST = "train.total, rest"
+
+
+def _stack(ax, xs: list, series: list[tuple[str, str, list[float]]], width: float) -> None:
+    """Bars at ``xs`` stacked in the order of ``series`` (name, colour, one height per x)."""
+    bottom = [0.0] * len(xs)
+    for name, colour, ys in series:
+        if any(ys):
+            ax.bar(xs, ys, bottom=bottom, width=width, color=colour, label=name)
+            bottom = [b + y for b, y in zip(bottom, ys)]
+
+
+def _seconds_axes(ax, title: str) -> None:
+    ax.set_title(title, fontsize="medium")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("seconds")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(axis="y", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="x-small")  # top of the stack first
+
+
+def breakdown_png(data: dict) -> bytes:
+    """Per iteration: the master's seconds in each phase, stacked (left); and inside the
+    train and engine phases, the slowest actor's seconds in each part (right: a train bar and
+    an engine bar per iteration; ``train.total`` beyond its listed parts is drawn as the rest)."""
+    timed = [(r["iteration"], r["timing"]) for r in data["iterations"] if r.get("timing")]
+    xs = [i for i, _ in timed]
+    fig = _figure(11, 3.8)
+    left, right = fig.subplots(1, 2)
+    phases = sorted({int(lbl.split(":")[0]) for _, t in timed for lbl in t["phases"]})
+    if phases:
+        _stack(left, xs, [(_label(p), _phase_colour(p), [t["phases"].get(_label(p), 0.0) for _, t in timed]) for p in phases], 0.8)
+        _seconds_axes(left, "time per phase (master)")
+    else:
+        _empty(left, "no phase durations in the master's event log")
+    if not any(t["parts"] for _, t in timed):
+        _empty(right, "no train or engine timings recorded\n(a rehearsal run records none)")
+        return _png(fig)
+    train = [(name, colour, [t["parts"].get(name, 0.0) for _, t in timed]) for name, colour in TRAIN_PARTS]
+    listed = [sum(v) for v in zip(*(ys for _, _, ys in train))]
+    rest = [max(0.0, t["parts"].get("train.total", 0.0) - s) for (_, t), s in zip(timed, listed)]
+    _stack(right, [x - 0.2 for x in xs], [*train, (TRAIN_REST, "#dddddd", rest)], 0.38)
+    _stack(right, [x + 0.2 for x in xs], [(name, colour, [t["parts"].get(name, 0.0) for _, t in timed]) for name, colour in ENGINE_PARTS], 0.38)
+    _seconds_axes(right, "inside train (left bars) and engine phases (right bars):\nthe slowest rank, train worker or engine")
+    return _png(fig)
+
+
 def _short_seconds(v: float) -> str:
     return f"{v:.2f}" if v < 10 else f"{v:.0f}"
 
@@ -484,9 +531,31 @@ def _cell(v) -> str:
     return str(v)
 
 
+def _time_tables(rows: list[dict]) -> str:
+    """Two tables of seconds per iteration: the master's phases, and the train and engine
+    parts (only when the run recorded any)."""
+    e = html.escape
+    timed = [r for r in rows if r.get("timing")]
+    out = []
+    phases = sorted({lbl for r in timed for lbl in r["timing"]["phases"]}, key=lambda lbl: int(lbl.split(":")[0]))
+    parts = sorted({p for r in timed for p in r["timing"]["parts"]}, key=timing.part_sort_key)
+    for keys, of_phases, caption in ((phases, True, "seconds per phase (master)"), (parts, False, "slowest rank, worker or engine (s)")):
+        if not keys:
+            continue
+        head = "<th>iteration</th>" + ("<th>total</th>" if of_phases else "") + "".join(f"<th>{e(k)}</th>" for k in keys)
+        body = []
+        for r in timed:
+            t = r["timing"]
+            figures = t["phases"] if of_phases else t["parts"]
+            cells = ([t["total_s"]] if of_phases else []) + [figures.get(k) for k in keys]
+            body.append(f"<tr><td>{r['iteration']}</td>" + "".join(f"<td>{e(_cell(v))}</td>" for v in cells) + "</tr>")
+        out.append(f'<table class="time">\n<caption>{e(caption)}</caption>\n<tr>{head}</tr>\n' + "\n".join(body) + "\n</table>")
+    return "\n".join(out)
+
+
 def index_html(data: dict) -> str:
-    """One static page (no JavaScript): the three charts, referenced by relative file name,
-    and a table of the per-iteration figures."""
+    """One static page (no JavaScript): the charts, referenced by relative file name, a
+    table of the per-iteration figures and tables of where each iteration's time went."""
     e = html.escape
     columns = [("iteration", "iteration"), ("tasks_per_rank", "tasks/rank"), ("trajectories", "trajectories"),
                ("train_mean_reward", "train mean reward"), ("eval_accuracy", "eval accuracy"),
@@ -497,6 +566,7 @@ def index_html(data: dict) -> str:
         "<tr>" + "".join(f"<td>{e(_cell(row.get(key)))}</td>" for key, _ in columns) + "</tr>" for row in data["iterations"]
     )
     attempts = ", ".join(e(a["attempt"]) for a in data["timeline"]["attempts"]) or "none"
+    time_tables = _time_tables(data["iterations"])
     generated = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["generated_at"]))
     charts = data["charts"]
     return f"""<!DOCTYPE html>
@@ -511,6 +581,7 @@ th, td {{ border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: right; }}
 th {{ background: #eee; }}
 img {{ max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0 1.5em; }}
 .note {{ color: #666; font-size: 0.9em; }}
+caption {{ text-align: left; color: #666; font-size: 0.9em; }}
 </style>
 </head>
 <body>
@@ -524,6 +595,12 @@ img {{ max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0 1.5em; }}
 <p class="note">The numbers are also in <a href="{REPORT_JSON}">{REPORT_JSON}</a>.</p>
 <h2>Reward and evaluation</h2>
 <img src="{e(charts['curves'])}" alt="eval metrics and train mean reward per iteration">
+<h2>Where each iteration's time went</h2>
+<p class="note">Left: the master's seconds in each phase, work and barrier wait together. Right: inside the train phase
+and the engine phases (rollout, eval, engine stop, engine restart), the slowest rank, train worker or engine in each part;
+<code>train.total</code> is a rank's whole wait for its trainers.</p>
+<img src="{e(charts['breakdown'])}" alt="time per phase and inside train and engine phases, per iteration">
+{time_tables}
 <h2>Per-rank phase timeline</h2>
 <p class="note">Full bars: a phase's work; thin pale bars: waiting at the phase's barrier; hatched: the master's decision.
 Rows are placed by each rank's wall clock.</p>
@@ -547,6 +624,7 @@ def write_report(log_path: Path, out: Path | None = None) -> tuple[Path, dict]:
         CURVES_PNG: curves_png(data),
         TIMELINE_PNG: timeline_png(data),
         BARRIER_WAIT_PNG: barrier_wait_png(data),
+        BREAKDOWN_PNG: breakdown_png(data),
         REPORT_JSON: (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(),
     }
     for name, content in files.items():

@@ -16,11 +16,11 @@ from orchestrator.config import CoordinationConfig
 from orchestrator.data import summary
 from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput
 from orchestrator.node import identity
+from orchestrator.ops import timing
 from orchestrator.phase_table import Phase, RLPhase
-from orchestrator.protocol import events as events_mod
 from orchestrator.protocol import fsio
 from orchestrator.protocol import lease as lease_mod
-from orchestrator.protocol.api import TERMINAL_STATES, Event
+from orchestrator.protocol.api import TERMINAL_STATES
 from orchestrator.protocol.layout import RunLayout
 
 
@@ -42,8 +42,11 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
-def snapshot(log_path: Path) -> dict:
+def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
+    """The run's state now. ``events``: a reader kept from the previous snapshot of the same
+    run (``--watch``), so that only what the event logs gained since is read."""
     layout = RunLayout(log_path)
+    events = events if events is not None else timing.EventReader(layout)
     current = lease_mod.read_lease(layout)
     if current is None:
         raise BadInput(f"no run found under {log_path} (no control/lease.json): is --log-path right?")
@@ -82,11 +85,15 @@ def snapshot(log_path: Path) -> dict:
     last = progress["iteration"] if progress else 0
     if any(r["iteration"] for r in ranks):
         last = max(last, max(r["iteration"] or 0 for r in ranks))
+    digests = events.read()
+    times = timing.iteration_timing(digests)
     iterations = []
     for i in range(1, last + 1):
         s = summary.read(layout, i)
         if s is not None:
-            iterations.append({k: s.get(k) for k in ("iteration", "tasks_per_rank", "trajectories", "evaluated", "metrics", "checkpoint", "complete", "reward_errors", "prompts_too_long")})
+            iterations.append({**{k: s.get(k) for k in ("iteration", "tasks_per_rank", "trajectories", "evaluated", "metrics", "checkpoint",
+                                                         "complete", "reward_errors", "prompts_too_long")},
+                               "timing": times.get(i)})
     barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks) if not current.released else None
     return {
         "log_path": str(log_path),
@@ -100,7 +107,7 @@ def snapshot(log_path: Path) -> dict:
         "failure": root_cause(attempt, num_nodes),
         "barrier": barrier,
         "waiting_for": barrier["waiting_for"] if barrier else [],
-        "eta": eta(layout, ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
+        "eta": eta(timing.phase_durations(digests), ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
         "iterations": iterations,
     }
 
@@ -133,38 +140,16 @@ def barrier_state(attempt, attempt_id: str, num_nodes: int, now: float | None, r
     }
 
 
-def phase_durations(layout: RunLayout) -> dict[tuple[int, int], float]:
-    """Seconds the master spent in each (iteration, phase), work and barrier together: from
-    its start to the start of the master's next phase (or the phase's release, for the last
-    one), on the master's own monotonic clock, over every attempt (a later attempt wins)."""
-    durations: dict[tuple[int, int], float] = {}
-    try:
-        attempts = sorted(p for p in layout.attempts.iterdir() if p.is_dir())
-    except FileNotFoundError:
-        return durations
-    for root in attempts:
-        current: tuple[tuple[int, int], float] | None = None
-        for e in events_mod.read_events(layout.attempt(root.name).events(0)):
-            key = (e.get("iteration"), e.get("phase"))
-            if e["event"] == Event.PHASE:
-                if current is not None:
-                    durations[current[0]] = e["mono"] - current[1]
-                current = (key, e["mono"])
-            elif e["event"] == Event.RELEASED and current is not None and key == current[0]:
-                durations[key] = e["mono"] - current[1]
-    return durations
-
-
-def eta(layout: RunLayout, master: dict | None, rl_phase: str | None) -> dict | None:
+def eta(durations: dict[tuple[int, int], float], master: dict | None, rl_phase: str | None) -> dict | None:
     """How long the master's current phase and the rest of its iteration should take,
-    from the median of the same phases in earlier iterations. None without history."""
+    from the median of the same phases in earlier iterations (``durations``: see
+    :func:`timing.phase_durations`). None without history."""
     if not master or not master.get("phase") or master.get("iteration") is None or master.get("in_phase_s") is None:
         return None
     if master["state"] in TERMINAL_STATES:
         return None
     current = Phase(int(str(master["phase"]).split(":")[0]))
     iteration = master["iteration"]
-    durations = phase_durations(layout)
     typical: dict[int, float] = {}
     for phase in Phase:
         past = [d for (i, p), d in durations.items() if p == int(phase) and i < iteration] if phase >= current else []

@@ -42,6 +42,8 @@ class Event(StrEnum):
     """Master: every rank arrived; the phase's decision runs now."""
     RELEASED = "released"
     """The barrier released it (``wait_s``: how long it waited)."""
+    TIMING = "timing"
+    """A part of a phase's work took ``seconds`` (``part``: e.g. ``train.steps``, ``engine.reload``)."""
     ERROR = "error"
     END = "end"
     """The rank ended (``state``: its last heartbeat state)."""

@@ -337,6 +337,12 @@ class Coordinator:
     def progress(self, done: int, total: int) -> None:
         self.heartbeat.update(progress={"done": done, "total": total})
 
+    def timing(self, part: str, seconds: float, **fields) -> None:
+        """Record how long ``part`` of this phase's work took (``status --json``'s ``timing``)."""
+        iteration, label = self.where
+        phase = int(label.split(":")[0]) if label else None
+        self.events.emit(Event.TIMING, iteration=iteration, phase=phase, part=part, seconds=round(seconds, 4), **fields)
+
     def barrier(
         self, iteration: int, phase: Phase, payload: dict | None, deadline: Deadline,
         decide: Callable[[dict[int, dict]], dict],

@@ -6,6 +6,8 @@
   (cancellably, at most ``HOLD_LIMIT_S``) so a test can ``kill -9`` or SIGINT the rank at a
   known point.
 - ``hold-after-arrive``: the same, right after writing the arrival at that phase's barrier.
+- ``hold-in-removal``: the same, inside the master's checkpoint removal in that phase (13),
+  after the checkpoint was renamed aside and before it is deleted (data/retention.py).
 - ``raise``: raise an exception inside that phase's work.
 
 Unset in production; the hooks cost one dict lookup per phase.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 ENV = "ORCHESTRATOR_FAULT"
 HOLD_LIMIT_S = 300.0
+ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "raise")
 
 
 class InjectedFault(RuntimeError):
@@ -40,6 +43,6 @@ def from_env(environ=os.environ) -> Fault | None:
         return None
     action, _, where = spec.partition("@")
     iteration, _, phase = where.partition(":")
-    if action not in ("hold", "hold-after-arrive", "raise") or not (iteration.isdigit() and phase.isdigit()):
-        raise ValueError(f"{ENV}={spec!r} is not ACTION@ITERATION:PHASE with ACTION one of hold, hold-after-arrive, raise")
+    if action not in ACTIONS or not (iteration.isdigit() and phase.isdigit()):
+        raise ValueError(f"{ENV}={spec!r} is not ACTION@ITERATION:PHASE with ACTION one of {', '.join(ACTIONS)}")
     return Fault(action, int(iteration), int(phase))

@@ -16,6 +16,7 @@
     attempts/<A>/rendezvous.json              node of train worker 0: the training rendezvous address (RL)
     attempts/<A>/train/config-w<W>.json       train worker W's config, written by its node (RL)
     attempts/<A>/train/trainer-w<W>.log       train worker W's output (RL)
+    attempts/<A>/train/done-w<W>.json         kept-alive train worker W: its answer to the latest request (RL)
     attempts/<A>/train/error-w<W>.json        train worker W's own error record, if it failed (RL)
     engines/r<R>/engine<E>.log, engine<E>.port  rank R: engine E's output and bound port (RL)
     engines/r<R>/engine<E>.error.json         rank R: embedded engine E's own error record, if it failed (RL)
@@ -28,6 +29,8 @@
     iterations/<I>/train_config.json          master: the training config decision
     checkpoints/iter-<I>/                     master: checkpoint of iteration I
     checkpoints/current.json                  master: pointer to the current checkpoint
+    checkpoints/consumers/r<R>.json           rank R: the checkpoint it last loaded (retention keeps it)
+    checkpoints/.trash-iter-<I>.<hex>/        master: a checkpoint being removed (renamed aside, then deleted)
     metrics.jsonl                             master: one line of eval metrics per evaluated iteration
     doctor/session.json                       `doctor` master: the current doctor session (id, addresses, open/closed)
     doctor/<S>/r<R>.json, replace.json, new.json, result.json, {new,replace}-acks/r<R>.json   `doctor` session S: facts, probes, answers, verdict
@@ -35,17 +38,29 @@
 
 Sync files live under ``attempts/<A>/``: a file from another attempt can never release a
 barrier of this one (fencing). Work products live under ``iterations/`` and
-``checkpoints/``: durable, keyed by iteration, reused on resume.
+``checkpoints/``: durable, keyed by iteration, reused on resume (checkpoints until
+retention removes them, data/retention.py). A name that starts with a dot is never a work
+product: staging directories, temp files, trash.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+_CHECKPOINT_NAME = re.compile(r"iter-(\d{6,})")
+TRASH_PREFIX = ".trash-"
 
 
 def iteration_dir_name(iteration: int) -> str:
     return f"{iteration:06d}"
+
+
+def checkpoint_iteration(name: str) -> int | None:
+    """The iteration of a checkpoint directory named ``name`` (``iter-000003`` -> 3), else None."""
+    match = _CHECKPOINT_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +104,19 @@ class RunLayout:
     @property
     def current_checkpoint(self) -> Path:
         return self.checkpoints / "current.json"
+
+    @property
+    def checkpoint_consumers(self) -> Path:
+        return self.checkpoints / "consumers"
+
+    def checkpoint_consumer(self, rank: int) -> Path:
+        """Rank R's consumer marker: the checkpoint its engines or trainers last loaded."""
+        return self.checkpoint_consumers / f"r{rank:05d}.json"
+
+    def checkpoint_trash(self, iteration: int, tag: str) -> Path:
+        """Where the checkpoint of ``iteration`` goes while it is being deleted: a dot name that
+        nothing reads, so a removal cut short by a crash leaves no half checkpoint behind."""
+        return self.checkpoints / f"{TRASH_PREFIX}iter-{iteration_dir_name(iteration)}.{tag}"
 
     @property
     def metrics(self) -> Path:
@@ -225,6 +253,10 @@ class AttemptLayout:
 
     def trainer_log(self, worker: int) -> Path:
         return self.root / "train" / f"trainer-w{worker:05d}.log"
+
+    def trainer_done(self, worker: int) -> Path:
+        """A serving trainer's answer to its latest request (train/worker.py, ``--serve``)."""
+        return self.root / "train" / f"done-w{worker:05d}.json"
 
     def trainer_error(self, worker: int) -> Path:
         return self.root / "train" / f"error-w{worker:05d}.json"

@@ -140,6 +140,9 @@ class Rank:
         engine killed, its wait interrupted) is reported as the cancellation's reason."""
         if isinstance(e, KeyboardInterrupt):
             return Interrupted("SIGINT")
+        self.children.reap()  # a child that died is the cause of what failed with it
+        if isinstance(self.cancel.reason, ChildFailed) and not isinstance(e, (Interrupted, StopRequested)):
+            return self.cancel.reason
         if isinstance(e, ChildFailed):  # a child killed because the rank was cancelled fails too
             return self.cancel.reason or e
         if isinstance(e, OrchestratorError) or not isinstance(e, Exception):

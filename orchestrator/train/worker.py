@@ -1,11 +1,25 @@
-"""The trainer process: ``python -m orchestrator.train.worker --train-config PATH``.
+"""The trainer process, one per train worker, launched by the orchestrator:
 
-One process per node, launched by the orchestrator. The processes form a torch.distributed
-group over a TCP rendezvous (never ``file://``: see SHARED-FS.md), run a GRPO update of the
-init checkpoint with DDP, and rank 0 writes the new checkpoint.
+    python -m orchestrator.train.worker --train-config PATH [--done PATH]   one update, then exit
+    python -m orchestrator.train.worker --serve                 one update per request, until stdin ends
 
-Train config (JSON, written by the orchestrator; every key is required, unknown keys are
-logged and ignored): see ``TrainConfig``.
+The processes form a torch.distributed group over a TCP rendezvous (never ``file://``: see
+SHARED-FS.md), run a GRPO update of the init checkpoint with DDP, and rank 0 writes the new
+checkpoint.
+
+``--serve`` (``train.keep_alive``, the default) forms the group once and keeps the model, the
+optimizer, the tokenizer and the KL reference across iterations. Each request is one line
+on stdin, ``{"config": PATH, "done": PATH}``; when every rank has passed the update's final
+barrier the process writes ``done`` (JSON: the iteration, its pid, the stats and the time
+spent in each part) and waits for the next line. It continues from memory when the request's
+``init_iteration`` is the update it made last, and loads the init checkpoint (weights and
+optimizer state) otherwise, so a resumed run and an uninterrupted one compute the same
+update. The end of stdin (its rank ended, or died: the pipe closes with it) ends the process
+with 0; a failed update ends it with the exit status below, never with a half-made state
+kept for the next request.
+
+Train config (JSON, written by the orchestrator; every key without a default is required,
+unknown keys are logged and ignored): see ``TrainConfig``.
 
 Environment:
     MASTER_ADDR, MASTER_PORT    the rendezvous (rank 0 listens there)
@@ -38,7 +52,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated
@@ -103,6 +117,12 @@ class TrainConfig:
     """Weight of the k3 KL term; 0 turns it off."""
     max_grad_norm: MaxGradNorm
     """Gradient-norm clip."""
+    init_iteration: int | None = None
+    """The iteration whose update ``init_checkpoint`` holds (None: the base model). A serving
+    trainer that made that update continues from memory instead of loading it."""
+    offload: bool = False
+    """After the update, move the model and optimizer state to host memory (and back at the
+    next request), so that engines sharing the GPU have its memory while they run."""
 
     @property
     def uses_kl(self) -> bool:
@@ -114,7 +134,7 @@ class TrainConfig:
         if not isinstance(raw, dict):
             raise ValueError("the train config is not a JSON object")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in raw]
+        missing = [f.name for f in fields(cls) if f.name not in raw and f.default is MISSING]
         if missing:
             raise ValueError(f"the train config lacks {', '.join(missing)}")
         unknown = sorted(set(raw) - set(names))
@@ -272,26 +292,6 @@ def _record_logprobs(model, completions: dict[int, list[grpo.Completion]], pad_i
         return {k: grpo.completion_logprobs(model, grpo.collate(group, pad_id).to(device)) for k, group in completions.items()}
 
 
-def _prepare_shard(config: TrainConfig, rdv: Rendezvous, records: list[grpo.Record], tokenizer, model, pad_id: int, device) -> _Shard:
-    n = len(records)
-    batches = [grpo.epoch_batches(n, rdv.world_size, rdv.rank, config.micro_batch, seed=config.seed, epoch=e) for e in range(config.epochs)]
-    needed = sorted({k for epoch in batches for keys in epoch for k in keys})
-    _check_vocabulary(records, model.get_input_embeddings().num_embeddings, config.init_checkpoint)
-    completions = {k: grpo.encode_record(tokenizer, records[k]) for k in needed}
-    old = _record_logprobs(model, completions, pad_id, device)
-    ref = None
-    if config.uses_kl:
-        if config.reference_checkpoint.resolve() == config.init_checkpoint.resolve():
-            ref = old
-        else:
-            reference = _load_model(config.reference_checkpoint, device)
-            ref = _record_logprobs(reference, completions, pad_id, device)
-            del reference
-    elif config.kl_coef > 0:
-        log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.kl_coef)
-    return _Shard(batches, completions, old, ref)
-
-
 def _read_records(path: Path) -> list[grpo.Record]:
     try:
         records = grpo.read_records(path)
@@ -317,89 +317,208 @@ def _all_equal(record: grpo.Record) -> bool:
     return max(rewards) == min(rewards)
 
 
-def train(config: TrainConfig, rdv: Rendezvous, device, started: float) -> dict:
-    """The GRPO update inside a formed process group; rank 0 writes the checkpoint.
+class Trainer:
+    """One train worker's model, optimizer, tokenizer and KL reference, inside a formed
+    process group; ``update`` makes one iteration's GRPO update. Kept across updates by
+    ``--serve``; a one-shot run makes a single update."""
 
-    Returns the stats (complete on rank 0). ``started`` is when ``run`` began (monotonic
-    clock), for the stats' ``seconds``.
-    """
-    import torch
+    def __init__(self, rdv: Rendezvous, device):
+        self.rdv = rdv
+        self.device = device
+        self.model = None
+        self.optimizer = None
+        self.tokenizer = None
+        self.pad_id = 0
+        self.holds: int | None = None  # the iteration whose update the model holds (None: loaded, or nothing)
+        self.continued_from: int | None = None
+        self.reference = None  # (path, model)
+        self.offloaded = False
+
+    # -- the policy in memory ------------------------------------------------------------------
+
+    def _policy(self, config: TrainConfig) -> str:
+        """Make the model and optimizer those of ``config.init_checkpoint``; returns how."""
+        import torch
+
+        if self.model is not None and self.holds is not None and config.init_iteration == self.holds:
+            self._onload()
+            self.continued_from = int(max((s["step"].item() for s in self.optimizer.state.values()), default=0)) or None
+            return "memory"
+        from transformers import AutoTokenizer
+
+        self.model = self.optimizer = None
+        self.tokenizer = AutoTokenizer.from_pretrained(config.init_checkpoint)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.model = _load_model(config.init_checkpoint, self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=0.0)
+        try:
+            self.continued_from = optimizer_state.load(self.optimizer, self.model, config.init_checkpoint)
+        except ValueError as e:
+            raise BadTrainInput(str(e)) from None
+        self.offloaded = False
+        return "checkpoint"
+
+    def _reference(self, config: TrainConfig):
+        """The KL reference model, loaded once per path."""
+        if self.reference is None or self.reference[0] != config.reference_checkpoint:
+            self.reference = (config.reference_checkpoint, _load_model(config.reference_checkpoint, self.device))
+        return self.reference[1]
+
+    def _move(self, device) -> None:
+        for p in self.model.parameters():
+            p.data = p.data.to(device)
+            p.grad = None
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if key != "step":
+                    state[key] = value.to(device)
+
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to host memory; the GPU's cache freed."""
+        import torch
+
+        if self.device.type != "cuda" or self.offloaded:
+            return
+        self._move(torch.device("cpu"))
+        if self.reference is not None:
+            self.reference = None  # reloaded next time: keeping it would hold the GPU
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def _onload(self) -> None:
+        if self.offloaded:
+            self._move(self.device)
+            self.offloaded = False
+
+    # -- one update ----------------------------------------------------------------------------
+
+    def update(self, config: TrainConfig, started: float) -> tuple[dict, dict]:
+        """The GRPO update; rank 0 writes the checkpoint. Returns (stats, seconds per part);
+        the stats are complete on rank 0. ``started``: when this update began (monotonic)."""
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        rdv, device = self.rdv, self.device
+        timing: dict[str, float] = {}
+        mark = time.monotonic()
+
+        def lap(part: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            timing[part] = round(timing.get(part, 0.0) + now - mark, 4)
+            mark = now
+
+        records = _read_records(config.data)
+        source = self._policy(config)
+        torch.manual_seed(config.seed)  # after loading, which may draw from it: memory and checkpoint alike
+        self.holds = None  # from here until the update is complete, memory holds no known iteration
+        for group in self.optimizer.param_groups:
+            group["lr"] = config.lr
+        lap("load")
+        shard = self._prepare_shard(config, records)
+        lap("prepare")
+
+        # The aggregate's token count: every rank counts its own (disjoint) part, which its
+        # micro-batches always cover, then one all_reduce.
+        own = grpo.shard(len(records), rdv.world_size, rdv.rank)
+        total_tokens = torch.tensor([sum(len(c.completion_ids) for k in own for c in shard.completions[k])], dtype=torch.float64, device=device)
+        dist.all_reduce(total_tokens)
+
+        # Built for each update (it broadcasts rank 0's parameters: every rank starts equal).
+        ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if self.continued_from is None else
+                 f"optimizer continued from step {self.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
+        steps = len(shard.batches[0])
+        log.info("rank %d: %d of %d records, %d epochs x %d steps of %d records", rdv.rank, len(own), len(records), config.epochs, steps, config.micro_batch)
+
+        per_step: dict[str, list] = {"loss": [], "kl": [], "clip_fraction": [], "grad_norm": [], "tokens": []}
+        for epoch, micro_batches in enumerate(shard.batches):
+            for step, keys in enumerate(micro_batches):
+                batch, old_lp, ref_lp = shard.micro_batch(keys, self.pad_id, device)
+                new_lp = grpo.completion_logprobs(ddp, batch)
+                parts = grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=config.clip_eps, kl_coef=config.kl_coef, ref_logprobs=ref_lp)
+                self.optimizer.zero_grad(set_to_none=True)
+                parts.loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), config.max_grad_norm).item()
+                self.optimizer.step()
+
+                # Means over ranks of the loss (what DDP's averaged gradient follows), kl and
+                # clip fraction; the token count is a sum.
+                summary = torch.tensor([parts.loss.item(), parts.kl or 0.0, parts.clip_fraction, parts.tokens], dtype=torch.float64, device=device)
+                dist.all_reduce(summary)
+                loss, kl, clip_fraction = (x / rdv.world_size for x in summary[:3].tolist())
+                tokens = int(summary[3].item())
+                for key, value in zip(per_step, (loss, kl if config.uses_kl else None, clip_fraction, grad_norm, tokens)):
+                    per_step[key].append(value)
+                if rdv.rank == 0:
+                    log.info(
+                        "iteration %d epoch %d step %d/%d: loss %.5f%s clip %.3f grad_norm %.3f tokens %d",
+                        config.iteration, epoch, step + 1, steps, loss, f" kl {kl:.5f}" if config.uses_kl else "", clip_fraction, grad_norm, tokens,
+                    )
+        self.optimizer.zero_grad(set_to_none=True)
+        del ddp
+        lap("steps")
+
+        samples = [s for r in records for s in r.samples]
+        stats = {
+            "iteration": config.iteration,
+            "world_size": rdv.world_size,
+            "records": len(records),
+            "samples": len(samples),
+            "completion_tokens": int(total_tokens.item()),
+            "mean_reward": sum(s.reward for s in samples) / len(samples),
+            "zero_advantage_groups": sum(1 for r in records if _all_equal(r)),
+            "records_tokenized_from_text": sum(1 for r in records if r.prompt_token_ids is None),
+            "epochs": config.epochs,
+            "steps_per_epoch": steps,
+            "micro_batch": config.micro_batch,
+            "optimizer_continued_from_step": self.continued_from,
+            "policy_from": source,
+            **per_step,
+            "seconds": None,  # set just before writing
+        }
+        if rdv.rank == 0:
+            _write_checkpoint(self.model, self.tokenizer, self.optimizer, config.output, stats, started)
+        _barrier(device)
+        lap("checkpoint")
+        self.holds = config.iteration
+        if config.offload:
+            self.offload()
+            lap("offload")
+        return stats, timing
+
+    def _prepare_shard(self, config: TrainConfig, records: list[grpo.Record]) -> _Shard:
+        rdv, model, pad_id, device = self.rdv, self.model, self.pad_id, self.device
+        n = len(records)
+        batches = [grpo.epoch_batches(n, rdv.world_size, rdv.rank, config.micro_batch, seed=config.seed, epoch=e) for e in range(config.epochs)]
+        needed = sorted({k for epoch in batches for keys in epoch for k in keys})
+        _check_vocabulary(records, model.get_input_embeddings().num_embeddings, config.init_checkpoint)
+        completions = {k: grpo.encode_record(self.tokenizer, records[k]) for k in needed}
+        old = _record_logprobs(model, completions, pad_id, device)
+        ref = None
+        if config.uses_kl:
+            if config.reference_checkpoint.resolve() == config.init_checkpoint.resolve():
+                ref = old
+            else:
+                ref = _record_logprobs(self._reference(config), completions, pad_id, device)
+        elif config.kl_coef > 0:
+            log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.kl_coef)
+        return _Shard(batches, completions, old, ref)
+
+
+def _barrier(device) -> None:
+    """Every rank has its part of the update done, and rank 0 its checkpoint written; a rank 0
+    that dies on the way makes this fail."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    torch.manual_seed(config.seed)
-
-    records = _read_records(config.data)
-    tokenizer = AutoTokenizer.from_pretrained(config.init_checkpoint)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model = _load_model(config.init_checkpoint, device)
-    shard = _prepare_shard(config, rdv, records, tokenizer, model, pad_id, device)
-
-    # The aggregate's token count: every rank counts its own (disjoint) part, which its
-    # micro-batches always cover, then one all_reduce.
-    own = grpo.shard(len(records), rdv.world_size, rdv.rank)
-    total_tokens = torch.tensor([sum(len(c.completion_ids) for k in own for c in shard.completions[k])], dtype=torch.float64, device=device)
-    dist.all_reduce(total_tokens)
-
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr, weight_decay=0.0)
     try:
-        continued_from = optimizer_state.load(optimizer, model, config.init_checkpoint)
-    except ValueError as e:
-        raise BadTrainInput(str(e)) from None
-    log.info("rank %d: %s", rdv.rank, "a fresh optimizer" if continued_from is None else f"optimizer continued from step {continued_from}")
-    steps = len(shard.batches[0])
-    log.info("rank %d: %d of %d records, %d epochs x %d steps of %d records", rdv.rank, len(own), len(records), config.epochs, steps, config.micro_batch)
-
-    per_step: dict[str, list] = {"loss": [], "kl": [], "clip_fraction": [], "grad_norm": [], "tokens": []}
-    for epoch, micro_batches in enumerate(shard.batches):
-        for step, keys in enumerate(micro_batches):
-            batch, old_lp, ref_lp = shard.micro_batch(keys, pad_id, device)
-            new_lp = grpo.completion_logprobs(ddp, batch)
-            parts = grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=config.clip_eps, kl_coef=config.kl_coef, ref_logprobs=ref_lp)
-            optimizer.zero_grad(set_to_none=True)
-            parts.loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), config.max_grad_norm).item()
-            optimizer.step()
-
-            # Means over ranks of the loss (what DDP's averaged gradient follows), kl and
-            # clip fraction; the token count is a sum.
-            summary = torch.tensor([parts.loss.item(), parts.kl or 0.0, parts.clip_fraction, parts.tokens], dtype=torch.float64, device=device)
-            dist.all_reduce(summary)
-            loss, kl, clip_fraction = (x / rdv.world_size for x in summary[:3].tolist())
-            tokens = int(summary[3].item())
-            for key, value in zip(per_step, (loss, kl if config.uses_kl else None, clip_fraction, grad_norm, tokens)):
-                per_step[key].append(value)
-            if rdv.rank == 0:
-                log.info(
-                    "iteration %d epoch %d step %d/%d: loss %.5f%s clip %.3f grad_norm %.3f tokens %d",
-                    config.iteration, epoch, step + 1, steps, loss, f" kl {kl:.5f}" if config.uses_kl else "", clip_fraction, grad_norm, tokens,
-                )
-
-    samples = [s for r in records for s in r.samples]
-    stats = {
-        "iteration": config.iteration,
-        "world_size": rdv.world_size,
-        "records": len(records),
-        "samples": len(samples),
-        "completion_tokens": int(total_tokens.item()),
-        "mean_reward": sum(s.reward for s in samples) / len(samples),
-        "zero_advantage_groups": sum(1 for r in records if _all_equal(r)),
-        "records_tokenized_from_text": sum(1 for r in records if r.prompt_token_ids is None),
-        "epochs": config.epochs,
-        "steps_per_epoch": steps,
-        "micro_batch": config.micro_batch,
-        "optimizer_continued_from_step": continued_from,
-        **per_step,
-        "seconds": None,  # set just before writing
-    }
-    if rdv.rank == 0:
-        _write_checkpoint(ddp.module, tokenizer, optimizer, config.output, stats, started)
-    return stats
+        if device.type == "cuda":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+    except Exception as e:
+        raise TrainerError(f"final barrier failed (a peer died or timed out): {type(e).__name__}: {e}") from None
 
 
 def _write_checkpoint(model, tokenizer, optimizer, output: Path, stats: dict, started: float) -> None:
@@ -414,40 +533,88 @@ def _write_checkpoint(model, tokenizer, optimizer, output: Path, stats: dict, st
     log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
 
 
-# --- entry point ---------------------------------------------------------------------------
+# --- entry points --------------------------------------------------------------------------
 
 
-def run(config_path: Path, env) -> None:
-    """Join, train, write (rank 0), and pass the final barrier. Raises TrainerError."""
-    started = time.monotonic()
-    import torch.distributed as dist
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _startup_seconds() -> float:
+    """Since this process was created (its interpreter start and imports included)."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
+def _answer(done: Path, config: TrainConfig, stats: dict, timing: dict) -> None:
+    fsio.write_record(done, {"iteration": config.iteration, "pid": os.getpid(), "timing": timing, "stats": stats}, durable=False)
+
+
+def run(config_path: Path, env, done: Path | None = None) -> None:
+    """Join, make one update (rank 0 writes), and pass the final barrier; then write ``done``
+    if given. Raises TrainerError."""
     rdv = Rendezvous.from_env(env)
     config = TrainConfig.read(config_path)
     device = join(rdv)
-    train(config, rdv, device, started)
-    # Peers wait here while rank 0 writes; a rank 0 that dies on the way makes this fail.
-    try:
-        if device.type == "cuda":
-            dist.barrier(device_ids=[device.index])
-        else:
-            dist.barrier()
-    except Exception as e:
-        raise TrainerError(f"final barrier failed (a peer died or timed out): {type(e).__name__}: {e}") from None
+    _quiet_transformers()
+    startup = round(_startup_seconds(), 4)
+    stats, timing = Trainer(rdv, device).update(config, time.monotonic())
+    if done is not None:
+        _answer(done, config, stats, {"startup": startup, **timing})
     # No destroy_process_group(): rank 0 hosts the TCPStore, and when it tears down and exits
     # while a peer is still inside its own teardown, the peer's store thread aborts the process
     # ("terminate called without an active exception", exit -6). Everything durable is
-    # written before the barrier above, so the process simply ends (see __main__).
+    # written before the barrier, so the process simply ends (see __main__).
+
+
+def _request(line: str) -> tuple[Path, Path]:
+    try:
+        request = json.loads(line)
+        return Path(request["config"]), Path(request["done"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadTrainInput(f"a request on stdin is not {{\"config\": PATH, \"done\": PATH}}: {line[:200]!r} ({e})") from None
+
+
+def serve(env, requests) -> None:
+    """Join once, then one update per request line until ``requests`` ends. Raises TrainerError."""
+    rdv = Rendezvous.from_env(env)
+    device = join(rdv)
+    _quiet_transformers()
+    trainer = Trainer(rdv, device)
+    startup = round(_startup_seconds(), 4)
+    for line in requests:
+        if not line.strip():
+            continue
+        started = time.monotonic()
+        config_path, done = _request(line)
+        config = TrainConfig.read(config_path)
+        log.info("pid %d: update of iteration %d", os.getpid(), config.iteration)
+        stats, timing = trainer.update(config, started)
+        if startup is not None:
+            timing = {"startup": startup, **timing}
+            startup = None
+        _answer(done, config, stats, timing)
+    log.info("stdin ended: no more updates")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator.train.worker", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train-config", required=True, type=Path, help="the train config JSON written by the orchestrator")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--train-config", type=Path, help="the train config JSON written by the orchestrator: one update")
+    mode.add_argument("--serve", action="store_true", help="one update per request line on stdin, until it ends")
+    parser.add_argument("--done", type=Path, help="with --train-config: where to write the answer (iteration, pid, stats, timing)")
     args = parser.parse_args(argv)
     who = f"rank {os.environ.get('RANK', '?')}/{os.environ.get('WORLD_SIZE', '?')}"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s trainer {who} %(levelname)s %(name)s: %(message)s", force=True)
     try:
-        run(args.train_config, os.environ)
+        if args.serve:
+            serve(os.environ, sys.stdin)
+        else:
+            run(args.train_config, os.environ, args.done)
     except TrainerError as e:
         log.error("trainer %s failed: %s", who, e)
         child_error.write(e, program="trainer", exit_code=e.exit_code)

@@ -47,6 +47,8 @@ CASES = {
     "unknown override key": ({}, ["--master", "coordination.nope=1"], "unknown config key 'coordination.nope'; valid keys: seed, coordination.heartbeat_interval_s"),
     "override of the wrong type": ({}, ["--master", "coordination.node_timeout_s=soon"], "expected a value of type float"),
     "learning rate the trainer would refuse": ({}, ["--master", "rl.lr=-1"], "rl.lr must be > 0, got -1.0"),
+    "no checkpoint kept": ({}, ["--master", "checkpoint.keep_last=0"], "checkpoint.keep_last must be at least 1"),
+    "negative keep_every": ({}, ["--master", "checkpoint.keep_every=-1"], "checkpoint.keep_every must be >= 0"),
     "heartbeat too slow for the timeout": ({}, ["--master", "coordination.node_timeout_s=10", "coordination.heartbeat_interval_s=5"], "at most a quarter"),
     "bad rl-phase": ({"--rl-phase": "train"}, ["--master"], "'train' is not one of 'rollout', 'update', 'both'"),
     "no rank on a multi-node run": ({}, [], "no rank given"),

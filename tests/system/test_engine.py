@@ -425,3 +425,49 @@ def test_an_engine_that_cannot_load_its_model_writes_its_own_error_record(tmp_pa
     record = child_error.read(error_file)
     assert record is not None and record["program"] == "engine" and record["exit_code"] == 1, result.stderr[-3000:]
     assert record["kind"] in result.stderr and "Traceback" in record["traceback"], record
+
+
+# --- reload in place ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_reload_serves_the_new_weights_under_a_new_name_only_and_refuses_a_misfit(model_dir, tmp_path):
+    """The in-place counterpart of a restart: same process and port, the other checkpoint's
+    logprobs exactly as a fresh server on it gives them, and the old name is a 404."""
+    from orchestrator.demo import model
+
+    other = tmp_path / "other"
+    model.save(model.create(1), other)
+    body = {"prompt": ["12+34="], "n": 1, "temperature": 0, "max_tokens": 4, "logprobs": 0}
+    fresh = Engine(other, tmp_path / "fresh.log")
+    try:
+        want = json.loads(_http(fresh.url + "/v1/completions", "POST", {"model": MODEL_NAME, **body})[1])["choices"][0]
+    finally:
+        fresh.kill()
+    e = Engine(model_dir, tmp_path / "engine.log")
+    try:
+        before = _complete(e, **body)["choices"][0]
+        assert before["logprobs"]["token_logprobs"] != want["logprobs"]["token_logprobs"]
+        client = EngineClient(e.url, timeout_s=30, model=MODEL_NAME)
+        assert client.reload(str(other), "policy-2") >= 0
+        status, raw = _http(e.url + "/v1/completions", "POST", {"model": MODEL_NAME, **body})
+        assert status == 404, raw
+        after = json.loads(_http(e.url + "/v1/completions", "POST", {"model": "policy-2", **body})[1])["choices"][0]
+        assert after["text"] == want["text"] and after["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+        assert client.models() == ["policy-2"] and e.proc.poll() is None
+        assert re.search(r"reloaded \S+other in place in [0-9.]+s as 'policy-2' \(model.safetensors sha256 [0-9a-f]{64}\)", e.log())
+
+        misfit = tmp_path / "misfit"
+        misfit.mkdir()
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, misfit / "model.safetensors")
+        with pytest.raises(EngineHTTPError) as refused:
+            client.reload(str(misfit), "policy-3")
+        assert refused.value.status == 400 and "shape (3, 3)" in str(refused.value)
+        assert client.models() == ["policy-2"]  # the last good one serves on
+        again = json.loads(_http(e.url + "/v1/completions", "POST", {"model": "policy-2", **body})[1])["choices"][0]
+        assert again["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+    finally:
+        e.kill()

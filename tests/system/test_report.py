@@ -28,7 +28,7 @@ FAST = [
     "coordination.join_timeout_s=20",
     "rehearsal.work_s=0.05",
 ]
-PNGS = (report.CURVES_PNG, report.TIMELINE_PNG, report.BARRIER_WAIT_PNG)
+PNGS = (report.CURVES_PNG, report.TIMELINE_PNG, report.BARRIER_WAIT_PNG, report.BREAKDOWN_PNG)
 
 
 def _local(data: Path, log_path: Path, max_iterations: int) -> None:
@@ -75,7 +75,7 @@ def _events(log_path: Path) -> dict[str, dict[int, list[dict]]]:
 # -- the files -------------------------------------------------------------------------------
 
 
-def test_report_writes_three_png_charts_report_json_and_a_static_page_referencing_them(run):
+def test_report_writes_four_png_charts_report_json_and_a_static_page_referencing_them(run):
     log_path, out_dir, data = run
     for name in PNGS:
         path = out_dir / name
@@ -87,12 +87,13 @@ def test_report_writes_three_png_charts_report_json_and_a_static_page_referencin
     assert sorted(re.findall(r'<img src="([^"]+)"', page)) == sorted(PNGS)
     assert 'href="report.json"' in page
     assert "<script" not in page.lower()
-    # the table: one row per iteration, with its eval accuracy
-    rows = re.findall(r"<tr><td>(\d+)</td>(.*?)</tr>", page)
+    # the first table: one row per iteration, with its eval accuracy
+    rows = re.findall(r"<tr><td>(\d+)</td>(.*?)</tr>", page.split("</table>")[0])
     assert [int(i) for i, _ in rows] == [1, 2, 3]
     for (i, cells), line in zip(rows, _metrics_lines(log_path)):
         assert f"<td>{line['accuracy']:.3f}</td>" in cells
-    assert data["charts"] == {"curves": "curves.png", "timeline": "timeline.png", "barrier_wait": "barrier_wait.png"}
+    assert data["charts"] == {"curves": "curves.png", "timeline": "timeline.png", "barrier_wait": "barrier_wait.png",
+                              "breakdown": "breakdown.png"}
     assert not list(out_dir.glob(".*.tmp")), "temp files left behind"
 
 
@@ -195,6 +196,28 @@ def test_barrier_waits_per_phase_and_rank_match_the_event_logs(run):
         assert min(waits) >= 0 and w["label"] == Phase(key[0]).label
 
 
+def test_time_breakdown_has_every_phase_the_master_walked_back_to_back_in_the_attempt_that_ran_it(run):
+    log_path, out_dir, data = run
+    events = _events(log_path)
+    for row in data["iterations"]:
+        t = row["timing"]
+        assert set(t["phases"]) == {p.label for p in Phase}  # report.json sorts its keys
+        assert t["total_s"] == pytest.approx(sum(t["phases"].values()), abs=0.01)
+        # attempt 1 ran iterations 1 and 2, attempt 2 iteration 3
+        master = events[sorted(events)[0 if row["iteration"] < 3 else 1]][0]
+        mine = [e for e in master if e.get("iteration") == row["iteration"]]
+        first = next(e for e in mine if e["event"] == "phase")
+        last = [e for e in mine if e["event"] == "released"][-1]
+        assert t["total_s"] == pytest.approx(last["mono"] - first["mono"], abs=0.01)
+        # the timeline's rank 0 segments leave out only the gaps between a release and the next phase
+        assert row["master_s"] <= t["total_s"] + 0.01 and t["total_s"] - row["master_s"] < 0.5
+        assert t["parts"] == {}  # a rehearsal records no train or engine parts
+    page = (out_dir / "index.html").read_text()
+    table = page.split("<caption>seconds per phase (master)</caption>")[1].split("</table>")[0]
+    assert [int(i) for i in re.findall(r"<tr><td>(\d+)</td>", table)] == [1, 2, 3]
+    assert "<caption>slowest" not in page  # no table of parts
+
+
 def test_report_of_a_failed_run_ends_each_rank_where_it_stopped(cluster):
     eval_phase = int(Phase.EVAL)
     procs = cluster.start_all(run_flags(cluster.log_path), env_for={1: {"ORCHESTRATOR_FAULT": f"raise@1:{eval_phase}"}})
@@ -271,3 +294,20 @@ def test_train_reward_averages_every_sample_of_a_sealed_rl_aggregate(tmp_path):
     assert report.train_reward(path) is None  # not sealed yet
     shards.seal(path)
     assert report.train_reward(path) == {"mean_reward": 2.5 / 4, "records": 2, "samples": 4}
+
+
+def test_breakdown_chart_and_tables_show_the_train_and_engine_parts():
+    rows = [{"iteration": i, "timing": {
+        "phases": {"1:rollout": 1.0, "10:train": 3.0 + i, "12:engine_restart": 1.5},
+        "total_s": 5.5 + i,
+        "parts": {"engine.reload": 1.2, "train.startup": 0.5, "train.steps": 1.0 + i, "train.checkpoint": 0.3, "train.total": 2.5 + i},
+    }} for i in (1, 2)] + [{"iteration": 3, "timing": None}]
+    width, height = struct.unpack(">II", report.breakdown_png({"iterations": rows})[16:24])
+    assert 400 <= width <= 2000 and 200 <= height <= 2000
+    tables = report._time_tables(rows)
+    assert tables.count("<table") == 2
+    parts = tables.split("</table>")[1]
+    assert re.findall(r"<th>([^<]+)</th>", parts) == ["iteration", "train.startup", "train.steps", "train.checkpoint", "train.total",
+                                                       "engine.reload"]
+    assert "<tr><td>2</td><td>0.500</td><td>3.000</td><td>0.300</td><td>4.500</td><td>1.200</td></tr>" in parts
+    assert "<tr><td>3</td>" not in tables

@@ -63,11 +63,27 @@ def _served_hashes(log_path):
     return out
 
 
-def test_three_ranks_two_iterations_train_across_processes_and_every_engine_serves_the_new_checkpoint(demo_data, tmp_path):
+def test_three_ranks_three_iterations_keep_their_trainers_and_engines_and_every_engine_serves_the_new_checkpoint(demo_data, tmp_path):
     log_path = tmp_path / "run"
-    result = _local(_flags(demo_data, log_path, extra=["--max-iterations=2"]))
+    result = _local(_flags(demo_data, log_path, extra=["--max-iterations=3"]))
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
+    # train.keep_alive: one trainer process per worker for the whole attempt, its optimizer continued in memory
+    pids = {}
+    for events in log_path.glob("attempts/*/events/r*.jsonl"):
+        for e in map(json.loads, events.read_text().splitlines()):
+            if e["event"] == "timing" and e["part"] == "train.steps":
+                pids.setdefault(e["worker"], {})[e["iteration"]] = e["pid"]
+    assert sorted(pids) == [0, 1, 2] and all(sorted(p) == [1, 2, 3] and len(set(p.values())) == 1 for p in pids.values()), pids
+    for i in (2, 3):
+        stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+        assert stats["policy_from"] == "memory" and stats["optimizer_continued_from_step"] == i - 1, stats
+    # each engine served from one start (ranks on one host may lose a port race first) and took each new checkpoint in place (phase 12 of iterations 1 and 2)
+    for log in sorted((log_path / "engines").glob("r*/engine*.log")):
+        text = log.read_text()
+        assert text.count("listening on") == 1 and len(re.findall(r"reloaded \S+iter-00000[12] in place", text)) == 2, text[-3000:]
+    timing = status_json(log_path)["iterations"][0]["timing"]
+    assert {"train.startup", "train.steps", "train.checkpoint", "engine.start", "engine.reload"} <= set(timing["parts"]), timing
     for i in (1, 2):
         records = _aggregate(layout, i)
         assert len(records) == 8 and len({r["task_id"] for r in records}) == 8
@@ -86,7 +102,7 @@ def test_three_ranks_two_iterations_train_across_processes_and_every_engine_serv
     for rank, hashes in served.items():
         assert hashes[0] == base and new in hashes, f"rank {rank} served {hashes}"
     status = status_json(log_path)
-    assert [it["evaluated"] for it in status["iterations"]] == [True, True]
+    assert [it["evaluated"] for it in status["iterations"]] == [True, True, True]
     assert all(0.0 <= it["metrics"]["accuracy"] <= 1.0 and "pass_at_k" in it["metrics"] for it in status["iterations"])
 
 
@@ -198,7 +214,7 @@ def test_a_trainer_that_fails_is_named_with_its_own_error_record_in_the_failure_
 
     second = _local([*flags, "--max-iterations=2"])
     assert second.returncode == 1, second.stdout[-4000:]
-    assert re.search(r"train worker 0 of rank 0 exited with code 2: BadTrainInput: optimizer state \S+adamw.safetensors has "
+    assert re.search(r"train worker 0 of rank 0 \(pid \d+\) exited with code 2: BadTrainInput: optimizer state \S+adamw.safetensors has "
                      r"shape \(3, 3\) for model.embed_tokens.weight", second.stdout), second.stdout[-4000:]
     failure = status_json(log_path)["failure"]
     assert failure["rank"] == 0 and failure["iteration"] == 2 and failure["phase"] == "10:train", failure

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from orchestrator.phase_table import Phase
 from orchestrator.protocol.events import read_events
 from tests.harness import current_attempt, run_flags, status_json, wait_for
 
@@ -66,3 +67,18 @@ def test_status_json_waiting_for_is_empty_when_no_barrier_waits(cluster):
     snap = status_json(cluster.log_path)
     assert snap["waiting_for"] == [] and snap["barrier"] is None and snap["eta"] is None
     assert json.loads(json.dumps(snap)) == snap
+
+    # The iteration's time breakdown: every phase the master walked, back to back, from its
+    # first phase event to the last release (a rehearsal records no train or engine parts).
+    timing = snap["iterations"][0]["timing"]
+    assert list(timing["phases"]) == [p.label for p in Phase]
+    assert all(s >= 0 for s in timing["phases"].values())
+    assert timing["total_s"] == pytest.approx(sum(timing["phases"].values()), abs=0.01)
+    master = read_events(cluster.layout.attempt(snap["attempt"]).events(0))
+    first = next(e for e in master if e["event"] == "phase")
+    last = [e for e in master if e["event"] == "released"][-1]
+    assert timing["total_s"] == pytest.approx(last["mono"] - first["mono"], abs=0.01)
+    assert timing["parts"] == {}
+    shown = subprocess.run([sys.executable, "-m", "orchestrator", "status", f"--log-path={cluster.log_path}"],
+                           capture_output=True, text=True, timeout=30, env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"})
+    assert f"last iteration 1 took {timing['total_s']:.1f}s: " in shown.stdout, shown.stdout

@@ -26,6 +26,7 @@ WORK: dict[Phase, Work] = {
     Phase.TRAIN: train.train,
     Phase.PUBLISH: publish.publish_checkpoint,
     Phase.ENGINE_RESTART: engine.restart,
+    Phase.SYNC_END: sync.prune_checkpoints,
 }
 
 DECIDE: dict[Phase, Decide] = {

@@ -1,9 +1,10 @@
-"""Phases 0 and 13: the iteration's plan at the start, its closing mark at the end."""
+"""Phases 0 and 13: the iteration's plan at the start; at the end, the master removes the
+checkpoints retention no longer keeps, and marks the iteration complete."""
 
 from __future__ import annotations
 
 from orchestrator.config import RolloutSplit
-from orchestrator.data import summary
+from orchestrator.data import retention, summary
 from orchestrator.data.splitting import split_counts
 from orchestrator.node import placement
 from orchestrator.phase_table import RLPhase, eval_due
@@ -45,3 +46,11 @@ def finish_iteration(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     summary.update(ctx.layout, ctx.iteration, complete=True)
     ctx.log.info("iteration %d complete", ctx.iteration)
     return {}
+
+
+def prune_checkpoints(ctx: PhaseContext) -> None:
+    """Master: after the phase 12 barrier every engine serves the new checkpoint and every
+    trainer is done with the old one, so older checkpoints beyond ``checkpoint.*`` can go."""
+    keys = ctx.config.checkpoint
+    retention.prune(ctx.layout, keys.keep_last, keys.keep_every, ctx.log, ranks=ctx.config.num_nodes,
+                    before_delete=lambda _trash: ctx.coordinator.fault_point("hold-in-removal", ctx.iteration, ctx.phase))

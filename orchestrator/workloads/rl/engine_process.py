@@ -1,7 +1,9 @@
 """A node's inference engines: each one a process on the GPUs the placement gave it (the
 embedded server, or vLLM), started on a checkpoint, waited on until healthy (deadline,
-cancellable), moved to a new checkpoint in place where the engine can, else restarted, and
-stopped with its whole process group.
+cancellable), moved to a new checkpoint in place where the engine can (the embedded server's
+``/reload``, vLLM's ``reload_weights``), else restarted, and stopped with its whole process
+group. An engine without GPUs has nothing to free for training: the embedded one serves on
+through it, and takes the new checkpoint in place.
 
 Ports are node-local: engine k of a node gets the first free port from the planned one
 (``rollout.engine_port`` + k), and if another process takes it first the engine's failed
@@ -50,12 +52,14 @@ class EngineProcess:
         self._port_file = layout.engine_port_file(rank, spec.engine)
         self._error_file = layout.engine_error(rank, spec.engine)
         self.seed = seed
+        self.rank = rank
         self.proc: subprocess.Popen | None = None
         self.checkpoint: Path | None = None
         self.client: EngineClient | None = None
         self.port: int | None = None
         self.name = ""
         self.asleep = False
+        self.started = False  # launched at least once: a later launch is a restart
 
     @property
     def running(self) -> bool:
@@ -135,6 +139,10 @@ class EngineProcess:
             raise EngineFailed(f"port {self.port} is served by another process, not engine {self.spec.engine}; see {self.log_file}")
         self.client = client
         log.info("engine %d serves %s on port %d", self.spec.engine, self.checkpoint, self.port)
+        proc = self.proc
+        self.children.watch(proc, lambda code: cancel.cancel(EngineFailed(*child_error.explain(
+            f"engine {self.spec.engine} of rank {self.rank} (pid {proc.pid}) exited with code {code} while serving",
+            self._error_file, self.log_file))))
         return client
 
     def _read_port(self) -> int | None:
@@ -160,8 +168,10 @@ class EngineProcess:
 
     def switch_in_place(self, checkpoint: Path) -> bool:
         """Serve ``checkpoint`` without a restart (wake first if asleep); False: restart instead."""
-        if not self.running or self.client is None or self.rollout.engine != "vllm" or self.rollout.weight_update != "auto":
+        if not self.running or self.client is None or self.rollout.weight_update != "auto":
             return False
+        if self.rollout.engine == "embedded":
+            return self._reload_embedded(checkpoint)
         began = time.monotonic()
         try:
             if self.asleep and not vllm.wake_up(self.client.base_url, timeout_s=self.rollout.engine_start_timeout_s):
@@ -176,6 +186,19 @@ class EngineProcess:
         log.info("engine %d reloaded %s in place in %.1f s", self.spec.engine, checkpoint, time.monotonic() - began)
         return True
 
+    def _reload_embedded(self, checkpoint: Path) -> bool:
+        """The embedded server loads ``checkpoint`` into its model and from then on answers to
+        a new name only: a request still naming the old policy gets a 404, never the new one."""
+        name = f"policy-{uuid.uuid4().hex[:12]}"
+        try:
+            seconds = self.client.reload(str(checkpoint), name)
+        except Exception as e:  # noqa: BLE001 - a refused or failed reload falls back to a restart
+            log.warning("engine %d could not reload %s in place (%s); restarting it", self.spec.engine, checkpoint, e)
+            return False
+        self.name, self.checkpoint = name, checkpoint
+        log.info("engine %d reloaded %s in place in %.2f s as %s", self.spec.engine, checkpoint, seconds, name)
+        return True
+
     def _can_sleep(self) -> bool:
         """vLLM frees GPU memory in sleep only when started with --enable-sleep-mode (without
         it, /sleep answers 200 and frees nothing). On CPU there is nothing to free: sleeping
@@ -184,17 +207,23 @@ class EngineProcess:
             return False
         return not self.spec.gpus or "--enable-sleep-mode" in self.rollout.engine_args.split()
 
-    def release(self) -> None:
-        """Free the GPUs for training: put vLLM to sleep where that frees them, else stop."""
+    def release(self) -> str:
+        """Free the GPUs for training: put vLLM to sleep where that frees them, else stop.
+        An embedded engine without GPUs has nothing to free and serves on. Returns what it did:
+        "kept", "slept" or "stopped"."""
+        if self.running and self.client is not None and self.rollout.engine == "embedded" and not self.spec.gpus \
+                and self.rollout.weight_update == "auto":
+            return "kept"
         if self.running and self.client is not None and self._can_sleep():
             try:
                 if vllm.sleep(self.client.base_url, level=2, timeout_s=60.0):
                     self.asleep = True
                     log.info("engine %d sleeps until phase 12 brings the new weights", self.spec.engine)
-                    return
+                    return "slept"
             except Exception as e:  # noqa: BLE001
                 log.warning("engine %d could not sleep (%s); stopping it", self.spec.engine, e)
         self.stop()
+        return "stopped"
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -216,29 +245,39 @@ class NodeEngines:
         self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed) for s in specs]
         self.rollout = rollout
 
-    def ensure(self, checkpoint: Path, cancel: CancelToken) -> list[EngineClient]:
-        """Every engine serving ``checkpoint``: moved in place, or (re)started, all at once."""
+    def ensure(self, checkpoint: Path, cancel: CancelToken, timing=None) -> list[EngineClient]:
+        """Every engine serving ``checkpoint``: moved in place, or (re)started, all at once.
+        ``timing(part, seconds, engine=k)`` hears how long each took (``engine.reload``,
+        ``engine.restart`` or ``engine.start``)."""
+        timing = timing or (lambda *a, **k: None)
+        began = time.monotonic()
         starting = []
         for e in self.engines:
             if e.running and e.checkpoint == checkpoint and not e.asleep:
                 continue
+            t = time.monotonic()
             if e.switch_in_place(checkpoint):
+                timing("engine.reload", time.monotonic() - t, engine=e.spec.engine)
                 continue
+            how = "engine.restart" if e.started else "engine.start"
             e.launch(checkpoint, self._ports_taken(e))
-            starting.append(e)
-        for e in starting:
+            e.started = True
+            starting.append((e, how))
+        for e, how in starting:
             e.wait_ready(cancel, self._ports_taken(e))
+            timing(how, time.monotonic() - began, engine=e.spec.engine)
         return [e.client for e in self.engines]
 
     def _ports_taken(self, me: EngineProcess) -> set[int]:
         return {e.port for e in self.engines if e is not me and e.port}
 
-    def release(self, gpu_ids: list[int], cancel: CancelToken) -> None:
-        """Free this node's GPUs for training, and wait (bounded) until their memory is."""
-        for e in self.engines:
-            e.release()
+    def release(self, gpu_ids: list[int], cancel: CancelToken) -> list[str]:
+        """Free this node's GPUs for training, and wait (bounded) until their memory is.
+        Returns what each engine did (``EngineProcess.release``)."""
+        done = [e.release() for e in self.engines]
         if gpu_ids:
             wait_memory_released(gpu_ids, self.rollout, cancel)
+        return done
 
     def stop(self) -> None:
         for e in self.engines:

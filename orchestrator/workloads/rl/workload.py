@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,28 +19,23 @@ from typing import Iterator
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig
-from orchestrator.data import checkpoints, prompts
+from orchestrator.data import checkpoints, prompts, retention
 from orchestrator.engine.client import EngineClient
-from orchestrator.errors import ChildFailed, OrchestratorError
-from orchestrator.node import gpus
+from orchestrator.errors import OrchestratorError
 from orchestrator.node.procs import Children
-from orchestrator.protocol import child_error, fsio
+from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
 from orchestrator.runtime.context import PhaseContext
-from orchestrator.workloads.rl import rendezvous
-from orchestrator.workloads.rl.engine_process import NodeEngines
+from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
 from orchestrator.workloads.rl.scoring import Scorer
+from orchestrator.workloads.rl.trainers import NodeTrainers
 
 log = logging.getLogger(__name__)
 
 PROMPTS_PER_REQUEST = 16
 # How often the rollout's consumer looks for a finished batch.
 _BATCH_BACKOFF = Backoff(0.005, 0.1)
-
-
-class TrainerFailed(ChildFailed):
-    pass
 
 
 class RLWorkload:
@@ -65,6 +57,7 @@ class RLWorkload:
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
         self._verified = checkpoints.Verified()
+        self.trainers = NodeTrainers(children, keep_alive=config.train.keep_alive, train_timeout_s=self.rl.train_timeout_s)
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -90,8 +83,10 @@ class RLWorkload:
         return self.layout.root / current["path"] if current else self.config.model_path
 
     def verified_checkpoint(self) -> Path:
-        """The current policy, checked against its manifest (the base model has none)."""
+        """The current policy, checked against its manifest (the base model has none), with this
+        rank's consumer marker naming it first: retention never removes a checkpoint a marker names."""
         path = self.checkpoint()
+        retention.mark_consumer(self.layout, self.config.rank, path)
         if path != self.config.model_path:
             self._verified.check(path)
         return path
@@ -106,11 +101,17 @@ class RLWorkload:
         if self.config.debug_mode:
             self.clients = [EngineClient(self.config.rollout.engine_url, timeout_s=600)]
             return
-        self.clients = self._node_engines(ctx).ensure(self.verified_checkpoint(), ctx.cancel)
+        engines = self._node_engines(ctx)
+        trainer_gpus = {t.worker.gpu for t in self.trainers.running if t.worker.gpu is not None}
+        shared = sorted(trainer_gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
+        if shared:  # kept-alive trainers offloaded their state after training: check that the memory is back
+            wait_memory_released(shared, self.config.rollout, ctx.cancel)
+        self.clients = engines.ensure(self.verified_checkpoint(), ctx.cancel, timing=ctx.coordinator.timing)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
-        """Phase 7: free the GPUs training shares with the engines (colocated, and always on
-        CPU); disaggregated engines keep their GPUs and serve on until phase 12 moves them."""
+        """Phase 7: free the GPUs training shares with the engines (colocated); disaggregated
+        engines keep their GPUs and serve on until phase 12 moves them, and an embedded engine
+        on CPU has nothing to free and serves on too."""
         if self.config.debug_mode:
             return
         placement = ctx.coordinator.placement
@@ -119,10 +120,16 @@ class RLWorkload:
             return
         if self.engines is not None:
             train_gpus = [w.gpu for w in placement.train_workers_on(ctx.rank) if w.gpu is not None]
-            self.engines.release(train_gpus, ctx.cancel)
+            began = time.monotonic()
+            done = self.engines.release(train_gpus, ctx.cancel)
+            if any(d != "kept" for d in done):
+                ctx.coordinator.timing("engine.release", time.monotonic() - began)
+            if all(d == "kept" for d in done):
+                return  # they serve on: phase 12 moves them to the new checkpoint in place
         self.clients = []
 
     def close(self) -> None:
+        self.trainers.stop()
         if self.engines is not None:
             self.engines.stop()
         self.clients = []
@@ -265,65 +272,26 @@ class RLWorkload:
         workers = placement.train_workers_on(ctx.rank)
         if not workers:
             return
-        rdv = rendezvous.publish_or_read(ctx)
+        began = time.monotonic()
         attempt = ctx.coordinator.attempt
-        log.info("training iteration %d: workers %s of %d on this node, rendezvous %s:%d", ctx.iteration,
-                 ",".join(str(w.rank) for w in workers), len(placement.train_workers), rdv["addr"], rdv["port"])
-        sockets = rendezvous.socket_env(rdv["addr"])
-        if sockets:
-            log.info("trainers use interface %s to reach %s (set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to choose)",
-                     next(iter(sockets.values())), rdv["addr"])
-        procs = []
-        for w in workers:
-            config_path, log_path = attempt.trainer_config(w.rank), attempt.trainer_log(w.rank)
-            config_path.parent.mkdir(parents=True, exist_ok=True)
-            child_error.clear(attempt.trainer_error(w.rank))
-            output = checkpoint_dir if w.rank == 0 and checkpoint_dir is not None else attempt.trainer_scratch(w.rank)
-            # Rewritten at every start of the step: atomic for the trainer, no fsync needed.
-            fsio.atomic_write_bytes(config_path, json.dumps(self._trainer_config(ctx, train_config, output), indent=2).encode(),
-                                    durable=False)
-            env = {
-                **os.environ,
-                "MASTER_ADDR": rdv["addr"],
-                "MASTER_PORT": str(rdv["port"]),
-                "WORLD_SIZE": str(len(placement.train_workers)),
-                "RANK": str(w.rank),
-                "LOCAL_RANK": "0",
-                "TRAIN_TIMEOUT_S": str(self.rl.train_timeout_s),
-                child_error.ENV: str(attempt.trainer_error(w.rank)),
-                **sockets,
-            }
-            if w.gpu is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices([w.gpu])
-            with open(log_path, "ab") as out:
-                procs.append((w, log_path, self.children.start(
-                    [sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(config_path)],
-                    env=env, stdout=out, stderr=subprocess.STDOUT)))
-        def ended():
-            """The failed workers as soon as one fails, or [] once all have succeeded."""
-            failed = [(w, lp, p) for w, lp, p in procs if p.poll() not in (None, 0)]
-            if failed or all(p.returncode is not None for _, _, p in procs):
-                return failed
-            return None
+        base = self._trainer_config(ctx, train_config)
+        configs = {w.rank: {**base, "output": str(checkpoint_dir if w.rank == 0 and checkpoint_dir is not None else attempt.trainer_scratch(w.rank)),
+                            "offload": placement.colocated and w.gpu is not None and bool(placement.engines_on(ctx.rank))}
+                   for w in workers}
+        done = self.trainers.update(ctx, configs)
+        for worker, record in sorted(done.items()):
+            for part, seconds in record["timing"].items():
+                ctx.coordinator.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"])
+        ctx.coordinator.timing("train.total", time.monotonic() - began)
 
-        try:
-            # deadlines.train bounds this wait: the monitor cancels the rank when it passes.
-            failed = poll(ended, deadline=Deadline.never("the train workers"), cancel=ctx.cancel, backoff=Backoff(0.2, 0.2))
-        finally:
-            for _, _, p in procs:
-                self.children.stop(p)  # the others of a failed step: they would wait out the collective timeout
-        if failed:
-            w, log_path, p = failed[0]
-            raise TrainerFailed(*child_error.explain(f"train worker {w.rank} of rank {ctx.rank} exited with code {p.returncode}",
-                                                     attempt.trainer_error(w.rank), log_path))
-
-    def _trainer_config(self, ctx: PhaseContext, train_config: dict, output: Path) -> dict:
+    def _trainer_config(self, ctx: PhaseContext, train_config: dict) -> dict:
+        current = fsio.read_record(self.layout.current_checkpoint)
         return {
             "iteration": ctx.iteration,
             "data": str(self.config.log_path / train_config["data"]),
             "init_checkpoint": str(self.verified_checkpoint()),
+            "init_iteration": current["iteration"] if current else None,
             "reference_checkpoint": str(self.config.model_path) if self.rl.kl_coef > 0 else None,
-            "output": str(output),
             "seed": self.config.seed + ctx.iteration,
             "lr": self.rl.lr,
             "epochs": self.rl.epochs,

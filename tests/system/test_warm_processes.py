@@ -1,0 +1,121 @@
+"""Warm processes (issue 15): a kept-alive trainer or a serving engine killed with kill -9
+fails its rank at once, naming it; the others exit 3; the rerun finishes with every task
+once and the optimizer continued."""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from orchestrator.protocol.layout import RunLayout
+from tests.harness import NODE_TIMEOUT_S, aggregate_task_ids, kill_tree, start_ranks, status_json, wait_for, wait_mid_rollout
+from tests.system.test_rl_loop import _flags, _local, _sha
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+ITERATIONS = 3
+
+
+def _finish_and_check(flags, layout):
+    """The rerun of the same command finishes every iteration with each task once, and every
+    update continued the optimizer of the one before it."""
+    result = _local(flags, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    steps = 0
+    for i in range(1, ITERATIONS + 1):
+        ids = aggregate_task_ids(layout, i)
+        assert len(ids) == 8 and len(set(ids)) == 8
+        stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+        assert stats["optimizer_continued_from_step"] == (steps or None), (i, stats)
+        steps += stats["epochs"] * stats["steps_per_epoch"]
+    return result
+
+
+def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_continues_its_optimizer(demo_data, tmp_path):
+    log_path = tmp_path / "run"
+    layout = RunLayout(log_path)
+    flags = _flags(demo_data, log_path, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=1"])
+    procs = start_ranks(flags, 3)
+    try:
+        def training_iteration_2():
+            for log in log_path.glob("attempts/*/train/trainer-w00002.log"):
+                found = re.search(r"pid (\d+): update of iteration 2", log.read_text(errors="replace"))
+                if found:
+                    return int(found[1])
+            return None
+
+        pid = wait_for(training_iteration_2, 240, "worker 2's update of iteration 2")
+        os.kill(pid, signal.SIGKILL)
+        codes = [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs]
+        assert codes == [3, 3, 1], codes
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    failure = status_json(log_path)["failure"]
+    assert failure["rank"] == 2 and failure["iteration"] == 2 and failure["phase"] == "10:train", failure
+    assert f"train worker 2 of rank 2 (pid {pid}) exited with code -9" in failure["error"], failure
+    assert not layout.checkpoint(2).exists()
+    _finish_and_check(flags, layout)
+    stats = json.loads((layout.checkpoint(2) / "train_stats.json").read_text())
+    assert stats["policy_from"] == "checkpoint"  # the rerun's new trainers loaded iteration 1's weights and moments
+    # The same run without the crash ends with the same weights and moments, bit for bit.
+    calm = tmp_path / "calm"
+    result = _local(_flags(demo_data, calm, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=1"]), timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    last = RunLayout(calm).checkpoint(ITERATIONS)
+    for name in ("model.safetensors", "optimizer/adamw.safetensors"):
+        assert _sha(last / name) == _sha(layout.checkpoint(ITERATIONS) / name), name
+
+
+def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_finishes(demo_data, tmp_path):
+    log_path = tmp_path / "run"
+    layout = RunLayout(log_path)
+    # 192 tasks: rank 1 (weight 1 of 4) sends 48 prompts in 3 requests: long enough to be caught part-way.
+    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192"])
+    procs = start_ranks(flags, 3)
+    try:
+        wait_mid_rollout(layout, 1)
+        pid = _engine_pid(procs[1].pid)
+        os.kill(pid, signal.SIGKILL)
+        codes = [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs]
+        assert codes == [3, 1, 3], codes
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    failure = status_json(log_path)["failure"]
+    assert failure["rank"] == 1 and failure["iteration"] == 1, failure
+    assert re.search(rf"engine 1 of rank 1 \(pid {pid}\) exited with code -9", failure["error"]), failure
+    result = _local(flags, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    ids = aggregate_task_ids(layout, 1)
+    assert len(ids) == 192 and len(set(ids)) == 192
+
+
+def _engine_pid(rank_pid: int) -> int:
+    """The engine server process among the rank's descendants."""
+    import psutil
+
+    for p in psutil.Process(rank_pid).children(recursive=True):
+        if "orchestrator.engine.server" in " ".join(p.cmdline()):
+            return p.pid
+    raise AssertionError(f"rank pid {rank_pid} has no engine process")
+
+
+def test_keep_alive_off_and_restart_start_a_trainer_and_an_engine_per_iteration(demo_data, tmp_path):
+    """The mode before warm processes, which bench/iteration.py compares against, still runs."""
+    log_path = tmp_path / "run"
+    flags = _flags(demo_data, log_path, num_nodes=1, weights="1",
+                   extra=["--max-iterations=2", "train.keep_alive=false", "rollout.weight_update=restart"])
+    result = _local(flags)
+    assert result.returncode == 0, result.stdout[-6000:]
+    layout = RunLayout(log_path)
+    first, stats = (json.loads((layout.checkpoint(i) / "train_stats.json").read_text()) for i in (1, 2))
+    assert stats["policy_from"] == "checkpoint", stats
+    assert stats["optimizer_continued_from_step"] == first["epochs"] * first["steps_per_epoch"], stats
+    timing = status_json(log_path)["iterations"]
+    assert {"train.startup", "train.steps", "engine.release", "engine.restart"} <= set(timing[0]["timing"]["parts"]), timing[0]
+    assert "train.startup" in timing[1]["timing"]["parts"]
+    log = next((log_path / "engines").glob("r00000/engine*.log")).read_text()
+    assert log.count("listening on") == 2 and "in place" not in log
