@@ -24,7 +24,6 @@ does not fit (another architecture, missing tensors) is a 400 and the old one se
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import signal
@@ -37,6 +36,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from orchestrator.data import checkpoints, shards
 from orchestrator.engine.sampling import Generation, PromptTooLong, Sampler, SamplingParams
 from orchestrator.protocol import child_error, fsio
 
@@ -391,14 +391,14 @@ def load_weights(model, directory: Path) -> None:
 
 def _weights_sha256(model_dir: Path) -> str:
     """The content hash of the weights served, so operators (and tests) can tell that every
-    node's engine serves the same checkpoint."""
-    if not (model_dir / "model.safetensors").is_file():
+    node's engine serves the same checkpoint: the one the checkpoint's manifest records (the
+    rank verified it before asking), else hashed here (the base model has no manifest)."""
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
         return "sharded"
-    h = hashlib.sha256()
-    with open(model_dir / "model.safetensors", "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+    manifest = fsio.read_record(model_dir / checkpoints.MANIFEST)
+    recorded = (manifest or {}).get("files", {}).get("model.safetensors", {}).get("sha256")
+    return recorded or shards.sha256_file(weights)
 
 
 def main(argv: list[str] | None = None) -> int:

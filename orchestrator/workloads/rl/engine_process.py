@@ -75,7 +75,7 @@ class EngineProcess:
             self.port = free_port(self.spec.port or 8000, exclude=taken)
         else:  # the embedded server reports the port it bound (any free one with 0)
             self.port = free_port(self.spec.port, exclude=taken) if self.spec.port else 0
-        self.name = f"policy-{uuid.uuid4().hex[:12]}"
+        self.name = _policy_name()
         argv, env = self._command(checkpoint)
         log.info("starting engine %d (%s, GPUs %s, port %s) on %s; log %s", self.spec.engine, self.rollout.engine,
                  ",".join(map(str, self.spec.gpus)) or "none", self.port or "any", checkpoint, self.log_file)
@@ -189,7 +189,7 @@ class EngineProcess:
     def _reload_embedded(self, checkpoint: Path) -> bool:
         """The embedded server loads ``checkpoint`` into its model and from then on answers to
         a new name only: a request still naming the old policy gets a 404, never the new one."""
-        name = f"policy-{uuid.uuid4().hex[:12]}"
+        name = _policy_name()
         try:
             seconds = self.client.reload(str(checkpoint), name)
         except Exception as e:  # noqa: BLE001 - a refused or failed reload falls back to a restart
@@ -236,6 +236,11 @@ class EngineProcess:
 
 class _BindFailed(Exception):
     pass
+
+
+def _policy_name() -> str:
+    """A served-model name of its own for each start or reload, which the client sends."""
+    return f"policy-{uuid.uuid4().hex[:12]}"
 
 
 class NodeEngines:

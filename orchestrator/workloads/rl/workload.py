@@ -121,11 +121,9 @@ class RLWorkload:
         if self.engines is not None:
             train_gpus = [w.gpu for w in placement.train_workers_on(ctx.rank) if w.gpu is not None]
             began = time.monotonic()
-            done = self.engines.release(train_gpus, ctx.cancel)
-            if any(d != "kept" for d in done):
-                ctx.coordinator.timing("engine.release", time.monotonic() - began)
-            if all(d == "kept" for d in done):
+            if all(d == "kept" for d in self.engines.release(train_gpus, ctx.cancel)):
                 return  # they serve on: phase 12 moves them to the new checkpoint in place
+            ctx.coordinator.timing("engine.release", time.monotonic() - began)
         self.clients = []
 
     def close(self) -> None:
