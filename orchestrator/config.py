@@ -118,6 +118,7 @@ class RehearsalConfig:
 LearningRate = Annotated[float, msgspec.Meta(gt=0)]
 Epochs = Annotated[int, msgspec.Meta(ge=1)]
 MicroBatch = Annotated[int, msgspec.Meta(ge=1)]
+MicroBatchTokens = Annotated[int, msgspec.Meta(ge=0)]
 ClipEps = Annotated[float, msgspec.Meta(gt=0)]
 KLCoef = Annotated[float, msgspec.Meta(ge=0)]
 MaxGradNorm = Annotated[float, msgspec.Meta(gt=0)]
@@ -174,7 +175,9 @@ class RLConfig:
     epochs: Epochs = 4
     """Passes over the iteration's trajectories per update."""
     micro_batch: MicroBatch = 48
-    """Prompts (GRPO groups) per optimiser step per rank."""
+    """Prompts (GRPO groups) per optimiser step, over all train workers: the update does not
+    depend on how many there are (train/plan.py). Each worker accumulates its part of a step
+    in micro-batches of train.micro_batch_tokens."""
     clip_eps: ClipEps = 0.2
     kl_coef: KLCoef = 0.0
     """Weight of the KL penalty to the base model (0: none)."""
@@ -240,6 +243,10 @@ class DataConfig:
                 raise ConfigError(f"data.{name}={getattr(self, name)!r}: task files are JSON lines (.jsonl) or Parquet (.parquet)")
 
 
+STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16")
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainPlacementConfig:
     device_mapping: str = ""
@@ -249,6 +256,26 @@ class TrainPlacementConfig:
     """One trainer process per train worker for the whole attempt: it forms the process group
     once and keeps the model and the optimizer in memory across iterations. false: a new
     trainer process per iteration, which loads the checkpoint (weights and optimizer state)."""
+    strategy: str = "ddp"
+    """"ddp": every train worker holds the whole model, gradients and optimizer state. "fsdp":
+    FSDP2, each holds 1/N of them, and the checkpoint is written as one shard per worker
+    (docs/training.md)."""
+    mixed_precision: str = "fp32"
+    """"bf16": compute in bfloat16, with fp32 master weights, gradient reduction and optimizer state."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward instead of keeping them."""
+    micro_batch_tokens: int = 16384
+    """Most tokens (padding included) in one micro-batch; a worker accumulates gradients over
+    as many as its part of an optimizer step needs. 0: its whole part at once. The update is
+    the same whatever this is (the loss is the token mean over the whole step)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"train.strategy={self.strategy!r}: valid strategies are {', '.join(STRATEGIES)}")
+        if self.mixed_precision not in PRECISIONS:
+            raise ConfigError(f"train.mixed_precision={self.mixed_precision!r}: valid values are {', '.join(PRECISIONS)}")
+        if self.micro_batch_tokens < 0:
+            raise ConfigError(f"train.micro_batch_tokens must be >= 0 (0: no limit), got {self.micro_batch_tokens}")
 
 
 @dataclass(kw_only=True, slots=True)

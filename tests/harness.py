@@ -163,6 +163,17 @@ def wait_mid_rollout(layout: RunLayout, rank: int, timeout: float = 120) -> None
     wait_for(mid_rollout, timeout, f"rank {rank} to be part-way through its rollout")
 
 
+def trainer_in_update(log_path: Path, worker: int, iteration: int) -> int | None:
+    """The pid of train worker ``worker`` once its log says it began the update of ``iteration``."""
+    import re
+
+    for log in log_path.glob(f"attempts/*/train/trainer-w{worker:05d}.log"):
+        found = re.search(rf"pid (\d+): update of iteration {iteration}\b", log.read_text(errors="replace"))
+        if found:
+            return int(found[1])
+    return None
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

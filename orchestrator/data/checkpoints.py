@@ -24,7 +24,10 @@ class CheckpointCorrupt(OrchestratorError):
 
 def seal(directory: Path) -> dict:
     """Write the manifest of every file under ``directory`` (the weights at the top, the
-    optimizer state in ``optimizer/``), keyed by its path relative to ``directory``."""
+    optimizer state in ``optimizer/``), keyed by its path relative to ``directory``. Raises
+    CheckpointCorrupt when a safetensors index names a file that is not there (shards come
+    from every train worker's node: one that is not visible here yet is waited for briefly)."""
+    _shards_present(directory)
     files = {}
     for p in sorted(directory.rglob("*")):
         rel = p.relative_to(directory)
@@ -33,6 +36,27 @@ def seal(directory: Path) -> dict:
     body = {"files": files}
     fsio.write_record(directory / MANIFEST, body)
     return body
+
+
+def _shards_present(directory: Path, wait_s: float = 30.0) -> None:
+    import json
+
+    from orchestrator.errors import DeadlineExceeded
+    from orchestrator.protocol.waiting import Backoff, Deadline, poll
+
+    for index in sorted(directory.rglob("*.safetensors.index.json")):
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+
+        def missing() -> list[str]:
+            fsio.refresh_dir(index.parent)
+            return [n for n in names if not (index.parent / n).is_file()]
+
+        try:
+            poll(lambda: True if not missing() else None, deadline=Deadline.after(wait_s, f"the shards {index.name} names"),
+                 backoff=Backoff(0.05, 2.0))
+        except DeadlineExceeded:
+            raise CheckpointCorrupt(f"checkpoint {directory}: {index.name} names {', '.join(missing())}, which are not there: a train "
+                                    f"worker's shard was not written or is not visible from this node") from None
 
 
 def verify(directory: Path) -> None:

@@ -101,6 +101,11 @@ class RunLayout:
     def checkpoint(self, iteration: int) -> Path:
         return self.checkpoints / f"iter-{iteration_dir_name(iteration)}"
 
+    def checkpoint_staging(self, iteration: int, attempt_id: str) -> Path:
+        """Where an attempt's training writes the checkpoint before phase 10 renames it into place."""
+        final = self.checkpoint(iteration)
+        return final.with_name(f".{final.name}.{attempt_id}.tmp")
+
     @property
     def current_checkpoint(self) -> Path:
         return self.checkpoints / "current.json"

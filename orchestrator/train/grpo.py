@@ -1,5 +1,5 @@
-"""GRPO as pure functions: records, group advantages, batching, token log-probs, the loss,
-and the deterministic split of records over ranks and steps.
+"""GRPO as pure functions: records, group advantages, batching, token log-probs and the loss
+(how records are split over workers, steps and micro-batches: train/plan.py).
 
 The trajectory aggregate is JSON lines, one record per task, and a record's samples are
 one GRPO group::
@@ -27,7 +27,6 @@ batch order therefore lines them up with the batch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -236,8 +235,10 @@ class LossParts:
     tokens: int
 
 
-def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: float = 0.0, ref_logprobs=None) -> LossParts:
-    """Token-mean over the batch of ``-clipped_surrogate + kl_coef * k3``.
+def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: float = 0.0, ref_logprobs=None,
+              normalizer: float | None = None) -> LossParts:
+    """Token-mean over the batch of ``-clipped_surrogate + kl_coef * k3``; with ``normalizer``
+    the tokens' sum divided by it instead (a micro-batch's share of a larger batch's mean).
 
     The KL term is on only with ``kl_coef > 0`` and reference log-probs. A batch without
     completion tokens gives a zero loss that is still attached to the graph, so every rank
@@ -255,43 +256,4 @@ def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: f
     with torch.no_grad():
         clipped = ((logprobs - old_logprobs).exp() - 1).abs() > clip_eps
         clip_fraction = clipped.float().mean().item() if n else 0.0
-    return LossParts(per_token.sum() / max(n, 1), kl, clip_fraction, n)
-
-
-# --- sharding ------------------------------------------------------------------------------
-
-
-def shard(n_records: int, world_size: int, rank: int) -> list[int]:
-    """Record k (file order) belongs to rank ``k % world_size``."""
-    return list(range(rank, n_records, world_size))
-
-
-def steps_per_epoch(n_records: int, world_size: int, micro_batch: int) -> int:
-    """Enough steps for the largest shard; every rank takes this many."""
-    return math.ceil(math.ceil(n_records / world_size) / micro_batch)
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"grpo-shuffle:{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
-
-
-def epoch_batches(n_records: int, world_size: int, rank: int, micro_batch: int, *, seed: int, epoch: int) -> list[list[int]]:
-    """This rank's micro-batches (record indices) for one epoch.
-
-    All ranks draw the same permutation of all records from a generator seeded by
-    (seed, epoch) and keep their own shard in that order. Shards differ in size by at most
-    one, and the last micro-batch may be short: a rank wraps around its own shuffled shard to
-    fill ``steps_per_epoch * micro_batch`` slots, so every rank takes the same number of full
-    steps and no record is dropped (a few are seen twice in the epoch). With fewer records
-    than ranks, a rank whose shard is empty trains on record ``rank % n_records``.
-    """
-    import torch
-
-    if n_records == 0:
-        raise ValueError("no records to train on")
-    generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-    order = torch.randperm(n_records, generator=generator).tolist()
-    mine = [k for k in order if k % world_size == rank] or [rank % n_records]
-    slots = steps_per_epoch(n_records, world_size, micro_batch) * micro_batch
-    cycled = [mine[i % len(mine)] for i in range(slots)]
-    return [cycled[i : i + micro_batch] for i in range(0, slots, micro_batch)]
+    return LossParts(per_token.sum() / (max(n, 1) if normalizer is None else normalizer), kl, clip_fraction, n)

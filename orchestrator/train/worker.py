@@ -4,8 +4,8 @@
     python -m orchestrator.train.worker --serve                 one update per request, until stdin ends
 
 The processes form a torch.distributed group over a TCP rendezvous (never ``file://``: see
-SHARED-FS.md), run a GRPO update of the init checkpoint with DDP, and rank 0 writes the new
-checkpoint.
+SHARED-FS.md), run a GRPO update of the init checkpoint with DDP or FSDP2 (train/parallel.py),
+cut into steps and micro-batches as train/plan.py says, and write the new checkpoint.
 
 ``--serve`` (``train.keep_alive``, the default) forms the group once and keeps the model, the
 optimizer, the tokenizer and the KL reference across iterations. Each request is one line
@@ -33,10 +33,13 @@ Environment:
 The optimizer continues from the init checkpoint's saved AdamW state when it has one
 (``optimizer_state``; the base model has none, so the first iteration starts fresh).
 
-What rank 0 writes into ``output``: ``config.json``, ``generation_config.json``,
-``model.safetensors``, the tokenizer files, ``optimizer/adamw.safetensors``, and last
-``train_stats.json`` (temp + rename, after everything else), so ``train_stats.json``
-vouches for the rest.
+What is written into ``output``: ``config.json``, ``generation_config.json``, the weights,
+the tokenizer files, the optimizer state, and last ``train_stats.json`` (temp + rename, after
+everything else, by rank 0), so ``train_stats.json`` vouches for the rest. With ddp rank 0
+writes it all: ``model.safetensors`` and ``optimizer/adamw.safetensors``. With fsdp every
+worker writes its shard, ``model-0000i-of-0000n.safetensors`` and
+``optimizer/adamw-0000i-of-0000n.safetensors``, and rank 0 the two indexes after them
+(train/sharded.py), so ``output`` must be the same directory for every worker.
 
 Exit status: 0 done (all ranks passed the final barrier); 2 bad config, environment or
 trajectory data; 1 anything else (rendezvous failed, a peer died, a collective timed out).
@@ -52,17 +55,17 @@ import os
 import re
 import sys
 import time
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
-from orchestrator.config import ClipEps, Epochs, KLCoef, LearningRate, MaxGradNorm, MicroBatch
+from orchestrator.config import ClipEps, Epochs, KLCoef, LearningRate, MaxGradNorm, MicroBatch, MicroBatchTokens
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 from orchestrator.protocol import child_error, fsio
-from orchestrator.train import grpo, optimizer_state
+from orchestrator.train import grpo, optimizer_state, parallel, plan, sharded
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +113,7 @@ class TrainConfig:
     epochs: Epochs
     """Passes over the aggregate."""
     micro_batch: MicroBatch
-    """Records (whole groups) per optimizer step per rank."""
+    """Records (whole groups) per optimizer step, over all workers (train/plan.py)."""
     clip_eps: ClipEps
     """PPO clip range of the ratio."""
     kl_coef: KLCoef
@@ -120,6 +123,15 @@ class TrainConfig:
     init_iteration: int | None = None
     """The iteration whose update ``init_checkpoint`` holds (None: the base model). A serving
     trainer that made that update continues from memory instead of loading it."""
+    micro_batch_tokens: MicroBatchTokens = 0
+    """A worker's micro-batches, which it accumulates gradients over, hold at most this many
+    tokens, padding included (0: a worker's part of a step is one micro-batch)."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How the workers share the model (train/parallel.py)."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    activation_checkpointing: bool = False
+    parallel_write: bool = True
+    """With fsdp: every worker writes its shard of the checkpoint (false: worker 0 writes it all)."""
     offload: bool = False
     """After the update, move the model and optimizer state to host memory (and back at the
     next request), so that engines sharing the GPU have its memory while they run."""
@@ -256,40 +268,37 @@ def join(rdv: Rendezvous):
 # --- training ------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Shard:
-    """What this rank trains on: its micro-batches per epoch, the encoded records they use, and
-    those records' per-token log-probs under the init policy and the reference."""
-
-    batches: list[list[list[int]]]  # [epoch][step] -> record indices
-    completions: dict[int, list[grpo.Completion]]
-    old_logprobs: dict[int, "torch.Tensor"]  # noqa: F821
-    ref_logprobs: dict[int, "torch.Tensor"] | None  # noqa: F821
-
-    def micro_batch(self, keys: list[int], pad_id: int, device):
-        """The batch of these records' samples, with its old and reference log-probs lined up."""
-        import torch
-
-        batch = grpo.collate([c for k in keys for c in self.completions[k]], pad_id).to(device)
-        old = torch.cat([self.old_logprobs[k] for k in keys])
-        ref = torch.cat([self.ref_logprobs[k] for k in keys]) if self.ref_logprobs is not None else None
-        return batch, old, ref
-
-
-def _load_model(path: Path, device):
+def _load_model(path: Path, device, setup: "Setup", world_size: int):
+    """The Hugging Face model at ``path``, prepared for ``setup``'s strategy (parallel.py)."""
     from transformers import AutoModelForCausalLM
 
     # Eval mode throughout: no dropout, so the first step's ratio is exactly what the
-    # precomputed old log-probs say it is. Gradients (and DDP's reduction) do not depend on it.
-    return AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).to(device).eval()
+    # precomputed old log-probs say it is. Gradients (and their reduction) do not depend on it.
+    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).eval()
+    if not setup.sharded:
+        model.to(device)  # FSDP moves each block to the device as it shards it: one whole block on the GPU at a time
+    try:
+        return parallel.prepare(model, strategy=setup.strategy, device=device, world_size=world_size,
+                                mixed_precision=setup.mixed_precision, activation_checkpointing=setup.activation_checkpointing)
+    except ValueError as e:
+        raise BadTrainInput(f"{path}: {e}") from None
 
 
-def _record_logprobs(model, completions: dict[int, list[grpo.Completion]], pad_id: int, device) -> dict:
-    """Per record, the flat completion-token log-probs under ``model`` (no grad)."""
-    import torch
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What a model in memory was prepared for; another setup loads it again."""
 
-    with torch.no_grad():
-        return {k: grpo.completion_logprobs(model, grpo.collate(group, pad_id).to(device)) for k, group in completions.items()}
+    strategy: str
+    mixed_precision: str
+    activation_checkpointing: bool
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> "Setup":
+        return cls(config.strategy, config.mixed_precision, config.activation_checkpointing)
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
 
 
 def _read_records(path: Path) -> list[grpo.Record]:
@@ -317,6 +326,26 @@ def _all_equal(record: grpo.Record) -> bool:
     return max(rewards) == min(rewards)
 
 
+@dataclass(slots=True)
+class _Batches:
+    """The iteration's samples as token ids, and the log-probs of this worker's samples under
+    the init policy and the reference, by (record, sample)."""
+
+    completions: list[list[grpo.Completion]]
+    pad_id: int
+    old: dict = field(default_factory=dict)
+    ref: dict | None = None
+
+    def collate(self, keys: list[plan.Key], device) -> grpo.Batch:
+        """The batch of these samples; an empty pass is sample (0, 0), weighed by zero."""
+        return grpo.collate([self.completions[k][s] for k, s in keys or [(0, 0)]], self.pad_id).to(device)
+
+    def lined_up(self, keys: list[plan.Key], which: dict):
+        import torch
+
+        return torch.cat([which[key] for key in keys])
+
+
 class Trainer:
     """One train worker's model, optimizer, tokenizer and KL reference, inside a formed
     process group; ``update`` makes one iteration's GRPO update. Kept across updates by
@@ -328,6 +357,7 @@ class Trainer:
         self.model = None
         self.optimizer = None
         self.tokenizer = None
+        self.setup: Setup | None = None
         self.pad_id = 0
         self.holds: int | None = None  # the iteration whose update the model holds (None: loaded, or nothing)
         self.continued_from: int | None = None
@@ -340,7 +370,8 @@ class Trainer:
         """Make the model and optimizer those of ``config.init_checkpoint``; returns how."""
         import torch
 
-        if self.model is not None and self.holds is not None and config.init_iteration == self.holds:
+        setup = Setup.of(config)
+        if self.model is not None and self.holds is not None and config.init_iteration == self.holds and setup == self.setup:
             self._onload()
             self.continued_from = int(max((s["step"].item() for s in self.optimizer.state.values()), default=0)) or None
             return "memory"
@@ -349,7 +380,8 @@ class Trainer:
         self.model = self.optimizer = None
         self.tokenizer = AutoTokenizer.from_pretrained(config.init_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.model = _load_model(config.init_checkpoint, self.device)
+        self.model = _load_model(config.init_checkpoint, self.device, setup, self.rdv.world_size)
+        self.setup = setup
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=0.0)
         try:
             self.continued_from = optimizer_state.load(self.optimizer, self.model, config.init_checkpoint)
@@ -359,9 +391,13 @@ class Trainer:
         return "checkpoint"
 
     def _reference(self, config: TrainConfig):
-        """The KL reference model, loaded once per path."""
-        if self.reference is None or self.reference[0] != config.reference_checkpoint:
-            self.reference = (config.reference_checkpoint, _load_model(config.reference_checkpoint, self.device))
+        """The KL reference model, loaded once per path, sharded as the policy is (no gradients,
+        no optimizer, no activation checkpointing)."""
+        if self.reference is None or self.reference[0] != (config.reference_checkpoint, self.setup):
+            setup = Setup(self.setup.strategy, self.setup.mixed_precision, False)
+            model = _load_model(config.reference_checkpoint, self.device, setup, self.rdv.world_size)
+            model.requires_grad_(False)
+            self.reference = ((config.reference_checkpoint, self.setup), model)
         return self.reference[1]
 
     def _move(self, device) -> None:
@@ -379,6 +415,9 @@ class Trainer:
 
         if self.device.type != "cuda" or self.offloaded:
             return
+        if self.setup.sharded:
+            log.warning("train.strategy=fsdp keeps its shards on the GPU between updates (offload is for ddp)")
+            return
         self._move(torch.device("cpu"))
         if self.reference is not None:
             self.reference = None  # reloaded next time: keeping it would hold the GPU
@@ -392,12 +431,13 @@ class Trainer:
 
     # -- one update ----------------------------------------------------------------------------
 
-    def update(self, config: TrainConfig, started: float) -> tuple[dict, dict]:
-        """The GRPO update; rank 0 writes the checkpoint. Returns (stats, seconds per part);
-        the stats are complete on rank 0. ``started``: when this update began (monotonic)."""
+    def update(self, config: TrainConfig, started: float) -> tuple[dict, dict, dict]:
+        """The GRPO update (train/plan.py says how it is cut up); the checkpoint written (by
+        worker 0, or by every worker's shard with FSDP). Returns (stats, seconds per part,
+        memory); the stats are complete on worker 0. ``started``: when this update began
+        (monotonic)."""
         import torch
         import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
 
         rdv, device = self.rdv, self.device
         timing: dict[str, float] = {}
@@ -416,98 +456,165 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = config.lr
         lap("load")
-        shard = self._prepare_shard(config, records)
+        batches, lengths = self._prepare(config, records)
+        steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.micro_batch,
+                                 budget=config.micro_batch_tokens, seed=config.seed, epochs=config.epochs)
         lap("prepare")
 
-        # The aggregate's token count: every rank counts its own (disjoint) part, which its
-        # micro-batches always cover, then one all_reduce.
-        own = grpo.shard(len(records), rdv.world_size, rdv.rank)
-        total_tokens = torch.tensor([sum(len(c.completion_ids) for k in own for c in shard.completions[k])], dtype=torch.float64, device=device)
-        dist.all_reduce(total_tokens)
-
-        # Built for each update (it broadcasts rank 0's parameters: every rank starts equal).
-        ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        sync = parallel.Sync(self.model, strategy=config.strategy, device=device)
+        autocast = parallel.autocast(device, strategy=config.strategy, mixed_precision=config.mixed_precision)
         log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if self.continued_from is None else
                  f"optimizer continued from step {self.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
-        steps = len(shard.batches[0])
-        log.info("rank %d: %d of %d records, %d epochs x %d steps of %d records", rdv.rank, len(own), len(records), config.epochs, steps, config.micro_batch)
+        log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s%s", rdv.rank, len(records), config.epochs, len(steps[0]),
+                 config.micro_batch, config.strategy, config.mixed_precision, ", activation checkpointing" if config.activation_checkpointing else "")
 
-        per_step: dict[str, list] = {"loss": [], "kl": [], "clip_fraction": [], "grad_norm": [], "tokens": []}
-        for epoch, micro_batches in enumerate(shard.batches):
-            for step, keys in enumerate(micro_batches):
-                batch, old_lp, ref_lp = shard.micro_batch(keys, self.pad_id, device)
-                new_lp = grpo.completion_logprobs(ddp, batch)
-                parts = grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=config.clip_eps, kl_coef=config.kl_coef, ref_logprobs=ref_lp)
+        per_step: dict[str, list] = {"loss": [], "kl": [], "clip_fraction": [], "grad_norm": [], "tokens": [], "micro_batches": []}
+        memory: dict = {}
+        for epoch, epoch_steps in enumerate(steps):
+            for number, step in enumerate(epoch_steps):
                 self.optimizer.zero_grad(set_to_none=True)
-                parts.loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), config.max_grad_norm).item()
+                # This worker's sums over its tokens: loss, k3, clipped tokens, tokens.
+                sums = torch.zeros(4, dtype=torch.float64, device=device)
+                normalizer = max(step.tokens, 1) / rdv.world_size
+                for slot, keys in enumerate(step.micro_batches):
+                    with sync.micro_batch(last=slot == len(step.micro_batches) - 1):
+                        batch = batches.collate(keys, device)
+                        with autocast:
+                            new_lp = grpo.completion_logprobs(sync.module, batch)
+                        old_lp = batches.lined_up(keys, batches.old) if keys else new_lp.detach()
+                        ref_lp = (batches.lined_up(keys, batches.ref) if keys else new_lp.detach()) if batches.ref is not None else None
+                        parts = grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=config.clip_eps, kl_coef=config.kl_coef,
+                                               ref_logprobs=ref_lp, normalizer=normalizer)
+                        (parts.loss if keys else parts.loss * 0.0).backward()
+                    if keys:
+                        sums += torch.tensor([parts.loss.item() * normalizer, (parts.kl or 0.0) * parts.tokens,
+                                              parts.clip_fraction * parts.tokens, parts.tokens], dtype=torch.float64, device=device)
+                grad_norm = sync.clip_grad_norm(config.max_grad_norm)
                 self.optimizer.step()
+                if not memory and epoch == len(steps) - 1 and number == len(epoch_steps) - 1:
+                    memory = parallel.storage_bytes(self.model, self.optimizer)
 
-                # Means over ranks of the loss (what DDP's averaged gradient follows), kl and
-                # clip fraction; the token count is a sum.
-                summary = torch.tensor([parts.loss.item(), parts.kl or 0.0, parts.clip_fraction, parts.tokens], dtype=torch.float64, device=device)
-                dist.all_reduce(summary)
-                loss, kl, clip_fraction = (x / rdv.world_size for x in summary[:3].tolist())
-                tokens = int(summary[3].item())
-                for key, value in zip(per_step, (loss, kl if config.uses_kl else None, clip_fraction, grad_norm, tokens)):
+                dist.all_reduce(sums)
+                total = max(sums[3].item(), 1.0)
+                loss, kl, clip_fraction = (x / total for x in sums[:3].tolist())
+                tokens = int(sums[3].item())
+                for key, value in zip(per_step, (loss, kl if config.uses_kl else None, clip_fraction, grad_norm, tokens, len(step.micro_batches))):
                     per_step[key].append(value)
                 if rdv.rank == 0:
                     log.info(
-                        "iteration %d epoch %d step %d/%d: loss %.5f%s clip %.3f grad_norm %.3f tokens %d",
-                        config.iteration, epoch, step + 1, steps, loss, f" kl {kl:.5f}" if config.uses_kl else "", clip_fraction, grad_norm, tokens,
+                        "iteration %d epoch %d step %d/%d: loss %.5f%s clip %.3f grad_norm %.3f tokens %d in %d micro-batches",
+                        config.iteration, epoch, number + 1, len(epoch_steps), loss, f" kl {kl:.5f}" if config.uses_kl else "", clip_fraction,
+                        grad_norm, tokens, len(step.micro_batches),
                     )
         self.optimizer.zero_grad(set_to_none=True)
-        del ddp
+        del sync
         lap("steps")
 
         samples = [s for r in records for s in r.samples]
         stats = {
             "iteration": config.iteration,
             "world_size": rdv.world_size,
+            "strategy": config.strategy,
+            "mixed_precision": config.mixed_precision,
+            "activation_checkpointing": config.activation_checkpointing,
             "records": len(records),
             "samples": len(samples),
-            "completion_tokens": int(total_tokens.item()),
+            "completion_tokens": sum(map(sum, lengths.completions)),
             "mean_reward": sum(s.reward for s in samples) / len(samples),
             "zero_advantage_groups": sum(1 for r in records if _all_equal(r)),
             "records_tokenized_from_text": sum(1 for r in records if r.prompt_token_ids is None),
             "epochs": config.epochs,
-            "steps_per_epoch": steps,
+            "steps_per_epoch": len(steps[0]),
             "micro_batch": config.micro_batch,
+            "micro_batch_tokens": config.micro_batch_tokens,
             "optimizer_continued_from_step": self.continued_from,
             "policy_from": source,
             **per_step,
             "seconds": None,  # set just before writing
         }
-        if rdv.rank == 0:
-            _write_checkpoint(self.model, self.tokenizer, self.optimizer, config.output, stats, started)
-        _barrier(device)
+        self._write_checkpoint(config, stats, started)
         lap("checkpoint")
         self.holds = config.iteration
         if config.offload:
             self.offload()
             lap("offload")
-        return stats, timing
+        memory["peak_rss_bytes"] = _peak_rss_bytes()
+        return stats, timing, memory
 
-    def _prepare_shard(self, config: TrainConfig, records: list[grpo.Record]) -> _Shard:
-        rdv, model, pad_id, device = self.rdv, self.model, self.pad_id, self.device
-        n = len(records)
-        batches = [grpo.epoch_batches(n, rdv.world_size, rdv.rank, config.micro_batch, seed=config.seed, epoch=e) for e in range(config.epochs)]
-        needed = sorted({k for epoch in batches for keys in epoch for k in keys})
-        _check_vocabulary(records, model.get_input_embeddings().num_embeddings, config.init_checkpoint)
-        completions = {k: grpo.encode_record(self.tokenizer, records[k]) for k in needed}
-        old = _record_logprobs(model, completions, pad_id, device)
-        ref = None
+    def _prepare(self, config: TrainConfig, records: list[grpo.Record]) -> tuple[_Batches, plan.Lengths]:
+        """Every record encoded (every worker plans every worker's part), and the log-probs of
+        this worker's under the init policy and the reference."""
+        rdv, model = self.rdv, self.model
+        vocab = model.get_input_embeddings().num_embeddings
+        _check_vocabulary(records, vocab, config.init_checkpoint)
+        completions = [grpo.encode_record(self.tokenizer, r) for r in records]
+        lengths = plan.Lengths(rows=[[len(c.prompt_ids) + len(c.completion_ids) for c in group] for group in completions],
+                               completions=[[len(c.completion_ids) for c in group] for group in completions])
+        batches = _Batches(completions, self.pad_id)
+        passes = plan.logprob_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, budget=config.micro_batch_tokens)
+        batches.old = self._logprobs(model, batches, passes, config)
         if config.uses_kl:
             if config.reference_checkpoint.resolve() == config.init_checkpoint.resolve():
-                ref = old
+                batches.ref = batches.old
             else:
-                ref = _record_logprobs(self._reference(config), completions, pad_id, device)
+                batches.ref = self._logprobs(self._reference(config), batches, passes, config)
         elif config.kl_coef > 0:
             log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.kl_coef)
-        return _Shard(batches, completions, old, ref)
+        return batches, lengths
+
+    def _logprobs(self, model, batches: _Batches, passes: list[list[plan.Key]], config: TrainConfig) -> dict:
+        """Per sample, its completion tokens' log-probs under ``model`` (no grad); every worker
+        runs as many passes (FSDP gathers parameters collectively at each)."""
+        import torch
+
+        out = {}
+        autocast = parallel.autocast(self.device, strategy=config.strategy, mixed_precision=config.mixed_precision)
+        with torch.no_grad():
+            for keys in passes:
+                with autocast:
+                    lp = grpo.completion_logprobs(model, batches.collate(keys, self.device))
+                sizes = [len(batches.completions[k][s].completion_ids) for k, s in keys]
+                out.update(zip(keys, lp.split(sizes) if keys else ()))
+        return out
+
+    def _write_checkpoint(self, config: TrainConfig, stats: dict, started: float) -> None:
+        """Worker 0 writes the whole checkpoint (ddp), or every worker its shards (fsdp); then
+        every worker passes the final barrier. ``train_stats.json`` comes last, from worker 0."""
+        rank, output, device = self.rdv.rank, config.output, self.device
+        if rank == 0:
+            output.mkdir(parents=True, exist_ok=True)
+            # A stats file left by an earlier attempt would vouch for weights being rewritten now.
+            (output / STATS_FILE).unlink(missing_ok=True)
+        if self.setup.sharded:
+            def barrier() -> None:
+                _barrier(device, "checkpoint shard")
+
+            barrier()  # worker 0 made the directory
+            sharded.save_model(self.model, output, rank=rank, world_size=self.rdv.world_size, barrier=barrier, parallel=config.parallel_write)
+            optimizer_state.save_sharded(self.optimizer, self.model, output, rank=rank, world_size=self.rdv.world_size, barrier=barrier,
+                                         parallel=config.parallel_write)
+            if rank == 0:
+                self.model.config.save_pretrained(output)
+                if self.model.can_generate() and self.model.generation_config is not None:
+                    self.model.generation_config.save_pretrained(output)
+        elif rank == 0:
+            self.model.save_pretrained(output)
+            optimizer_state.save(self.optimizer, self.model, output)
+        if rank == 0:
+            self.tokenizer.save_pretrained(output)
+            stats["seconds"] = round(time.monotonic() - started, 3)
+            fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
+            log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
+        _barrier(device)
 
 
-def _barrier(device) -> None:
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _barrier(device, what: str = "final barrier") -> None:
     """Every rank has its part of the update done, and rank 0 its checkpoint written; a rank 0
     that dies on the way makes this fail."""
     import torch.distributed as dist
@@ -518,19 +625,7 @@ def _barrier(device) -> None:
         else:
             dist.barrier()
     except Exception as e:
-        raise TrainerError(f"final barrier failed (a peer died or timed out): {type(e).__name__}: {e}") from None
-
-
-def _write_checkpoint(model, tokenizer, optimizer, output: Path, stats: dict, started: float) -> None:
-    output.mkdir(parents=True, exist_ok=True)
-    # A stats file left by an earlier attempt would vouch for weights being rewritten now.
-    (output / STATS_FILE).unlink(missing_ok=True)
-    model.save_pretrained(output)
-    tokenizer.save_pretrained(output)
-    optimizer_state.save(optimizer, model, output)
-    stats["seconds"] = round(time.monotonic() - started, 3)
-    fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
-    log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
+        raise TrainerError(f"{what} failed (a peer died or timed out): {type(e).__name__}: {e}") from None
 
 
 # --- entry points --------------------------------------------------------------------------
@@ -550,8 +645,8 @@ def _startup_seconds() -> float:
     return max(0.0, time.time() - psutil.Process().create_time())
 
 
-def _answer(done: Path, config: TrainConfig, stats: dict, timing: dict) -> None:
-    fsio.write_record(done, {"iteration": config.iteration, "pid": os.getpid(), "timing": timing, "stats": stats}, durable=False)
+def _answer(done: Path, config: TrainConfig, stats: dict, timing: dict, memory: dict) -> None:
+    fsio.write_record(done, {"iteration": config.iteration, "pid": os.getpid(), "timing": timing, "memory": memory, "stats": stats}, durable=False)
 
 
 def run(config_path: Path, env, done: Path | None = None) -> None:
@@ -562,9 +657,9 @@ def run(config_path: Path, env, done: Path | None = None) -> None:
     device = join(rdv)
     _quiet_transformers()
     startup = round(_startup_seconds(), 4)
-    stats, timing = Trainer(rdv, device).update(config, time.monotonic())
+    stats, timing, memory = Trainer(rdv, device).update(config, time.monotonic())
     if done is not None:
-        _answer(done, config, stats, {"startup": startup, **timing})
+        _answer(done, config, stats, {"startup": startup, **timing}, memory)
     # No destroy_process_group(): rank 0 hosts the TCPStore, and when it tears down and exits
     # while a peer is still inside its own teardown, the peer's store thread aborts the process
     # ("terminate called without an active exception", exit -6). Everything durable is
@@ -593,11 +688,11 @@ def serve(env, requests) -> None:
         config_path, done = _request(line)
         config = TrainConfig.read(config_path)
         log.info("pid %d: update of iteration %d", os.getpid(), config.iteration)
-        stats, timing = trainer.update(config, started)
+        stats, timing, memory = trainer.update(config, started)
         if startup is not None:
             timing = {"startup": startup, **timing}
             startup = None
-        _answer(done, config, stats, timing)
+        _answer(done, config, stats, timing, memory)
     log.info("stdin ended: no more updates")
 
 

@@ -53,7 +53,7 @@ def _config(work: Path, output: Path, **overrides) -> Path:
         "seed": 7,
         "lr": 3e-3,
         "epochs": 2,
-        "micro_batch": 2,
+        "micro_batch": 4,
         "clip_eps": 0.2,
         "kl_coef": 0.01,
         "max_grad_norm": 1.0,
@@ -112,7 +112,7 @@ def test_two_ranks_train_and_rank_0_writes_a_complete_checkpoint(work, trained):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_stats.json"):
         assert (trained / name).is_file(), name
     stats = json.loads((trained / "train_stats.json").read_text())
-    # 9 records over 2 ranks: shards of 5 and 4, micro-batch 2 -> 3 steps per epoch (rank 1 wraps)
+    # 9 records, 4 per step over both ranks -> 3 steps per epoch, the last of one record
     assert stats["steps_per_epoch"] == 3
     assert len(stats["loss"]) == 2 * 3 and all(isinstance(x, float) for x in stats["loss"])
     assert stats["records"] == 9 and stats["samples"] == 36

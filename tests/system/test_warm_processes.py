@@ -10,7 +10,16 @@ import signal
 import pytest
 
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import NODE_TIMEOUT_S, aggregate_task_ids, kill_tree, start_ranks, status_json, wait_for, wait_mid_rollout
+from tests.harness import (
+    NODE_TIMEOUT_S,
+    aggregate_task_ids,
+    kill_tree,
+    start_ranks,
+    status_json,
+    trainer_in_update,
+    wait_for,
+    wait_mid_rollout,
+)
 from tests.system.test_rl_loop import _flags, _local, _sha
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -36,17 +45,10 @@ def _finish_and_check(flags, layout):
 def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_continues_its_optimizer(demo_data, tmp_path):
     log_path = tmp_path / "run"
     layout = RunLayout(log_path)
-    flags = _flags(demo_data, log_path, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=1"])
+    flags = _flags(demo_data, log_path, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"])
     procs = start_ranks(flags, 3)
     try:
-        def training_iteration_2():
-            for log in log_path.glob("attempts/*/train/trainer-w00002.log"):
-                found = re.search(r"pid (\d+): update of iteration 2", log.read_text(errors="replace"))
-                if found:
-                    return int(found[1])
-            return None
-
-        pid = wait_for(training_iteration_2, 240, "worker 2's update of iteration 2")
+        pid = wait_for(lambda: trainer_in_update(log_path, 2, 2), 240, "worker 2's update of iteration 2")
         os.kill(pid, signal.SIGKILL)
         codes = [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs]
         assert codes == [3, 3, 1], codes
@@ -62,7 +64,7 @@ def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_co
     assert stats["policy_from"] == "checkpoint"  # the rerun's new trainers loaded iteration 1's weights and moments
     # The same run without the crash ends with the same weights and moments, bit for bit.
     calm = tmp_path / "calm"
-    result = _local(_flags(demo_data, calm, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=1"]), timeout=300)
+    result = _local(_flags(demo_data, calm, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"]), timeout=300)
     assert result.returncode == 0, result.stdout[-6000:]
     last = RunLayout(calm).checkpoint(ITERATIONS)
     for name in ("model.safetensors", "optimizer/adamw.safetensors"):

@@ -1,4 +1,5 @@
-"""The GRPO pieces as pure functions: advantages, batching, log-probs, loss, sharding."""
+"""The GRPO pieces as pure functions: advantages, batching, log-probs, loss (the split over
+workers and steps: test_plan.py)."""
 
 import json
 import math
@@ -265,37 +266,3 @@ def test_a_batch_without_tokens_gives_a_zero_loss_that_still_backpropagates():
     assert parts.loss.item() == 0.0 and parts.tokens == 0
     parts.loss.backward()
     assert weight.grad.tolist() == [0.0, 0.0, 0.0]
-
-
-# --- sharding ------------------------------------------------------------------------------
-
-
-def test_record_k_belongs_to_rank_k_mod_world():
-    assert grpo.shard(7, 3, 0) == [0, 3, 6]
-    assert grpo.shard(7, 3, 2) == [2, 5]
-
-
-@pytest.mark.parametrize("n, world, micro", [(9, 2, 2), (8, 2, 3), (7, 3, 1), (5, 2, 8), (2, 4, 1)])
-def test_every_rank_takes_the_same_number_of_full_steps_over_its_own_records(n, world, micro):
-    per_rank = [grpo.epoch_batches(n, world, r, micro, seed=1, epoch=0) for r in range(world)]
-    steps = grpo.steps_per_epoch(n, world, micro)
-    for rank, batches in enumerate(per_rank):
-        assert len(batches) == steps
-        assert all(len(b) == micro for b in batches)
-        seen = {k for b in batches for k in b}
-        own = set(grpo.shard(n, world, rank))
-        assert seen == (own or {rank % n})  # wrap-around: every own record, nothing foreign
-
-
-def test_shuffle_depends_on_seed_and_epoch_and_nothing_else():
-    def order(seed, epoch):
-        return grpo.epoch_batches(40, 2, 0, 4, seed=seed, epoch=epoch)
-
-    assert order(3, 0) == order(3, 0)
-    assert order(3, 0) != order(3, 1)
-    assert order(3, 0) != order(4, 0)
-
-
-def test_no_records_is_an_error():
-    with pytest.raises(ValueError, match="no records"):
-        grpo.epoch_batches(0, 2, 0, 1, seed=0, epoch=0)

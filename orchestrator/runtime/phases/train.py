@@ -1,5 +1,6 @@
 """Phase 10: every rank trains; the node of train worker 0 (the master unless the placement
-says otherwise) writes the checkpoint to a temp directory and renames it into place, so a
+says otherwise) makes a staging directory, where the checkpoint is written (by worker 0, or
+by every worker its shard with train.strategy=fsdp), seals it and renames it into place, so a
 checkpoint directory is either complete or absent."""
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ def train(ctx: PhaseContext) -> None:
     if ctx.rank != ctx.coordinator.placement.checkpoint_node:
         ctx.workload.train(ctx, cfg, None)
         return
-    staging = final.with_name(f".{final.name}.{ctx.attempt_id}.tmp")
+    staging = ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     ctx.workload.train(ctx, cfg, staging)
-    checkpoints.seal(staging)
+    checkpoints.seal(staging)  # it checks that every shard an index names is there (other nodes write some)
     fsio.fsync_dir(staging)
     os.replace(staging, final)
     fsio.fsync_dir(final.parent)

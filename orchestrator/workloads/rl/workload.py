@@ -265,7 +265,8 @@ class RLWorkload:
 
     def train(self, ctx: PhaseContext, train_config: dict, checkpoint_dir: Path | None) -> None:
         """Run this node's train workers (one per GPU the placement gives it; one on CPU) as
-        part of one torch.distributed job; worker 0 writes into ``checkpoint_dir``."""
+        part of one torch.distributed job; worker 0 writes into ``checkpoint_dir`` (None on
+        the other nodes), and with fsdp every worker into the same staging directory."""
         placement = ctx.coordinator.placement
         workers = placement.train_workers_on(ctx.rank)
         if not workers:
@@ -273,7 +274,11 @@ class RLWorkload:
         began = time.monotonic()
         attempt = ctx.coordinator.attempt
         base = self._trainer_config(ctx, train_config)
-        configs = {w.rank: {**base, "output": str(checkpoint_dir if w.rank == 0 and checkpoint_dir is not None else attempt.trainer_scratch(w.rank)),
+        # With fsdp every worker writes its shard into the staging directory that the node of
+        # worker 0 made (phase 10); with ddp worker 0 writes it all and the others nothing.
+        staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id)
+        writes = self.config.train.strategy == "fsdp"
+        configs = {w.rank: {**base, "output": str(staging if w.rank == 0 or writes else attempt.trainer_scratch(w.rank)),
                             "offload": placement.colocated and w.gpu is not None and bool(placement.engines_on(ctx.rank))}
                    for w in workers}
         done = self.trainers.update(ctx, configs)
@@ -297,4 +302,8 @@ class RLWorkload:
             "clip_eps": self.rl.clip_eps,
             "kl_coef": self.rl.kl_coef,
             "max_grad_norm": self.rl.max_grad_norm,
+            "micro_batch_tokens": self.config.train.micro_batch_tokens,
+            "strategy": self.config.train.strategy,
+            "mixed_precision": self.config.train.mixed_precision,
+            "activation_checkpointing": self.config.train.activation_checkpointing,
         }

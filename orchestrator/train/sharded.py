@@ -1,0 +1,120 @@
+"""Tensors the train workers hold in parts (FSDP), written as a standard sharded safetensors
+checkpoint: each worker writes whole tensors into its own file, in parallel, and worker 0
+writes the index last.
+
+Each tensor has one owner, chosen by size (largest first to the least loaded worker), so
+every worker writes about 1/N of the bytes. For each tensor, in the same order on every
+worker, the parts are gathered (an all-gather: every worker takes part) and the owner keeps
+the whole tensor; so no worker ever holds more than its own share plus one tensor.
+
+On a shared filesystem (prime-rl's ``save_state_dict_parallel`` learned the same): the
+directory exists before anyone writes (worker 0 makes it, then a barrier), each worker
+writes a temp file, fsyncs it and renames only its own file, and the index comes after a
+barrier that every worker reaches only once its file is in place. A complete index therefore
+means complete shards; the checkpoint's manifest (data/checkpoints.py) then covers every file.
+
+Index format, as Hugging Face's ``model.safetensors.index.json``:
+``{"metadata": {"total_size": BYTES, ...}, "weight_map": {tensor name: file name}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from orchestrator.protocol import fsio
+
+
+def owners(sizes: dict[str, int], world_size: int, *, parallel: bool = True) -> dict[str, int]:
+    """Tensor name -> the worker that writes it (all worker 0's when not ``parallel``)."""
+    if not parallel:
+        return dict.fromkeys(sizes, 0)
+    load = [0] * world_size
+    out = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        worker = min(range(world_size), key=lambda w: (load[w], w))
+        out[name] = worker
+        load[worker] += sizes[name]
+    return out
+
+
+def file_names(owner_of: dict[str, int], prefix: str, suffix: str = ".safetensors") -> dict[int, str]:
+    """Worker -> its file, for the workers that own a tensor: ``<prefix>-00001-of-00003<suffix>``."""
+    writers = sorted(set(owner_of.values()))
+    return {w: f"{prefix}-{i + 1:05d}-of-{len(writers):05d}{suffix}" for i, w in enumerate(writers)}
+
+
+def full_size(tensor) -> int:
+    return tensor.numel() * tensor.element_size()  # a DTensor's numel is its whole shape's
+
+
+def gather(named: list[tuple[str, object]], owner_of: dict[str, int], rank: int) -> dict[str, object]:
+    """The whole tensors this worker owns, on the CPU. Every worker calls this with the same
+    names in the same order (each DTensor's gather is collective)."""
+    mine = {}
+    for name, tensor in named:
+        whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if owner_of[name] == rank:
+            mine[name] = whole.detach().to("cpu", copy=True).contiguous()
+        del whole
+    return mine
+
+
+def write_file(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
+    """Temp file, fsync, rename: ``path`` is absent or complete."""
+    from safetensors.torch import save_file
+
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, temp, metadata=metadata)
+    with open(temp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+
+
+def write_index(path: Path, owner_of: dict[str, int], files: dict[int, str], total_size: int, **metadata) -> None:
+    body = {"metadata": {"total_size": total_size, **metadata}, "weight_map": {name: files[owner_of[name]] for name in sorted(owner_of)}}
+    fsio.atomic_write_bytes(path, json.dumps(body, indent=2).encode())
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """Tensor name -> file name; raises ValueError naming the file when it is not an index."""
+    try:
+        weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a readable safetensors index: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{path}: weight_map is not a map of tensor names to file names")
+    return weight_map
+
+
+def model_tensors(model) -> list[tuple[str, object]]:
+    """The tensors a Hugging Face checkpoint of ``model`` holds, by name: its state dict, each
+    tied parameter once (under the first name, as ``save_pretrained`` keeps it)."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out.append((name, tensor))
+    return out
+
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def save_model(model, output: Path, *, rank: int, world_size: int, barrier, parallel: bool = True) -> None:
+    """The weights of a sharded ``model`` into ``output`` as ``model-0000i-of-0000n.safetensors``
+    and, from worker 0 after every worker's file is in place, the index. ``barrier()`` waits
+    for every worker. The config, generation config and tokenizer are the caller's."""
+    named = model_tensors(model)
+    owner_of = owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
+    files = file_names(owner_of, "model")
+    mine = gather(named, owner_of, rank)
+    if mine:
+        write_file(mine, output / files[rank], {"format": "pt"})
+    del mine
+    barrier()
+    if rank == 0:
+        write_index(output / WEIGHTS_INDEX, owner_of, files, sum(full_size(t) for _, t in named))

@@ -1,0 +1,182 @@
+"""FSDP2 against DDP, end to end: real trainer processes in a gloo group on 127.0.0.1.
+
+One update of the same init checkpoint on the same aggregate with the same seed gives the
+same weights and optimizer state whatever the strategy, the number of train workers and the
+micro-batching (train/plan.py normalizes the loss over the whole step), and FSDP writes a
+standard sharded checkpoint that transformers loads as it is.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from orchestrator.demo import model as demo_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _aggregate(path: Path) -> None:
+    """12 addition tasks x 4 samples with the engine's token ids, rewards that differ within
+    most groups, completions of different lengths."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent / "init")
+    with open(path, "w") as f:
+        for k in range(12):
+            a, b = 3 * k + 1, 7 - k % 5
+            right = str(a + b)
+            texts = [right + "0" * (k % 3), right, str(a + b + 1), str(a + b + 10)] if k != 4 else ["1", "2", "3", "4"]
+            prompt_ids = tokenizer(f"{a}+{b}=")["input_ids"]
+            samples = [{"text": t, "token_ids": tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                        "reward": float(t == right), "finish_reason": "stop"} for t in texts]
+            f.write(json.dumps({"task_id": f"t{k}", "prompt": f"{a}+{b}=", "prompt_token_ids": prompt_ids, "answer": right,
+                                "samples": samples}) + "\n")
+
+
+def _train(work: Path, name: str, world: int, **overrides) -> Path:
+    """One update by ``world`` worker processes; returns the checkpoint directory."""
+    output = work / name
+    config = {
+        "iteration": 1, "data": str(work / "agg.jsonl"), "init_checkpoint": str(work / "init"), "reference_checkpoint": str(work / "ref"),
+        "output": str(output), "seed": 11, "lr": 1e-3, "epochs": 2, "micro_batch": 6, "clip_eps": 0.2, "kl_coef": 0.05,
+        "max_grad_norm": 1.0, **overrides,
+    }
+    path = work / f"{name}.train.json"
+    path.write_text(json.dumps(config))
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": str(world), "RANK": str(rank), "TRAIN_BACKEND": "gloo", "TRAIN_TIMEOUT_S": "120"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(path)],
+                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    for rank, (p, err) in enumerate(zip(procs, errors)):
+        assert p.returncode == 0, f"{name}: rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+    return output
+
+
+def _tensors(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the weights (prefix "model") or optimizer state ("optimizer/adamw"),
+    whichever layout: one file, or shards and an index."""
+    index = checkpoint / f"{prefix}.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [Path(prefix).name + ".safetensors"]
+    out = {}
+    for f in files:
+        out.update(load_file(index.parent / f if index.is_file() else checkpoint / f"{prefix}.safetensors"))
+    return out
+
+
+def _worst_relative_difference(a: dict, b: dict) -> tuple[float, str]:
+    assert sorted(a) == sorted(b)
+    return max(((x - b[n]).norm().item() / max(x.norm().item(), 1e-12), n) for n, x in a.items() if x.dtype.is_floating_point)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("fsdp")
+    demo_model.save(demo_model.create(0), work / "init")
+    demo_model.save(demo_model.create(1), work / "ref")  # a reference unlike the policy: the KL term matters
+    _aggregate(work / "agg.jsonl")
+    return work
+
+
+@pytest.fixture(scope="module")
+def trained(work):
+    """Runs by name, each made once for the module: ``trained(name, world, **config)``."""
+    made: dict[str, Path] = {}
+
+    def train(name: str, world: int, **overrides) -> Path:
+        if name not in made:
+            made[name] = _train(work, name, world, **overrides)
+        return made[name]
+
+    return train
+
+
+@pytest.fixture(scope="module")
+def ddp_two(trained) -> Path:
+    return trained("ddp-2", 2, strategy="ddp")
+
+
+@pytest.mark.parametrize("world, strategy, budget, micro_batches, checkpointing", [
+    (2, "fsdp", 0, 1, False),
+    (3, "ddp", 0, 1, False),
+    (3, "fsdp", 0, 1, False),
+    (3, "fsdp", 24, 4, True),
+    (2, "ddp", 24, 4, False),
+])
+def test_one_update_gives_the_same_weights_and_optimizer_state_whatever_the_strategy_workers_and_micro_batches(
+        work, trained, ddp_two, world, strategy, budget, micro_batches, checkpointing):
+    other = trained(f"{strategy}-{world}-{budget}{'-ac' * checkpointing}", world, strategy=strategy, micro_batch_tokens=budget,
+                    activation_checkpointing=checkpointing)
+    stats = json.loads((other / "train_stats.json").read_text())
+    assert (stats["strategy"], stats["world_size"], stats["activation_checkpointing"]) == (strategy, world, checkpointing)
+    assert min(stats["micro_batches"]) >= micro_batches and (budget or max(stats["micro_batches"]) == 1), stats["micro_batches"]
+    base = json.loads((ddp_two / "train_stats.json").read_text())
+    assert stats["steps_per_epoch"] == base["steps_per_epoch"] == 2 and stats["tokens"] == base["tokens"]
+    for prefix in ("model", "optimizer/adamw"):
+        worst, name = _worst_relative_difference(_tensors(ddp_two, prefix), _tensors(other, prefix))
+        print(f"{strategy} x{world} budget {budget}: {prefix} worst relative difference {worst:.2e} ({name})")
+        assert worst <= TOLERANCE, f"{prefix}: {name} differs by {worst:.2e} (relative norm)"
+    changed = _tensors(ddp_two, "model")["model.layers.0.mlp.up_proj.weight"] - load_file(work / "init" / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    assert changed.abs().max() > 1e-4, "the update moved nothing: the comparison would prove nothing"
+
+
+def test_fsdp_writes_one_shard_per_worker_and_an_index_that_transformers_loads(work, trained):
+    from transformers import AutoModelForCausalLM
+
+    out = trained("fsdp-3-0", 3, strategy="fsdp", micro_batch_tokens=0, activation_checkpointing=False)
+    assert not (out / "model.safetensors").exists() and not (out / "optimizer" / "adamw.safetensors").exists()
+    for prefix in ("model", "optimizer/adamw"):
+        index = json.loads((out / f"{prefix}.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert files == [f"{Path(prefix).name}-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)], files
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in _tensors(out, prefix).values())
+    assert not [p.name for p in out.rglob(".*")], "temp files left behind"
+    loaded = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True)
+    weights = _tensors(out, "model")
+    assert sorted(loaded.state_dict()) == sorted(weights)
+    assert all(torch.equal(t, weights[n]) for n, t in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_next_update_continues_a_sharded_optimizer_at_another_worker_count(work, trained, strategy):
+    """From the 3-worker FSDP checkpoint, 2 workers of either strategy read their rows of the
+    sharded optimizer state and make the same second update."""
+    first = trained("fsdp-3-0", 3, strategy="fsdp", micro_batch_tokens=0, activation_checkpointing=False)
+    second = trained(f"second-{strategy}-2", 2, strategy=strategy, init_checkpoint=str(first), iteration=2, seed=12)
+    stats = json.loads((second / "train_stats.json").read_text())
+    assert stats["optimizer_continued_from_step"] == 2 * 2, "2 epochs x 2 steps of the first update"
+    if strategy == "fsdp":
+        reference = trained("second-ddp-2", 2, strategy="ddp", init_checkpoint=str(first), iteration=2, seed=12)
+        for prefix in ("model", "optimizer/adamw"):
+            worst, name = _worst_relative_difference(_tensors(reference, prefix), _tensors(second, prefix))
+            assert worst <= TOLERANCE, f"{prefix}: {name} differs by {worst:.2e}"
+    assert _tensors(second, "optimizer/adamw")["model.norm.weight/step"].item() == 8
+
+
+def test_bf16_trains_in_both_strategies_close_to_fp32_and_saves_fp32_weights(work, trained, ddp_two):
+    base = _tensors(ddp_two, "model")
+    for strategy in ("ddp", "fsdp"):
+        out = trained(f"{strategy}-2-bf16", 2, strategy=strategy, mixed_precision="bf16")
+        weights = _tensors(out, "model")
+        assert all(t.dtype == torch.float32 for t in weights.values()), "master weights stay fp32"
+        worst, name = _worst_relative_difference(base, weights)
+        assert 0 < worst < 1e-2, f"{strategy}: {name} differs from fp32 by {worst:.2e}"

@@ -1,0 +1,85 @@
+"""How an update is cut up (train/plan.py): steps that do not depend on the number of
+workers, every sample once per epoch, micro-batches within the token budget, and every
+worker running as many passes as every other."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.train import plan
+
+
+def _lengths(n: int, seed: int = 0) -> plan.Lengths:
+    rng = random.Random(seed)
+    rows, completions = [], []
+    for _ in range(n):
+        samples = rng.randint(1, 5)
+        prompt = rng.randint(2, 9)
+        done = [rng.randint(0, 7) for _ in range(samples)]
+        rows.append([prompt + c for c in done])
+        completions.append(done)
+    return plan.Lengths(rows, completions)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 30), world=st.integers(1, 5), batch=st.integers(1, 12), budget=st.sampled_from([0, 1, 12, 30, 100]),
+       seed=st.integers(0, 3))
+def test_steps_cover_every_sample_once_per_epoch_whatever_the_workers_and_budget(n, world, batch, budget, seed):
+    lengths = _lengths(n, seed)
+    plans = [plan.update_plan(lengths, world_size=world, rank=r, batch_records=batch, budget=budget, seed=seed, epochs=2) for r in range(world)]
+    alone = plan.update_plan(lengths, world_size=1, rank=0, batch_records=batch, budget=0, seed=seed, epochs=2)
+    for epoch in range(2):
+        assert all(len(p[epoch]) == plan.steps_per_epoch(n, batch) for p in plans)
+        for s, step in enumerate(alone[epoch]):
+            parts = [p[epoch][s] for p in plans]
+            # Every worker runs the same number of passes; together they hold the step's samples once.
+            assert len({len(part.micro_batches) for part in parts}) == 1
+            keys = [k for part in parts for mb in part.micro_batches for k in mb]
+            assert sorted(keys) == sorted(k for mb in step.micro_batches for k in mb)
+            assert all(part.tokens == step.tokens for part in parts)
+            assert step.tokens == sum(lengths.completions[k][i] for k, i in keys)
+            for w, part in enumerate(parts):
+                for mb in part.micro_batches:
+                    assert all(plan.owner(k, world) == w for k, _ in mb)
+                    if budget and len(mb) > 1:
+                        assert len(mb) * max(lengths.rows[k][i] for k, i in mb) <= budget
+        everything = sorted(k for step in alone[epoch] for mb in step.micro_batches for k in mb)
+        assert everything == [(k, i) for k in range(n) for i in range(len(lengths.rows[k]))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 20), world=st.integers(1, 5), budget=st.sampled_from([0, 1, 15, 40]))
+def test_logprob_passes_cover_each_workers_own_samples_once_in_equal_counts(n, world, budget):
+    lengths = _lengths(n)
+    passes = [plan.logprob_plan(lengths, world_size=world, rank=r, budget=budget) for r in range(world)]
+    assert len({len(p) for p in passes}) == 1
+    for w, mine in enumerate(passes):
+        keys = [k for mb in mine for k in mb]
+        assert sorted(keys) == [(k, i) for k in range(w, n, world) for i in range(len(lengths.rows[k]))]
+        assert all(len({k for k, _ in mb}) <= 1 for mb in mine), "a pass holds one record's samples"
+
+
+def test_one_worker_with_no_budget_takes_whole_steps_in_the_shuffled_order():
+    lengths = _lengths(10)
+    steps = plan.update_plan(lengths, world_size=1, rank=0, batch_records=4, budget=0, seed=5, epochs=1)[0]
+    order = plan.epoch_order(10, seed=5, epoch=0)
+    assert [[k for k, _ in step.micro_batches[0]] for step in steps] == [
+        [k for k in order[i : i + 4] for _ in lengths.rows[k]] for i in (0, 4, 8)]
+
+
+def test_a_sample_longer_than_the_budget_is_a_micro_batch_of_its_own():
+    rows = [[10, 3, 3, 3]]
+    assert plan.pack([(0, i) for i in range(4)], rows, budget=6) == [[(0, 0)], [(0, 1), (0, 2)], [(0, 3)]]
+
+
+def test_shuffle_depends_on_seed_and_epoch_and_nothing_else():
+    assert plan.epoch_order(40, seed=3, epoch=0) == plan.epoch_order(40, seed=3, epoch=0)
+    assert plan.epoch_order(40, seed=3, epoch=0) != plan.epoch_order(40, seed=3, epoch=1)
+    assert plan.epoch_order(40, seed=3, epoch=0) != plan.epoch_order(40, seed=4, epoch=0)
+
+
+def test_no_records_is_an_error():
+    with pytest.raises(ValueError, match="no records"):
+        plan.Lengths([], [])
