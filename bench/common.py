@@ -150,6 +150,17 @@ def python_env() -> dict:
     return env
 
 
+def demo_data(data: Path | None, work: Path) -> Path:
+    """``data`` when given, else the demo (``orchestrator demo-data``, its defaults) made in ``work``."""
+    if data is not None:
+        return data
+    data = work / "data"
+    console.print(f"making demo data in {data} ...")
+    subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={data}"], check=True, env=python_env(),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return data
+
+
 # -- filesystems ---------------------------------------------------------------------------------
 
 FILESYSTEMS = ("local", "sshfs")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, BenchError, console, machine, python_env, table, wait_for_quiet, write_json  # noqa: E402
+from bench.common import RESULTS, BenchError, console, demo_data, machine, python_env, table, wait_for_quiet, write_json  # noqa: E402
 from orchestrator.ops import status  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "iteration.json"
@@ -88,12 +88,7 @@ def main() -> int:
     load = wait_for_quiet(args.max_load, max_wait_s=600)
     with tempfile.TemporaryDirectory(prefix="bench-iteration-") as tmp:
         work = Path(tmp)
-        data = args.data_path
-        if data is None:
-            data = work / "data"
-            console.print(f"making demo data in {data} ...")
-            subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={data}"], check=True,
-                           env=python_env(), stdout=subprocess.DEVNULL)
+        data = demo_data(args.data_path, work)
         runs = []
         for k in range(args.repeats):
             for mode in (("warm", "restart") if k % 2 == 0 else ("restart", "warm")):

@@ -174,6 +174,31 @@ def trainer_in_update(log_path: Path, worker: int, iteration: int) -> int | None
     return None
 
 
+def kill_trainer_mid_update(procs: list, log_path: Path, *, worker: int, rank: int, iteration: int, codes: list[int],
+                            timeout: float) -> int:
+    """SIGKILL train worker ``worker`` (on ``rank``) once it is in the update of ``iteration``;
+    check the ranks' exit ``codes`` and that status names the killed trainer as the failure of
+    that rank, phase and iteration. Returns the killed pid. ``procs``: the ranks' Popens, all
+    killed before returning."""
+    try:
+        def in_update():
+            assert all(p.poll() is None for p in procs), f"a rank exited before the kill: {[p.returncode for p in procs]}"
+            return trainer_in_update(log_path, worker, iteration)
+
+        pid = wait_for(in_update, timeout, f"worker {worker}'s update of iteration {iteration}")
+        os.kill(pid, signal.SIGKILL)
+        got = [p.wait(timeout=NODE_TIMEOUT_S + 90) for p in procs]
+        assert got == codes, got
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    failure = status_json(log_path)["failure"]
+    assert failure["rank"] == rank and failure["iteration"] == iteration and failure["phase"] == "10:train", failure
+    assert f"train worker {worker} of rank {rank} (pid {pid}) exited with code -9" in failure["error"], failure
+    assert not RunLayout(log_path).checkpoint(iteration).exists()
+    return pid
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

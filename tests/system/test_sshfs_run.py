@@ -5,6 +5,7 @@ attribute/entry/listing caches), like nodes on NFS: a rank sees its peers' files
 opening known names, never by trusting a cached listing.
 """
 
+import json
 import os
 
 import pytest
@@ -53,3 +54,37 @@ def test_three_ranks_on_separate_sshfs_mounts_complete_the_run(sshfs_cluster):
     # Read the outcome through the export directory itself: no sshfs cache in the way.
     run = export / "run"
     assert_default_three_iteration_run(run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_workers_on_separate_sshfs_mounts_write_one_sealed_sharded_checkpoint(sshfs_cluster, demo_data):
+    """train.strategy=fsdp on two ranks, one train worker each, each rank on its own sshfs
+    client: each worker writes its shard through its own mount into the staging directory the
+    other node made, the index comes last, and the sealing node (rank 0) lists and hashes a
+    shard another client wrote. The same checkpoint read back through the export verifies,
+    and the next iteration trains from it."""
+    from orchestrator.data import checkpoints
+    from orchestrator.protocol.layout import RunLayout
+
+    cluster, export, mounts = sshfs_cluster
+    flags = [f"--data-path={demo_data}", "--rl-phase=both", "--eval-interval=2", "--max-iterations=2", "--num-nodes=2",
+             "--rank-weights=1,1", "train.strategy=fsdp", "rl.train_tasks=8", "rl.samples_per_prompt=4", "rl.eval_tasks=8",
+             "rl.eval_samples=2", "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5",
+             "coordination.node_timeout_s=30", "coordination.join_timeout_s=60"]  # 30 s: past sshfs's 20 s caches
+    procs = [cluster.start(rank, [f"--log-path={mounts[rank] / 'run'}", *flags]) for rank in range(2)]
+    codes = cluster.wait_all(procs, timeout=240)
+    assert codes == [0, 0], "\n".join(f"--- rank {p.rank} ---\n{p.output()[-4000:]}" for p in procs)
+
+    layout = RunLayout(export / "run")
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for i in (1, 2):
+        checkpoint = layout.checkpoint(i)
+        checkpoints.verify(checkpoint)  # every file the manifest lists, hashed again here
+        index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == shards
+        manifest = json.loads((checkpoint / "orchestrator.manifest.json").read_text())
+        listed = set(manifest["body"]["files"] if "body" in manifest else manifest["files"])
+        assert {*shards, "optimizer/adamw-00001-of-00002.safetensors", "optimizer/adamw-00002-of-00002.safetensors"} <= listed
+    stats = json.loads((layout.checkpoint(2) / "train_stats.json").read_text())
+    assert (stats["strategy"], stats["world_size"], stats["policy_from"]) == ("fsdp", 2, "memory")

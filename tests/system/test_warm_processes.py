@@ -13,11 +13,10 @@ from orchestrator.protocol.layout import RunLayout
 from tests.harness import (
     NODE_TIMEOUT_S,
     aggregate_task_ids,
+    kill_trainer_mid_update,
     kill_tree,
     start_ranks,
     status_json,
-    trainer_in_update,
-    wait_for,
     wait_mid_rollout,
 )
 from tests.system.test_rl_loop import _flags, _local, _sha
@@ -47,18 +46,7 @@ def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_co
     layout = RunLayout(log_path)
     flags = _flags(demo_data, log_path, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"])
     procs = start_ranks(flags, 3)
-    try:
-        pid = wait_for(lambda: trainer_in_update(log_path, 2, 2), 240, "worker 2's update of iteration 2")
-        os.kill(pid, signal.SIGKILL)
-        codes = [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs]
-        assert codes == [3, 3, 1], codes
-    finally:
-        for p in procs:
-            kill_tree(p.pid)
-    failure = status_json(log_path)["failure"]
-    assert failure["rank"] == 2 and failure["iteration"] == 2 and failure["phase"] == "10:train", failure
-    assert f"train worker 2 of rank 2 (pid {pid}) exited with code -9" in failure["error"], failure
-    assert not layout.checkpoint(2).exists()
+    kill_trainer_mid_update(procs, log_path, worker=2, rank=2, iteration=2, codes=[3, 3, 1], timeout=240)
     _finish_and_check(flags, layout)
     stats = json.loads((layout.checkpoint(2) / "train_stats.json").read_text())
     assert stats["policy_from"] == "checkpoint"  # the rerun's new trainers loaded iteration 1's weights and moments
