@@ -33,6 +33,22 @@ def combined_exit_code(codes: list[int]) -> int:
     return bad[0]
 
 
+def thread_budget(ranks: int, env=os.environ) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each of ``ranks`` ranks sharing this machine: its cores split
+    evenly, at least one each; nothing when there is one rank or the environment sets it.
+
+    Torch starts a thread per core in every process. N ranks' engines and trainers computing
+    at once would run N times as many spinning threads as there are cores, and on 2 cores two
+    ranks' rollouts and updates took 5-35 times as long (docs/performance.md, section 11).
+    torchrun does the same for the processes it starts."""
+    if ranks <= 1 or env.get("OMP_NUM_THREADS"):
+        return {}
+    import psutil
+
+    cores = min(len(os.sched_getaffinity(0)), psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    return {"OMP_NUM_THREADS": str(max(1, cores // ranks))}
+
+
 def rank_argv(argv: list[str], rank: int) -> list[str]:
     return [sys.executable, "-m", "orchestrator", "run", *argv, "--master" if rank == 0 else f"--worker={rank}"]
 
@@ -55,8 +71,13 @@ def local(click_ctx: click.Context, **params) -> None:
     except ConfigError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     argv = _run_argv(params, click_ctx.command.params)
+    threads = thread_budget(n)
+    if threads:
+        terminal.out.print(f"[local] {n} ranks share this machine's cores: OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} in each "
+                           f"(set OMP_NUM_THREADS to choose)", markup=False)
     procs = [
-        subprocess.Popen(rank_argv(argv, r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        subprocess.Popen(rank_argv(argv, r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                         env={**os.environ, **threads})
         for r in range(n)
     ]
     pumps = [threading.Thread(target=_pump, args=(r, p), daemon=True) for r, p in enumerate(procs)]

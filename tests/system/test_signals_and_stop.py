@@ -61,11 +61,16 @@ def test_ctrl_c_on_local_reaches_every_rank_and_leaves_nothing_running(tmp_path)
     log_path = tmp_path / "run"
     flags = run_flags(log_path, max_iterations=None, extra=["rehearsal.work_s=1"])
     flags = [f for f in flags if not f.startswith("--rank-weights")]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     launcher = subprocess.Popen([sys.executable, "-m", "orchestrator", "local", *flags],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         tree = wait_for(lambda: (lambda d: d if len(d) >= 6 else None)(descendants(launcher.pid)), 30,
                         "three ranks and their engines to run")
+        # Three ranks share this machine's cores: each rank and its children get an equal share.
+        threads = str(max(1, len(os.sched_getaffinity(0)) // 3))
+        ranks = psutil.Process(launcher.pid).children()
+        assert len(ranks) == 3 and all(r.environ().get("OMP_NUM_THREADS") == threads for r in ranks), threads
         launcher.send_signal(signal.SIGINT)
         out, _ = launcher.communicate(timeout=15)
         assert launcher.returncode == 130, out.decode()
@@ -74,6 +79,7 @@ def test_ctrl_c_on_local_reaches_every_rank_and_leaves_nothing_running(tmp_path)
         for r in range(3):
             assert f"[rank {r}]" in text
         assert "rank 0: 130, rank 1: 130, rank 2: 130" in text
+        assert f"[local] 3 ranks share this machine's cores: OMP_NUM_THREADS={threads} in each" in text
     finally:
         kill_tree(launcher.pid)
 

@@ -41,7 +41,10 @@ def _finish_and_check(flags, layout):
     return result
 
 
-def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_continues_its_optimizer(demo_data, tmp_path):
+def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_continues_its_optimizer(demo_data, tmp_path, monkeypatch):
+    # One thread count for every run below, `run` ranks and `local` ones alike (local would
+    # otherwise choose its own): the weights are compared bit for bit.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     log_path = tmp_path / "run"
     layout = RunLayout(log_path)
     flags = _flags(demo_data, log_path, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"])
