@@ -161,6 +161,27 @@ def demo_data(data: Path | None, work: Path) -> Path:
     return data
 
 
+def run_iterations(argv: list[str], log_path: Path, *, iterations: int, env: dict, timeout_s: float, what: str) -> tuple[float, list[dict]]:
+    """Run ``argv`` (an ``orchestrator run`` or ``local`` of ``iterations`` iterations on
+    ``log_path``), its output in ``<log_path>.out``; returns its wall seconds and each
+    iteration's timing from ``status --json``. Raises BenchError when it fails or a timing is
+    missing."""
+    from orchestrator.ops import status
+
+    out_file = log_path.with_name(log_path.name + ".out")
+    began = time.monotonic()
+    with open(out_file, "wb") as out:
+        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+    wall = time.monotonic() - began
+    if code != 0:
+        raise BenchError(f"{what}: the run exited with {code}; see {out_file}")
+    snap = status.snapshot(log_path)
+    timings = [it["timing"] for it in snap["iterations"]]
+    if len(timings) != iterations or any(t is None for t in timings):
+        raise BenchError(f"{what}: status has no timing for every iteration")
+    return wall, snap["iterations"]
+
+
 # -- filesystems ---------------------------------------------------------------------------------
 
 FILESYSTEMS = ("local", "sshfs")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,8 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, BenchError, console, demo_data, machine, python_env, table, wait_for_quiet, write_json  # noqa: E402
-from orchestrator.ops import status  # noqa: E402
+from bench.common import RESULTS, console, demo_data, machine, python_env, run_iterations, table, wait_for_quiet, write_json  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "iteration.json"
 MODES = {
@@ -48,16 +46,8 @@ def run_mode(mode: str, data: Path, work: Path, iterations: int, timeout_s: floa
     log_path = work / f"run-{mode}-{time.monotonic_ns()}"
     argv = [sys.executable, "-m", "orchestrator", "run", f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=both",
             "--eval-interval=3", f"--max-iterations={iterations}", *MODES[mode]]
-    began = time.monotonic()
-    with open(work / f"{log_path.name}.out", "wb") as out:
-        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=python_env(), timeout=timeout_s).returncode
-    wall = time.monotonic() - began
-    if code != 0:
-        raise BenchError(f"{mode}: the run exited with {code}; see {work / (log_path.name + '.out')}")
-    snap = status.snapshot(log_path)
-    per_iteration = [it["timing"] for it in snap["iterations"]]
-    if len(per_iteration) != iterations or any(t is None for t in per_iteration):
-        raise BenchError(f"{mode}: status has no timing for every iteration")
+    wall, done = run_iterations(argv, log_path, iterations=iterations, env=python_env(), timeout_s=timeout_s, what=mode)
+    per_iteration = [it["timing"] for it in done]
     totals = [t["total_s"] for t in per_iteration]
     steady = per_iteration[1:] or per_iteration
     phases = {label: statistics.mean(t["phases"].get(label, 0.0) for t in steady) for label in SHOWN}
@@ -72,7 +62,7 @@ def run_mode(mode: str, data: Path, work: Path, iterations: int, timeout_s: floa
         "mean_steady_s": round(statistics.mean(t["total_s"] for t in steady), 3),
         "phases_steady_s": {k: round(v, 3) for k, v in phases.items()},
         "parts_steady_s": {p: round(statistics.mean(t["parts"].get(p, 0.0) for t in steady), 3) for p in parts},
-        "accuracy": [it["metrics"]["accuracy"] for it in snap["iterations"] if it.get("metrics")],
+        "accuracy": [it["metrics"]["accuracy"] for it in done if it.get("metrics")],
     }
 
 

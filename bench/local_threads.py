@@ -10,7 +10,7 @@ after the other, on fresh log paths:
 
 split       ``OMP_NUM_THREADS`` unset: `local` gives each rank cores // ranks threads
             (``cli/local.py``, ``thread_budget``)
-every-core  ``OMP_NUM_THREADS`` = this machine's cores in every rank: torch's own default,
+every-core  ``OMP_NUM_THREADS`` = this machine's (physical) cores in every rank: torch's own default,
             a thread per core in every engine and trainer process (the behaviour before)
 
 For each, the seconds of every iteration (the master's phases, from ``status --json``), the
@@ -22,9 +22,7 @@ eval and train phases of those iterations. The ratio is every-core's over split'
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, BenchError, console, demo_data, machine, python_env, table, wait_for_quiet, write_json  # noqa: E402
+from bench.common import RESULTS, BenchError, console, demo_data, machine, python_env, run_iterations, table, wait_for_quiet, write_json  # noqa: E402
+from orchestrator.cli.local import cores as usable_cores  # noqa: E402
 from orchestrator.cli.local import thread_budget  # noqa: E402
-from orchestrator.ops import status  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "local_threads.json"
 MODES = ("split", "every-core")
@@ -48,15 +46,8 @@ def run_mode(mode: str, data: Path, work: Path, *, num_nodes: int, iterations: i
     env = {k: v for k, v in python_env().items() if k != "OMP_NUM_THREADS"}
     if mode == "every-core":
         env["OMP_NUM_THREADS"] = str(cores)
-    began = time.monotonic()
-    with open(work / f"{log_path.name}.out", "wb") as out:
-        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
-    wall = time.monotonic() - began
-    if code != 0:
-        raise BenchError(f"{mode}: the run exited with {code}; see {work / (log_path.name + '.out')}")
-    per_iteration = [it["timing"] for it in status.snapshot(log_path)["iterations"]]
-    if len(per_iteration) != iterations or any(t is None for t in per_iteration):
-        raise BenchError(f"{mode}: status has no timing for every iteration")
+    wall, done = run_iterations(argv, log_path, iterations=iterations, env=env, timeout_s=timeout_s, what=mode)
+    per_iteration = [it["timing"] for it in done]
     steady = per_iteration[1:] or per_iteration
     return {
         "mode": mode,
@@ -80,7 +71,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.num_nodes < 2:
         parser.error("--num-nodes must be at least 2: one rank has the machine to itself")
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     load = wait_for_quiet(args.max_load, max_wait_s=600)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-local-threads-") as tmp:

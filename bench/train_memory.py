@@ -47,7 +47,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS, BenchError, console, demo_data, err_console, kill_tree, machine, python_env, table, wait_for_quiet, write_json  # noqa: E402
+from orchestrator.node.ports import free_port  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "train_memory.json"
 STRATEGIES = ("ddp", "fsdp")
@@ -105,12 +105,6 @@ def make_aggregate(path: Path, *, records: int, samples: int, tokens: int, vocab
             f.write(json.dumps(record) + "\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -132,7 +126,7 @@ def run_update(work: Path, *, workers: int, strategy: str, model: Path, data: Pa
               "strategy": strategy, "parallel_write": parallel_write}
     config_path = work / f"{name}.train.json"
     config_path.write_text(json.dumps(config))
-    port, threads = _free_port(), max(1, (os.cpu_count() or 1) // workers)
+    port, threads = free_port(29600), max(1, (os.cpu_count() or 1) // workers)
     logs = [work / f"{name}.rank{r}.log" for r in range(workers)]
     dones = [work / f"{name}.rank{r}.done.json" for r in range(workers)]
     procs = []

@@ -43,10 +43,14 @@ def thread_budget(ranks: int, env=os.environ) -> dict[str, str]:
     torchrun does the same for the processes it starts."""
     if ranks <= 1 or env.get("OMP_NUM_THREADS"):
         return {}
+    return {"OMP_NUM_THREADS": str(max(1, cores() // ranks))}
+
+
+def cores() -> int:
+    """The cores torch would give one process here: the physical ones this process may run on."""
     import psutil
 
-    cores = min(len(os.sched_getaffinity(0)), psutil.cpu_count(logical=False) or os.cpu_count() or 1)
-    return {"OMP_NUM_THREADS": str(max(1, cores // ranks))}
+    return min(len(os.sched_getaffinity(0)), psutil.cpu_count(logical=False) or os.cpu_count() or 1)
 
 
 def rank_argv(argv: list[str], rank: int) -> list[str]:

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from orchestrator.data import checkpoints
+from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from tests.harness import kill_trainer_mid_update, kill_tree, rank_flag, status_json
 
@@ -60,8 +62,7 @@ def test_main_job_on_two_ranks_with_fsdp_survives_a_killed_trainer_resumes_its_o
     final = layout.checkpoint(7)
     index = json.loads((final / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    manifest = json.loads((final / "orchestrator.manifest.json").read_text())
-    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "optimizer/adamw.safetensors.index.json"} <= set(
-        manifest["body"]["files"] if "body" in manifest else manifest["files"])
+    listed = fsio.read_record(final / checkpoints.MANIFEST)["files"]
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "optimizer/adamw.safetensors.index.json"} <= set(listed)
     model = AutoModelForCausalLM.from_pretrained(final, use_safetensors=True)
     assert sum(p.numel() for p in model.parameters()) > 0

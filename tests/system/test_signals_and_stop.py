@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from orchestrator.cli.local import cores
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from tests.harness import (
@@ -68,7 +69,7 @@ def test_ctrl_c_on_local_reaches_every_rank_and_leaves_nothing_running(tmp_path)
         tree = wait_for(lambda: (lambda d: d if len(d) >= 6 else None)(descendants(launcher.pid)), 30,
                         "three ranks and their engines to run")
         # Three ranks share this machine's cores: each rank and its children get an equal share.
-        threads = str(max(1, len(os.sched_getaffinity(0)) // 3))
+        threads = str(max(1, cores() // 3))
         ranks = psutil.Process(launcher.pid).children()
         assert len(ranks) == 3 and all(r.environ().get("OMP_NUM_THREADS") == threads for r in ranks), threads
         launcher.send_signal(signal.SIGINT)

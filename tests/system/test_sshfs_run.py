@@ -65,6 +65,7 @@ def test_fsdp_workers_on_separate_sshfs_mounts_write_one_sealed_sharded_checkpoi
     shard another client wrote. The same checkpoint read back through the export verifies,
     and the next iteration trains from it."""
     from orchestrator.data import checkpoints
+    from orchestrator.protocol import fsio
     from orchestrator.protocol.layout import RunLayout
 
     cluster, export, mounts = sshfs_cluster
@@ -83,8 +84,7 @@ def test_fsdp_workers_on_separate_sshfs_mounts_write_one_sealed_sharded_checkpoi
         checkpoints.verify(checkpoint)  # every file the manifest lists, hashed again here
         index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
         assert sorted(set(index["weight_map"].values())) == shards
-        manifest = json.loads((checkpoint / "orchestrator.manifest.json").read_text())
-        listed = set(manifest["body"]["files"] if "body" in manifest else manifest["files"])
+        listed = set(fsio.read_record(checkpoint / checkpoints.MANIFEST)["files"])
         assert {*shards, "optimizer/adamw-00001-of-00002.safetensors", "optimizer/adamw-00002-of-00002.safetensors"} <= listed
     stats = json.loads((layout.checkpoint(2) / "train_stats.json").read_text())
     assert (stats["strategy"], stats["world_size"], stats["policy_from"]) == ("fsdp", 2, "memory")

@@ -27,12 +27,9 @@ def test_flags_left_out_are_left_out():
 
 
 def test_ranks_sharing_the_machine_split_its_cores_unless_the_environment_says():
-    import os
+    from orchestrator.cli.local import cores, thread_budget
 
-    from orchestrator.cli.local import thread_budget
-
-    cores = len(os.sched_getaffinity(0))
     assert thread_budget(1, {}) == {}  # one rank has the machine to itself: torch's own default
-    assert thread_budget(2, {}) == {"OMP_NUM_THREADS": str(max(1, cores // 2))}
-    assert thread_budget(cores + 1, {}) == {"OMP_NUM_THREADS": "1"}  # never zero
+    assert thread_budget(2, {}) == {"OMP_NUM_THREADS": str(max(1, cores() // 2))}
+    assert thread_budget(cores() + 1, {}) == {"OMP_NUM_THREADS": "1"}  # never zero
     assert thread_budget(3, {"OMP_NUM_THREADS": "4"}) == {}  # the user's choice stands
