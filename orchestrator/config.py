@@ -54,8 +54,17 @@ class CoordinationConfig:
     """First poll interval of a wait; it doubles up to poll_max_s."""
     poll_max_s: float = 0.1
     """Longest interval between two polls of a known file name."""
+    work_stealing: bool = True
+    """Rollout and eval tasks go out in chunks; a rank that has finished its own takes chunks
+    not yet started from the rank with the most left, so a phase ends when its work ends.
+    --rank-weights sets the first split. Off: each rank does exactly its weighted share."""
+    chunk_tasks: int = 0
+    """Tasks per chunk with work stealing; 0: about 32 chunks per rank (never smaller than
+    what one engine request carries)."""
 
     def __post_init__(self) -> None:
+        if self.chunk_tasks < 0:
+            raise ConfigError(f"coordination.chunk_tasks must be >= 0 (0: automatic), got {self.chunk_tasks}")
         if self.master_wait_s < 0:
             raise ConfigError(f"coordination.master_wait_s must be >= 0 seconds, got {self.master_wait_s}")
         for name in ("heartbeat_interval_s", "node_timeout_s", "join_timeout_s", "poll_min_s", "poll_max_s"):
@@ -103,14 +112,37 @@ class RehearsalConfig:
     """Simulated seconds of work in each working phase (rollout, eval, train)."""
     record_bytes: int = 256
     """Payload bytes per simulated trajectory record."""
+    task_s: float = 0.0
+    """Simulated seconds per rollout or eval task; 0: a rank's first share takes work_s."""
+    slow_ranks: str = ""
+    """``"R:F,..."``: rank R takes F times longer per task (a slow node, to rehearse work stealing)."""
 
     def __post_init__(self) -> None:
+        if self.task_s < 0:
+            raise ConfigError(f"rehearsal.task_s must be >= 0, got {self.task_s}")
+        self.slowdown  # validates rehearsal.slow_ranks
         if self.tasks < 1 or self.eval_tasks < 1:
             raise ConfigError(f"rehearsal.tasks and rehearsal.eval_tasks must be at least 1, got {self.tasks}, {self.eval_tasks}")
         if self.work_s < 0:
             raise ConfigError(f"rehearsal.work_s must be >= 0, got {self.work_s}")
         if self.record_bytes < 0:
             raise ConfigError(f"rehearsal.record_bytes must be >= 0, got {self.record_bytes}")
+
+    @property
+    def slowdown(self) -> dict[int, float]:
+        """``slow_ranks`` as {rank: factor}."""
+        factors: dict[int, float] = {}
+        for item in filter(None, (part.strip() for part in self.slow_ranks.split(","))):
+            rank, sep, factor = item.partition(":")
+            try:
+                r, f = int(rank), float(factor)
+            except ValueError:
+                r, f = -1, 0.0
+            if not sep or r < 0 or not 0 < f < math.inf:
+                raise ConfigError(f"rehearsal.slow_ranks must be \"RANK:FACTOR,...\" with a rank >= 0 and a factor > 0, "
+                                  f"e.g. \"2:4\" (rank 2 takes 4 times longer per task); got {self.slow_ranks!r}")
+            factors[r] = f
+        return factors
 
 
 # The update's hyper-parameters and their bounds: the rl.* keys below and the trainer's config
@@ -405,6 +437,8 @@ class RunConfig:
             raise ConfigError("--rl-phase rollout needs --rollout-split train-only|eval-only")
         if self.max_iterations is not None and self.max_iterations < 1:
             raise ConfigError(f"--max-iterations must be at least 1, got {self.max_iterations}")
+        if any(r >= self.num_nodes for r in self.rehearsal.slowdown):
+            raise ConfigError(f"rehearsal.slow_ranks={self.rehearsal.slow_ranks!r} names a rank outside 0..{self.num_nodes - 1}")
         from orchestrator.node import placement
 
         placement.check_mappings(self.train.device_mapping, self.rollout.device_mapping, self.rollout.gpus_per_engine)

@@ -15,12 +15,23 @@ from pathlib import Path
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig, Workload
-from orchestrator.data import prompts, tasks
+from orchestrator.data import prompts, shards, tasks
 from orchestrator.errors import ConfigError
+from orchestrator.phase_table import Phase
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import RunLayout
+
+# What decides an iteration's tasks: changed inside an iteration, the plan, the claims and the
+# shards written so far would describe other tasks. (Node counts and weights may change: the
+# unfinished work is split again over the ranks of the new run, data/work.py.)
+_TASK_KEYS = {"seed": ("seed",), "workload": ("workload",), "rehearsal.tasks": ("rehearsal", "tasks"),
+              "rehearsal.eval_tasks": ("rehearsal", "eval_tasks"), "rl.train_tasks": ("rl", "train_tasks"),
+              "rl.eval_tasks": ("rl", "eval_tasks"), "data.train_file": ("data", "train_file"), "data.test_file": ("data", "test_file")}
 
 
 def check(config: RunConfig) -> None:
     """Raise ConfigError naming what this node lacks for ``config``."""
+    check_resume(config)
     try:
         rewards.load(config.rl.reward)
     except ValueError as e:
@@ -46,6 +57,38 @@ def check(config: RunConfig) -> None:
                           f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
     for split in ("train", "eval"):
         prompts.measure(config, split)  # every prompt rendered and counted against rl.max_prompt_tokens
+
+
+def check_resume(config: RunConfig) -> None:
+    """A run stopped inside an iteration's rollout or eval (phases 1-6) resumes only with
+    what that iteration was planned with: its rollout walked (``--rl-phase``; unless its train
+    aggregate is there, salvaged by `recover`) and the same tasks (``_TASK_KEYS``). Elsewhere
+    anything may change."""
+    layout = RunLayout(config.log_path)
+    progress = fsio.read_record(layout.progress)
+    if progress is None or progress["phase"] == Phase.SYNC_END:
+        return
+    iteration, phase = progress["iteration"], Phase(progress["phase"] + 1)
+    where = f"--log-path {config.log_path} stopped inside iteration {iteration}, before phase {phase.label}"
+    if phase > Phase.EVAL:
+        return  # what is left of the iteration trains on its aggregate: the tasks are decided
+    if not config.rl_phase.includes(phase):
+        if shards.sealed(layout.iteration(iteration).aggregate("train")) is not None:
+            return  # a salvaged aggregate (`recover --salvage`): the update trains on it
+        raise ConfigError(f"{where}, which --rl-phase {config.rl_phase.value} does not walk, and the iteration has no train "
+                          f"aggregate to train on: finish its rollout with an --rl-phase that includes it (or salvage what it "
+                          f"has with `orchestrator recover --salvage {iteration}`), or start a new --log-path")
+    start = fsio.read_record(layout.attempt(progress["attempt"]).start) or {}
+    before, now = start.get("fingerprint"), config.fingerprint()
+    if not before:
+        return
+    for key, path in _TASK_KEYS.items():
+        old, new = before, now
+        for part in path:
+            old, new = (old or {}).get(part), (new or {}).get(part)
+        if old != new:
+            raise ConfigError(f"{where}; {key}={new!r} would change that iteration's tasks (it was planned with {key}={old!r}): "
+                              f"resume with {key}={old!r} and change it after the iteration, or start a new --log-path")
 
 
 def has_chat_template(model: Path) -> bool:

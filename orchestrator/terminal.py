@@ -48,7 +48,7 @@ def setup_logging(rank: int | None, host: str) -> None:
 
 
 class _NoProgress:
-    def update(self, done: int) -> None:
+    def update(self, done: int, total: int | None = None) -> None:
         pass
 
     def __enter__(self) -> "_NoProgress":
@@ -68,8 +68,8 @@ class _Progress:
                              console=err, transient=True)
         self._task = self._bar.add_task(description, total=total, completed=done)
 
-    def update(self, done: int) -> None:
-        self._bar.update(self._task, completed=done)
+    def update(self, done: int, total: int | None = None) -> None:
+        self._bar.update(self._task, completed=done, total=total)
 
     def __enter__(self) -> "_Progress":
         self._bar.start()

@@ -95,12 +95,14 @@ def view(snap: dict) -> Group:
     for it in snap["iterations"]:
         metrics = it.get("metrics") or {}
         its.append([
-            it["iteration"], ":".join(map(str, it["tasks_per_rank"] or [])), it["trajectories"],
+            it["iteration"], ":".join(map(str, it["tasks_per_rank"] or [])), ":".join(map(str, it.get("tasks_done_per_rank") or [])),
+            ":".join(map(str, it.get("tasks_taken_per_rank") or [])), it["trajectories"],
             "yes" if it["evaluated"] else "", f"{metrics['accuracy']:.3f}" if "accuracy" in metrics else "",
             "yes" if it.get("complete") else "",
         ])
     if its:
-        parts.append(terminal.table(None, ["iter", "tasks/rank", "trajectories", "eval", "accuracy", "complete"], its))
+        parts.append(terminal.table(None, ["iter", "tasks/rank", "done/rank", "taken from", "trajectories", "eval", "accuracy",
+                                            "complete"], its))
     timed = [it for it in snap["iterations"] if it.get("complete") and it.get("timing") and it["timing"]["phases"]]
     if timed:
         parts.append(Text(time_line(timed[-1]["iteration"], timed[-1]["timing"])))

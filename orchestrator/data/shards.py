@@ -16,7 +16,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.protocol import fsio
@@ -155,15 +155,21 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def merge(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
+def merge(sources: Iterable[tuple[str, Path]], dest: Path, keep: Callable[[str, dict], bool] | None = None,
+          order: Callable[[dict], int] | None = None, **extra) -> Manifest:
     """Stream sealed shards into ``dest`` (temp + rename), verifying each against its
     manifest on the way; memory stays at one line. ``sources`` is (label, shard) pairs;
-    the label (e.g. "rank 2") names the culprit of a bad checksum.
+    the label (e.g. "rank 2") names the culprit of a bad checksum. ``keep(label, record)``:
+    whether a record counts (a chunk's records count from its owner only, data/work.py);
+    the others are left out and counted as ``dropped``. ``order(record)``: its position in
+    the aggregate (the plan's task order), so that the aggregate is the same bytes whichever
+    rank did which task; records that do not come in that order are put in it by a second
+    pass over the merged file.
 
     Returns the aggregate's manifest, with per-source counts and the task ids seen once
     each (duplicates raise).
     """
-    return _merge(sources, dest, _sealed_lines, extra)
+    return _merge(sources, dest, _sealed_lines, extra, keep, order)
 
 
 def salvage(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
@@ -204,18 +210,22 @@ def _surviving_lines(label: str, shard: Path) -> Iterator[tuple[bytes, dict]]:
             yield raw, record
 
 
-def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict) -> Manifest:
+def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict, keep=None, order=None) -> Manifest:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    placed: list[tuple[int, int, int]] = []  # (position, offset, length) of each record written, with ``order``
     seen: set[str] = set()
     counts: dict[str, int] = {}
-    total, trajectories, h, size = 0, 0, hashlib.sha256(), 0
+    total, trajectories, h, size, dropped = 0, 0, hashlib.sha256(), 0, 0
     reward_errors, first_error = 0, None
     try:
         with open(tmp, "wb") as out:
             for label, shard in sources:
                 n = 0
                 for raw, record in lines(label, shard):
+                    if keep is not None and not keep(label, record):
+                        dropped += 1
+                        continue
                     if record["task_id"] in seen:
                         raise ShardError(f"{label}: task {record['task_id']} appears twice (in {shard})")
                     seen.add(record["task_id"])
@@ -224,6 +234,8 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict) 
                         if isinstance(sample, dict) and sample.get("reward_error"):
                             reward_errors += 1
                             first_error = first_error or {"task_id": record["task_id"], "error": sample["reward_error"]}
+                    if order is not None:
+                        placed.append((order(record), size, len(raw)))
                     out.write(raw)
                     h.update(raw)
                     size += len(raw)
@@ -232,6 +244,9 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict) 
                 total += n
             out.flush()
             os.fsync(out.fileno())
+        digest = h.hexdigest()
+        if any(a[0] > b[0] for a, b in zip(placed, placed[1:])):
+            digest = _reorder(tmp, sorted(placed))
         os.replace(tmp, dest)
         fsio.fsync_dir(dest.parent)
     except BaseException:
@@ -239,10 +254,31 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict) 
         raise
     # A record is one task; its trajectories are its samples (a record without samples is one).
     # Samples whose reward failed (scored 0) are counted, with the first one's error.
-    manifest = Manifest(total, size, h.hexdigest(), {"per_source": counts, "trajectories": trajectories,
+    manifest = Manifest(total, size, digest, {"per_source": counts, "trajectories": trajectories, "dropped": dropped,
                                                      "reward_errors": reward_errors, "first_reward_error": first_error, **extra})
     fsio.write_record(manifest_path(dest), manifest.to_json())
     return manifest
+
+
+def _reorder(path: Path, placed: list[tuple[int, int, int]]) -> str:
+    """Rewrite ``path`` with its records at (offset, length) in the order ``placed`` lists
+    them (temp + rename in the same directory); returns the sha256 of the new content."""
+    tmp = path.with_name(path.name + ".ordered")
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as out:
+            for _pos, offset, length in placed:
+                src.seek(offset)
+                raw = src.read(length)
+                out.write(raw)
+                h.update(raw)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return h.hexdigest()
 
 
 def read_task_ids(path: Path) -> list[str]:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from orchestrator import records
-from orchestrator.data import shards
+from orchestrator.data import shards, work
 from orchestrator.errors import BadInput
 from orchestrator.ops import status
 from orchestrator.protocol import fsio
@@ -55,7 +55,8 @@ def iteration_inventory(layout: RunLayout, iteration: int) -> dict:
         per_rank = (plan.get(split) or {}).get("per_rank") or []
         if not per_rank or not (plan.get(split) or {}).get("enabled", True):
             continue
-        ranks = [{"rank": r, "assigned": n, **_shard_state(it.shard(split, r))} for r, n in enumerate(per_rank) if n > 0]
+        ranks = [{"rank": r, "assigned": per_rank[r] if r < len(per_rank) else 0, **_shard_state(work.shard_of(it, split, r))}
+                 for r in _rollout_ranks(it, split, plan[split])]
         agg = shards.sealed(it.aggregate(split))
         out["splits"][split] = {
             "planned": sum(per_rank),
@@ -157,6 +158,13 @@ def _highest_claim(layout: RunLayout) -> int:
         return 0
 
 
+def _rollout_ranks(it, split: str, split_plan: dict) -> list[int]:
+    """The ranks whose shards may hold records of the split: those with a first share, and
+    every rank that claimed a chunk (work stealing, or a run resumed on more nodes)."""
+    owners = work.owners(it, split, work.all_chunks(it, split, split_plan))
+    return sorted({r for r, n in enumerate(split_plan.get("per_rank") or []) if n > 0} | {o for o in owners if o is not None})
+
+
 def salvage(log_path: Path, iteration: int, apply: bool, split: str = "train") -> dict:
     """The partial aggregate ``--salvage`` would write (and writes, when ``apply``)."""
     layout = RunLayout(log_path)
@@ -170,7 +178,7 @@ def salvage(log_path: Path, iteration: int, apply: bool, split: str = "train") -
     existing = shards.sealed(it.aggregate(split))
     if existing is not None and not existing.extra.get("partial"):
         raise BadInput(f"iteration {iteration} already has a full {split} aggregate ({existing.count} records): nothing to salvage")
-    sources = [(f"rank {r}", it.shard(split, r)) for r, n in enumerate(per_rank) if n > 0]
+    sources = [(f"rank {r}", work.shard_of(it, split, r)) for r in _rollout_ranks(it, split, plan[split])]
     preview = {label: _shard_state(shard) for label, shard in sources}
     result = {"iteration": iteration, "split": split, "planned": sum(per_rank),
               "per_rank": {label: s["records"] for label, s in preview.items()},

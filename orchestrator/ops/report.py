@@ -199,19 +199,23 @@ def timeline(per_attempt: list[tuple[str, dict[int, list[dict]]]]) -> dict:
     """Every rank's segments over every attempt (``per_attempt``: :func:`event_logs`), with
     times relative to the run's first event.
 
-    Returns ``{origin_t, attempts: [{attempt, start_s, end_s, ranks}], segments: [...]}``;
-    each segment is ``{attempt, rank, kind, iteration, phase, label, start_s, end_s,
-    seconds, complete}``, ordered by attempt, rank and time.
+    Returns ``{origin_t, attempts: [{attempt, start_s, end_s, ranks}], segments: [...],
+    steals: [...]}``; each segment is ``{attempt, rank, kind, iteration, phase, label,
+    start_s, end_s, seconds, complete}``, ordered by attempt, rank and time; each steal is
+    ``{attempt, rank, victim, split, chunk, tasks, iteration, at_s}`` (work stealing).
     """
     times = [ev["t"] for _, logs in per_attempt for evs in logs.values() for ev in evs if _is_number(ev.get("t"))]
     if not times:
-        return {"origin_t": None, "attempts": [], "segments": []}
+        return {"origin_t": None, "attempts": [], "segments": [], "steals": []}
     origin = min(times)
-    attempts, segments = [], []
+    attempts, segments, steals = [], [], []
     for a, logs in per_attempt:
         ts = [ev["t"] for evs in logs.values() for ev in evs if _is_number(ev.get("t"))]
         attempts.append({"attempt": a, "start_s": min(ts) - origin, "end_s": max(ts) - origin, "ranks": sorted(logs)})
         for r, evs in sorted(logs.items()):
+            steals += [{"attempt": a, "rank": r, "victim": ev.get("victim"), "split": ev.get("split"), "chunk": ev.get("chunk"),
+                        "tasks": ev.get("tasks"), "iteration": ev.get("iteration"), "at_s": ev["t"] - origin}
+                       for ev in evs if ev.get("event") == Event.STEAL and _is_number(ev.get("t"))]
             for s in rank_segments(evs):
                 segments.append({
                     "attempt": a,
@@ -225,7 +229,7 @@ def timeline(per_attempt: list[tuple[str, dict[int, list[dict]]]]) -> dict:
                     "seconds": s["seconds"],
                     "complete": s["complete"],
                 })
-    return {"origin_t": origin, "attempts": attempts, "segments": segments}
+    return {"origin_t": origin, "attempts": attempts, "segments": segments, "steals": steals}
 
 
 def _label(phase) -> str:
@@ -275,6 +279,8 @@ def iteration_rows(layout: RunLayout, evals: list[dict], trains: list[dict], seg
         rows.append({
             "iteration": i,
             "tasks_per_rank": s.get("tasks_per_rank"),
+            "tasks_done_per_rank": s.get("tasks_done_per_rank"),
+            "tasks_taken_per_rank": s.get("tasks_taken_per_rank"),
             "trajectories": s.get("trajectories"),
             "train_mean_reward": by_train.get(i, {}).get("mean_reward"),
             "evaluated": bool(s.get("evaluated")) or i in by_eval,
@@ -408,6 +414,9 @@ def timeline_png(data: dict) -> bytes:
         y = row[rank] - height / 2
         ax.broken_barh(bars, (y, height), facecolors=_phase_colour(phase), alpha=alpha,
                        hatch=hatch, edgecolor="none" if hatch is None else "black", linewidth=0)
+    steals = tl.get("steals") or []
+    for st in steals:
+        ax.plot(st["at_s"] / unit, row[st["rank"]], marker="<", color="black", markersize=4, linestyle="none")
     for a in tl["attempts"]:
         ax.axvline(a["start_s"] / unit, color="black", linestyle="--", linewidth=0.8)
         ax.text(a["start_s"] / unit, 0.01, " " + a["attempt"], fontsize="x-small", va="bottom",
@@ -420,6 +429,10 @@ def timeline_png(data: dict) -> bytes:
     handles = [Patch(facecolor=_phase_colour(p), label=_label(p)) for p in phases]
     handles += [Patch(facecolor="grey", alpha=0.35, label="barrier wait (thin)"),
                 Patch(facecolor="white", edgecolor="black", hatch="///", label="master decides")]
+    if steals:
+        from matplotlib.lines import Line2D
+
+        handles.append(Line2D([], [], marker="<", color="black", linestyle="none", markersize=4, label="took a chunk of another rank"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize="x-small")
     ax.set_title("per-rank phase timeline")
     return _png(fig)
@@ -557,7 +570,8 @@ def index_html(data: dict) -> str:
     """One static page (no JavaScript): the charts, referenced by relative file name, a
     table of the per-iteration figures and tables of where each iteration's time went."""
     e = html.escape
-    columns = [("iteration", "iteration"), ("tasks_per_rank", "tasks/rank"), ("trajectories", "trajectories"),
+    columns = [("iteration", "iteration"), ("tasks_per_rank", "tasks/rank"), ("tasks_done_per_rank", "done/rank"),
+               ("tasks_taken_per_rank", "taken from"), ("trajectories", "trajectories"),
                ("train_mean_reward", "train mean reward"), ("eval_accuracy", "eval accuracy"),
                ("eval_pass_at_k", "eval pass@k"), ("eval_mean_reward", "eval mean reward"),
                ("master_s", "rank 0 time (s)"), ("complete", "complete")]

@@ -91,8 +91,9 @@ def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
     for i in range(1, last + 1):
         s = summary.read(layout, i)
         if s is not None:
-            iterations.append({**{k: s.get(k) for k in ("iteration", "tasks_per_rank", "trajectories", "evaluated", "metrics", "checkpoint",
-                                                         "complete", "reward_errors", "prompts_too_long")},
+            iterations.append({**{k: s.get(k) for k in ("iteration", "tasks_per_rank", "tasks_done_per_rank", "tasks_taken_per_rank",
+                                                         "trajectories", "evaluated", "metrics", "checkpoint", "complete",
+                                                         "reward_errors", "prompts_too_long")},
                                "timing": times.get(i)})
     barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks) if not current.released else None
     return {

@@ -44,6 +44,8 @@ class Event(StrEnum):
     """The barrier released it (``wait_s``: how long it waited)."""
     TIMING = "timing"
     """A part of a phase's work took ``seconds`` (``part``: e.g. ``train.steps``, ``engine.reload``)."""
+    STEAL = "steal"
+    """The rank took a chunk of another rank's first share (``split``, ``chunk``, ``tasks``, ``victim``)."""
     ERROR = "error"
     END = "end"
     """The rank ended (``state``: its last heartbeat state)."""

@@ -89,10 +89,13 @@ class Coordinator:
 
     # -- joining ----------------------------------------------------------------------------
 
-    def join(self, resume: Callable[[], tuple[int, Phase, dict | None]]) -> Start:
-        """Enter an attempt with every other rank; ``resume`` (master only) says where to start."""
+    def join(self, resume: Callable[[], tuple[int, Phase, dict | None]],
+             prepare: Callable[[int, Phase, dict | None, placement_mod.Placement], None] = lambda *_: None) -> Start:
+        """Enter an attempt with every other rank; ``resume`` (master only) says where to
+        start, and ``prepare`` (master only) readies the work products for this attempt's
+        ranks once all have joined and the placement is known, before the attempt starts."""
         if self.is_master:
-            return self._join_as_master(resume)
+            return self._join_as_master(resume, prepare)
         return self._join_as_worker()
 
     def _enter(self, attempt_id: str) -> None:
@@ -128,7 +131,7 @@ class Coordinator:
         self.monitor.watch([0] if not self.is_master else [])
         self.monitor.start()
 
-    def _join_as_master(self, resume) -> Start:
+    def _join_as_master(self, resume, prepare) -> Start:
         self.lease = lease_mod.acquire(self.layout, self.c.node_timeout_s, self.c.poll_max_s)
         self._enter(self.lease.attempt)
         log.info("master holds lease generation %d; attempt %s", self.lease.generation, self.attempt_id)
@@ -164,6 +167,7 @@ class Coordinator:
         self._preflight(joins)
         reports = {0: {**self.gpus, "host": self.hosts[0]}, **{r: {**j["gpus"], "host": j["host"]} for r, j in joins.items()}}
         self.placement = self._place(reports)
+        prepare(iteration, phase, plan, self.placement)
         start = {
             "attempt": self.attempt_id,
             "iteration": iteration,
@@ -342,6 +346,12 @@ class Coordinator:
         iteration, label = self.where
         phase = int(label.split(":")[0]) if label else None
         self.events.emit(Event.TIMING, iteration=iteration, phase=phase, part=part, seconds=round(seconds, 4), **fields)
+
+    def took(self, split: str, chunk: int, tasks: int, victim: int) -> None:
+        """Record that this rank took chunk ``chunk`` of ``victim``'s first share (work stealing)."""
+        iteration, label = self.where
+        phase = int(label.split(":")[0]) if label else None
+        self.events.emit(Event.STEAL, iteration=iteration, phase=phase, split=split, chunk=chunk, tasks=tasks, victim=victim)
 
     def barrier(
         self, iteration: int, phase: Phase, payload: dict | None, deadline: Deadline,

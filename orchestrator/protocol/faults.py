@@ -8,6 +8,9 @@
 - ``hold-after-arrive``: the same, right after writing the arrival at that phase's barrier.
 - ``hold-in-removal``: the same, inside the master's checkpoint removal in that phase (13),
   after the checkpoint was renamed aside and before it is deleted (data/retention.py).
+- ``hold-in-steal``: the same, inside a rank's first steal of a chunk in that phase (1 or 6),
+  after its claim file was created and before it is written (data/work.py).
+- ``hold-after-steal``: the same, once that claim is written, before any of the chunk's records.
 - ``raise``: raise an exception inside that phase's work.
 
 Unset in production; the hooks cost one dict lookup per phase.
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 ENV = "ORCHESTRATOR_FAULT"
 HOLD_LIMIT_S = 300.0
-ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "raise")
+ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-in-steal", "hold-after-steal", "raise")
 
 
 class InjectedFault(RuntimeError):

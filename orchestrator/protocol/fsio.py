@@ -16,7 +16,7 @@ import os
 import socket
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator.protocol import waiting
 
@@ -68,18 +68,26 @@ def write_record(path: Path, body: dict, *, durable: bool = True) -> None:
     atomic_write_bytes(path, envelope(body), durable=durable)
 
 
-def create_record_exclusive(path: Path, body: dict) -> bool:
+def create_record_exclusive(path: Path, body: dict, before_write: Callable[[], None] | None = None) -> bool:
     """Create ``path`` only if no file has that name; True when this call created it.
 
     O_CREAT|O_EXCL decides the race (atomic on NFSv3+, held 50/50 on sshfs); the content
-    is written through the same handle, so readers still validate it.
+    is written through the same handle, so readers still validate it (a crash between the
+    two leaves an empty file). ``before_write``: a test's fault hook between the two.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return False
+    except PermissionError:
+        # sshfs reports a lost O_EXCL race as EPERM (SFTP's generic failure): lost if the name exists
+        if read_bytes(path) is not None:
+            return False
+        raise
     with os.fdopen(fd, "wb") as f:
+        if before_write is not None:
+            before_write()
         f.write(envelope(body))
         f.flush()
         os.fsync(f.fileno())

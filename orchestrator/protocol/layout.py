@@ -24,6 +24,9 @@
     iterations/<I>/summary.json               master: counts and metrics shown by `status`
     iterations/<I>/rollout/<split>/r<R>.jsonl rank R: its shard of trajectories
     iterations/<I>/rollout/<split>/r<R>.manifest.json   rank R: seal (count, sha256)
+    iterations/<I>/rollout/<split>/r<R>.adopted.jsonl   master: rank R's records, copied when the run went on without it
+    iterations/<I>/claims/<split>/c<K>.<G>.json   the rank that took chunk K (O_EXCL; generation G after a void claim)
+    iterations/<I>/claims/<split>/adopted.json    master: chunks made of the unfinished work of ranks no longer in the run
     iterations/<I>/aggregate/<split>.jsonl    master: merged shards
     iterations/<I>/aggregate/<split>.manifest.json      master: seal of the aggregate
     iterations/<I>/train_config.json          master: the training config decision
@@ -286,8 +289,24 @@ class IterationLayout:
     def shard(self, split: str, rank: int) -> Path:
         return self.root / "rollout" / split / f"r{rank:05d}.jsonl"
 
+    def adopted_shard(self, split: str, rank: int) -> Path:
+        """The master's sealed copy of an absent rank's records (data/work.py, ``adopt``): what
+        the merge reads for that rank from then on, whatever its own shard still gets."""
+        return self.root / "rollout" / split / f"r{rank:05d}.adopted.jsonl"
+
     def shard_manifest(self, split: str, rank: int) -> Path:
         return self.root / "rollout" / split / f"r{rank:05d}.manifest.json"
+
+    def claims(self, split: str) -> Path:
+        return self.root / "claims" / split
+
+    def claim(self, split: str, chunk: int, generation: int) -> Path:
+        """Created (O_EXCL) by the rank that takes chunk ``chunk`` of ``split`` (data/work.py)."""
+        return self.claims(split) / f"c{chunk:05d}.{generation}.json"
+
+    def adopted(self, split: str) -> Path:
+        """The master's chunks of absent ranks' unfinished work (a run resumed on fewer nodes)."""
+        return self.claims(split) / "adopted.json"
 
     def aggregate(self, split: str) -> Path:
         return self.root / "aggregate" / f"{split}.jsonl"

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 
 class Workload(Protocol):
+    min_chunk_tasks: int
+    """The smallest chunk of tasks worth handing out (what one engine request carries)."""
+
     def tasks_per_iteration(self, split: str) -> int:
         """How many ``split`` ("train" or "eval") tasks one iteration has."""
 
@@ -32,6 +35,9 @@ class Workload(Protocol):
 
     def prompts_too_long(self, split: str) -> int:
         """How many ``split`` tasks the run leaves out for a prompt over rl.max_prompt_tokens."""
+
+    def rollout_slots(self, ctx: PhaseContext) -> int:
+        """How many chunks this rank works on at once (one per engine)."""
 
     def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
         """Batches of scored records, one record per task (with its ``task_id``). Each batch
@@ -81,8 +87,8 @@ class PhaseContext:
 
     def share(self, split: str) -> tuple[int, int]:
         """(offset, count) of this rank's slice of the iteration's ``split`` tasks."""
-        per_rank = self.plan[split]["per_rank"]
-        return sum(per_rank[: self.rank]), per_rank[self.rank]
+        per_rank = self.plan[split]["per_rank"]  # a rank beyond the plan's (a resume on more nodes) has none
+        return sum(per_rank[: self.rank]), per_rank[self.rank] if self.rank < len(per_rank) else 0
 
     def progress(self, done: int, total: int) -> None:
         self.coordinator.progress(done, total)

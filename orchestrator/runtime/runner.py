@@ -29,6 +29,8 @@ from orchestrator.errors import (
     PeerFailed,
     StopRequested,
 )
+from orchestrator.data import work
+from orchestrator.node import placement
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Barrier, Phase, RLPhase
 from orchestrator.protocol import fsio
@@ -91,13 +93,31 @@ class Rank:
         plan = fsio.read_record(self.layout.iteration(iteration).plan)
         return iteration, phase, plan
 
+    def _adopt_absent(self, iteration: int, phase: Phase, plan: dict | None, placed: placement.Placement) -> None:
+        """Master, before the attempt starts: when it resumes inside a split's rollout whose
+        plan gives work to ranks this run does not have (resumed on fewer nodes), keep their
+        records and hand their unfinished tasks to this run's ranks (data/work.py)."""
+        split = "train" if phase <= Phase.ROLLOUT else "eval" if phase in (Phase.EVAL_DECIDE, Phase.EVAL) else None
+        if split is None or not plan or not plan[split]["enabled"]:
+            return
+        cfg = self.config
+        ids = self.workload.task_ids(split, iteration)[: plan[split]["total"]]
+        it = self.layout.iteration(iteration)
+        weights = placement.rollout_weights(placed, cfg.rank_weights)
+        adopted, moved = work.adopt(it, split, plan[split], ids, iteration=iteration, present=cfg.num_nodes, weights=weights,
+                                    attempt=self.coordinator.attempt_id)
+        if adopted:
+            log.warning("ranks %s have %s work in iteration %d but this run has %d node(s): their records so far are kept and "
+                        "their %d unfinished task(s) go to this run's ranks", ",".join(map(str, adopted)), split, iteration,
+                        cfg.num_nodes, moved)
+
     def run(self) -> int:
         _install_signal_handlers()
         state = HeartbeatState.FAILED
         try:
             while True:
                 try:
-                    start = self.coordinator.join(self._resume_point)
+                    start = self.coordinator.join(self._resume_point, self._adopt_absent)
                     log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
                     self._walk(start.iteration, start.phase, start.plan)
                     break

@@ -1,7 +1,8 @@
 """The rehearsal workload: simulated compute, real data flow.
 
 Rollout writes real records (``rehearsal.record_bytes`` of payload each) keyed by task id,
-spending ``rehearsal.work_s`` seconds per working phase; the "engine" is a real child
+spending ``rehearsal.task_s`` per task (by default, ``rehearsal.work_s`` over a rank's first
+share), times a rank's factor in ``rehearsal.slow_ranks``; training takes ``work_s``. The "engine" is a real child
 process (``sleep infinity``) that idles until stopped, so process-tree handling is exercised too. Eval accuracy
 rises with the iteration, deterministically, so curves look like a run's.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +22,7 @@ from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
 
 _GOLDEN = (5**0.5 - 1) / 2
+BATCH_S = 0.1
 
 
 def _spread(seed: int, task_id: str) -> float:
@@ -32,6 +35,8 @@ def _spread(seed: int, task_id: str) -> float:
 
 
 class RehearsalWorkload:
+    min_chunk_tasks = 1
+
     def __init__(self, config: RunConfig, children: Children):
         self.config = config
         self.r = config.rehearsal
@@ -47,11 +52,21 @@ class RehearsalWorkload:
     def task_ids(self, split: str, iteration: int) -> list[str]:
         return [f"{split}-{iteration:06d}-{k:06d}" for k in range(self.tasks_per_iteration(split))]
 
+    def rollout_slots(self, ctx: PhaseContext) -> int:
+        return 1
+
+    def task_seconds(self, ctx: PhaseContext, split: str) -> float:
+        """Simulated seconds per task on this rank."""
+        per_task = self.r.task_s or self.r.work_s / max(1, ctx.share(split)[1])
+        return per_task * self.r.slowdown.get(ctx.rank, 1.0)
+
     def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
         if not task_ids:
             return
-        batch = max(1, len(task_ids) // 20)
-        per_task = self.r.work_s / len(task_ids)
+        per_task = self.task_seconds(ctx, split)
+        # Batches of at least BATCH_S of simulated work: each is fsynced and counted, which
+        # costs milliseconds, as a batch of engine requests would.
+        batch = max(1, len(task_ids) // 20, math.ceil(BATCH_S / per_task) if per_task > 0 else len(task_ids))
         p_correct = min(0.95, 0.25 + 0.1 * ctx.iteration)
         for start in range(0, len(task_ids), batch):
             chunk = task_ids[start : start + batch]

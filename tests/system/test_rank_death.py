@@ -58,7 +58,8 @@ def test_sigkill_in_any_phase_stops_survivors_naming_the_dead_rank_then_resume_c
 
 def test_resume_keeps_sealed_shards_and_finishes_a_partial_one(cluster):
     """Rank 1 is killed mid-rollout of iteration 2 with a partly written shard; on resume the
-    shards sealed before the crash are untouched and rank 1 generates only what it lacked."""
+    shards sealed before the crash are untouched and rank 1's records are kept: it finishes
+    the chunks it had claimed (the others may take its chunks not yet started)."""
     flags = run_flags(cluster.log_path, max_iterations=3, extra=["rehearsal.work_s=3", "rehearsal.tasks=24"])
     procs = cluster.start_all(flags)
     layout = cluster.layout
@@ -88,7 +89,6 @@ def test_resume_keeps_sealed_shards_and_finishes_a_partial_one(cluster):
     attempts = [fsio_json["attempt"] for fsio_json in map(__import__("json").loads, it2.shard("train", 1).read_text().splitlines())]
     assert attempts[: len(partial)] == [first_attempt] * len(partial)
     assert set(attempts[len(partial):]) == {fsio.read_record(layout.lease)["attempt"]}
-    assert len(attempts) == 6
     assert status_json(cluster.log_path)["iterations"][1]["trajectories"] == 24
 
 

@@ -135,8 +135,10 @@ def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
 def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, tmp_path):
     log_path = tmp_path / "run"
     # 192 tasks: rank 0 (weight 2 of 4) sends 96 prompts in 6 requests, so "part-way" lasts
-    # five requests, long enough for the poll below to see it even on a loaded machine.
-    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192"])
+    # five requests, long enough for the poll below to see it even on a loaded machine. Without
+    # work stealing: with it, ranks whose engines start first may take rank 0's chunks
+    # (tests/system/test_work_stealing.py kills ranks mid-steal).
+    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192", "coordination.work_stealing=false"])
     procs = start_ranks(flags, 3)
     try:
         layout = RunLayout(log_path)

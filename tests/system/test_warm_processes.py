@@ -66,7 +66,8 @@ def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_fin
     log_path = tmp_path / "run"
     layout = RunLayout(log_path)
     # 192 tasks: rank 1 (weight 1 of 4) sends 48 prompts in 3 requests: long enough to be caught part-way.
-    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192"])
+    # Without work stealing: with it, a rank whose engine starts first may take all of rank 1's share.
+    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192", "coordination.work_stealing=false"])
     procs = start_ranks(flags, 3)
     try:
         wait_mid_rollout(layout, 1)

@@ -82,6 +82,20 @@ def test_merge_streams_shards_and_refuses_duplicates(tmp_path):
     assert [json.loads(l)["task_id"] for l in (tmp_path / "agg.jsonl").read_text().splitlines()] == ["t0", "t1", "t2"]
 
 
+def test_merge_puts_records_in_the_plan_order_and_keeps_only_what_counts(tmp_path):
+    """Stolen chunks leave a task's record in any rank's shard: the aggregate is the same
+    bytes whoever did what (its manifest hashes the ordered file), and a record ``keep``
+    refuses (a chunk done twice) is left out and counted."""
+    a, b = _sealed_shard(tmp_path / "r00000.jsonl", [0, 3, 4]), _sealed_shard(tmp_path / "r00001.jsonl", [1, 2, 3])
+    dest = tmp_path / "agg.jsonl"
+    m = shards.merge([("rank 0", a), ("rank 1", b)], dest, lambda label, rec: not (label == "rank 1" and rec["task_id"] == "t3"),
+                     lambda rec: int(rec["task_id"][1:]))
+    assert [json.loads(l)["task_id"] for l in dest.read_text().splitlines()] == ["t0", "t1", "t2", "t3", "t4"]
+    assert m.count == 5 and m.extra["dropped"] == 1 and shards.verify(dest, m)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["agg.jsonl", "agg.manifest.json", "r00000.jsonl", "r00000.manifest.json",
+                                                           "r00001.jsonl", "r00001.manifest.json"]
+
+
 def test_merge_counts_samples_whose_reward_failed(tmp_path):
     records = [{"task_id": "t0", "samples": [{"reward": 1.0}, {"reward": 0.0, "reward_error": "KeyError: x"}]},
                {"task_id": "t1", "samples": [{"reward": 0.0, "reward_error": "KeyError: y"}]}]

@@ -1,18 +1,21 @@
 """Phases 3-4: the master checks every rank's seal, then streams the shards into the
 iteration's aggregate, verifying each against its manifest and that every planned task is
-there exactly once."""
+there exactly once: a chunk's records count from the rank that owns its claim (data/work.py)."""
 
 from __future__ import annotations
 
-from orchestrator.data import shards, summary
+from orchestrator.data import shards, summary, work
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
 
 
 def _sources(ctx: PhaseContext, split: str) -> list[tuple[str, object]]:
-    per_rank = ctx.plan[split]["per_rank"]
-    return [(f"rank {r}", ctx.it.shard(split, r)) for r in range(len(per_rank)) if per_rank[r] > 0]
+    """The shard of every rank that owns a chunk of the split (of a rank the run went on
+    without, the master's sealed copy of its records)."""
+    chunks = work.all_chunks(ctx.it, split, ctx.plan[split])
+    ranks = sorted({o for o in work.owners(ctx.it, split, chunks) if o is not None})
+    return [(f"rank {r}", work.shard_of(ctx.it, split, r)) for r in ranks]
 
 
 def wait_for_seals(ctx: PhaseContext, split: str) -> dict[str, shards.Manifest]:
@@ -48,10 +51,24 @@ def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
         return existing  # a salvaged partial one is replaced by the full merge
     planned = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
     wait_for_seals(ctx, split)
+    chunks = work.all_chunks(ctx.it, split, ctx.plan[split])
+    chunk_of = {planned[t]: k for t, k in work.task_chunks(chunks).items()}
+    position = {task_id: t for t, task_id in enumerate(planned)}  # the aggregate is in the plan's order
+
+    def merge() -> shards.Manifest:
+        owner = work.owners(ctx.it, split, chunks)
+
+        def keep(label: str, record: dict) -> bool:
+            k = chunk_of.get(record["task_id"])
+            return k is not None and label == f"rank {owner[k]}"
+
+        return shards.merge(_sources(ctx, split), dest, keep, lambda record: position[record["task_id"]], split=split,
+                            iteration=ctx.iteration, partial=False,
+                            work=work_done(chunks, owner, max(len(ctx.plan[split]["per_rank"]), ctx.config.num_nodes)))
+
     # A shard read cut short or stale (sshfs, NFS) fails its checksum: read it again before
     # calling it damaged.
-    m = fsio.retry_transient(lambda: shards.merge(_sources(ctx, split), dest, split=split, iteration=ctx.iteration, partial=False),
-                             f"merging the {split} shards of iteration {ctx.iteration}", transient=(shards.ShardError,))
+    m = fsio.retry_transient(merge, f"merging the {split} shards of iteration {ctx.iteration}", transient=(shards.ShardError,))
     if m.count != len(planned):
         shards.manifest_path(dest).unlink()
         dest.unlink()
@@ -59,6 +76,22 @@ def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
             f"{split} aggregate of iteration {ctx.iteration} has {m.count} trajectories but the plan has {len(planned)} tasks"
         )
     return m
+
+
+def work_done(chunks: list[work.Chunk], owner: list[int | None], num_ranks: int) -> dict:
+    """Tasks each rank did (``done_per_rank``) and tasks of each rank's first share that
+    other ranks took (``taken_per_rank``)."""
+    size = dict.fromkeys(range(len(chunks)), 0)
+    for k in work.task_chunks(chunks).values():
+        size[k] += 1  # a chunk's tasks that no later chunk took over
+    num_ranks = max([num_ranks, *(o + 1 for o in owner if o is not None)])
+    done, taken = [0] * num_ranks, [0] * num_ranks
+    for c, o in zip(chunks, owner):
+        if o is not None:
+            done[o] += size[c.index]
+        if o is not None and o != c.rank and c.rank < num_ranks:
+            taken[c.rank] += size[c.index]
+    return {"done_per_rank": done, "taken_per_rank": taken}
 
 
 def note_reward_errors(ctx: PhaseContext, split: str, m: shards.Manifest) -> None:
@@ -79,6 +112,10 @@ def merge_train_shards(ctx: PhaseContext) -> None:
         return
     m = merge_split(ctx, "train")
     trajectories = m.extra.get("trajectories", m.count)
-    summary.update(ctx.layout, ctx.iteration, trajectories=trajectories)
+    done = m.extra.get("work") or {}
+    summary.update(ctx.layout, ctx.iteration, trajectories=trajectories, tasks_done_per_rank=done.get("done_per_rank"),
+                   tasks_taken_per_rank=done.get("taken_per_rank"))
+    if m.extra.get("dropped"):
+        ctx.log.warning("left out %d train records of chunks done twice (a void claim whose rank went on)", m.extra["dropped"])
     note_reward_errors(ctx, "train", m)
     ctx.log.info("aggregated %d train trajectories (%d tasks) of iteration %d", trajectories, m.count, ctx.iteration)

@@ -1,43 +1,84 @@
-"""Phases 1-2: each rank rolls out its weighted share into its own shard, then seals it.
+"""Phases 1-2: each rank rolls out chunks of the split into its own shard, then seals it.
 
+A rank takes its own chunks of the plan first, then, with work stealing, chunks not yet
+started from the rank with the most left (data/work.py): the phase ends when the work ends.
 The shard is appended in small fsynced batches; a restarted rank keeps what its shard
-already holds and generates only the missing tasks. A sealed shard is never regenerated.
+already holds and finishes the chunks it had claimed. A sealed shard is never regenerated.
 """
 
 from __future__ import annotations
 
 from orchestrator import terminal
-from orchestrator.data import shards
+from orchestrator.data import shards, work
+from orchestrator.node import placement
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
 
 
+def ledger(ctx: PhaseContext, split: str) -> work.Ledger:
+    """This rank's claims on the split's chunks in this iteration."""
+    split_plan = ctx.plan[split]
+    weights = placement.rollout_weights(ctx.coordinator.placement, ctx.config.rank_weights)
+    steal = ctx.config.coordination.work_stealing and weights[ctx.rank] > 0
+    return work.Ledger(ctx.it, split, ctx.rank, work.all_chunks(ctx.it, split, split_plan), stealing=steal,
+                       settle_s=ctx.config.coordination.node_timeout_s, attempt=ctx.attempt_id,
+                       on_steal=lambda point: ctx.coordinator.fault_point(f"hold-{point}", ctx.iteration, ctx.phase))
+
+
 def generate_shard(ctx: PhaseContext, split: str) -> None:
     path = ctx.it.shard(split, ctx.rank)
-    offset, count = ctx.share(split)
+    _offset, count = ctx.share(split)
     if shards.sealed(path) is not None:
         ctx.log.info("%s shard of iteration %d is sealed already: reusing it", split, ctx.iteration)
         ctx.progress(count, count)
         return
-    mine = ctx.workload.task_ids(split, ctx.iteration)[offset : offset + count]
+    if shards.sealed(ctx.it.adopted_shard(split, ctx.rank)) is not None:
+        ctx.log.warning("the run went on without this rank in the %s rollout of iteration %d (its records were adopted): "
+                        "it takes no more of that work", split, ctx.iteration)
+        return
+    ids = ctx.workload.task_ids(split, ctx.iteration)
+    claims = ledger(ctx, split)
+    slots = max(1, ctx.workload.rollout_slots(ctx))
+    moved = work.task_chunks(claims.chunks)  # a task of an adopted rank's chunk may be another chunk's now
     with shards.ShardWriter(path) as writer:
-        todo = [t for t in mine if t not in writer.task_ids]
-        done = count - len(todo)
+        queue = claims.owned()
+        done = len(writer.task_ids)
         if done:
-            ctx.log.info("resuming %s shard: %d of %d tasks already there", split, done, count)
+            ctx.log.info("resuming %s shard: %d tasks already there, %d chunk(s) claimed", split, done, len(queue))
         ctx.progress(done, count)
         with terminal.progress(f"iteration {ctx.iteration} {split} rollout", count, done) as bar:
-            for batch in ctx.workload.rollout(ctx, split, todo):
-                for record in batch:
-                    writer.append(record)
-                writer.flush()  # each batch is durable before it is counted: progress shown is progress kept
-                done += len(batch)
-                ctx.progress(done, count)
-                bar.update(done)
+            while True:
+                pending = False
+                while len(queue) < slots:
+                    chunk, pending = claims.take()
+                    if chunk is None:
+                        break
+                    if chunk.rank != ctx.rank:
+                        ctx.log.info("took %s chunk %d (%d tasks) from rank %d", split, chunk.index, chunk.size, chunk.rank)
+                        ctx.coordinator.took(split, chunk.index, chunk.size, chunk.rank)
+                    queue.append(chunk)
+                if not queue:
+                    if not pending:
+                        break
+                    ctx.cancel.sleep(ctx.config.coordination.poll_max_s)  # a claim is settling: see whether it is void
+                    continue
+                taking, queue = queue[:slots], queue[slots:]
+                todo = [ids[t] for c in taking for t in c.tasks if moved[t] == c.index and ids[t] not in writer.task_ids]
+                total = claims.expected()
+                for batch in ctx.workload.rollout(ctx, split, todo):
+                    for record in batch:
+                        writer.append(record)
+                    writer.flush()  # each batch is durable before it is counted: progress shown is progress kept
+                    done += len(batch)
+                    ctx.progress(done, total)
+                    bar.update(done, total)
 
 
 def seal_shard(ctx: PhaseContext, split: str) -> dict:
-    shard = ctx.it.shard(split, ctx.rank)
+    shard = work.shard_of(ctx.it, split, ctx.rank)
+    if shard != ctx.it.shard(split, ctx.rank):  # adopted: the master sealed its copy
+        m = shards.sealed(shard)
+        return {"split": split, "count": m.count, "sha256": m.sha256}
     m = fsio.retry_transient(lambda: shards.seal(shard, rank=ctx.rank, split=split, iteration=ctx.iteration), f"sealing {shard}")
     return {"split": split, "count": m.count, "sha256": m.sha256}
 

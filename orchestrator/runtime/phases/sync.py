@@ -4,8 +4,7 @@ checkpoints retention no longer keeps, and marks the iteration complete."""
 from __future__ import annotations
 
 from orchestrator.config import RolloutSplit
-from orchestrator.data import retention, summary
-from orchestrator.data.splitting import split_counts
+from orchestrator.data import retention, summary, work
 from orchestrator.node import placement
 from orchestrator.phase_table import RLPhase, eval_due
 from orchestrator.protocol import fsio
@@ -13,9 +12,9 @@ from orchestrator.runtime.context import PhaseContext
 
 
 def make_plan(ctx: PhaseContext) -> dict:
-    """Who rolls out how many tasks of each split this iteration: a pure function of the
-    config, the placement (``--rank-weights auto``) and the iteration, so every master that
-    computes it gets the same plan."""
+    """Who rolls out how many tasks of each split this iteration, first (``per_rank``), in
+    which chunks: a pure function of the config, the placement (``--rank-weights auto``) and
+    the iteration, so every master that computes it gets the same plan."""
     cfg = ctx.config
     if cfg.rl_phase is RLPhase.ROLLOUT:
         train = cfg.rollout_split is RolloutSplit.TRAIN_ONLY
@@ -25,9 +24,11 @@ def make_plan(ctx: PhaseContext) -> dict:
         evaluate = eval_due(ctx.iteration, cfg.eval_interval)
     plan = {"iteration": ctx.iteration}
     weights = placement.rollout_weights(ctx.coordinator.placement, cfg.rank_weights)
+    c = cfg.coordination
     for split, enabled in (("train", train), ("eval", evaluate)):
         total = ctx.workload.tasks_per_iteration(split) if enabled else 0
-        plan[split] = {"enabled": enabled, "total": total, "per_rank": split_counts(total, weights)}
+        plan[split] = {"enabled": enabled, **work.plan_split(total, weights, stealing=c.work_stealing, chunk_tasks=c.chunk_tasks,
+                                                            min_chunk_tasks=ctx.workload.min_chunk_tasks)}
     return plan
 
 

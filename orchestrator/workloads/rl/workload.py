@@ -39,6 +39,8 @@ _BATCH_BACKOFF = Backoff(0.005, 0.1)
 
 
 class RLWorkload:
+    min_chunk_tasks = PROMPTS_PER_REQUEST
+
     def __init__(self, config: RunConfig, children: Children):
         self.config = config
         self.rl = config.rl
@@ -133,6 +135,11 @@ class RLWorkload:
         self.clients = []
 
     # -- rollout and eval ----------------------------------------------------------------------
+
+    def rollout_slots(self, ctx: PhaseContext) -> int:
+        if self.config.debug_mode:
+            return 1
+        return max(1, len(ctx.coordinator.placement.engines_on(ctx.rank)))
 
     def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
         """Batches of records in completion order; a node's engines share the batches. A

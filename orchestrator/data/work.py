@@ -1,0 +1,276 @@
+"""Rollout and eval work in chunks, taken through exclusive claim files (work stealing).
+
+The plan cuts a split's task list into chunks and gives each rank a first share of them
+(``--rank-weights``, data/splitting.py). A rank takes a chunk by creating its claim file
+with ``O_CREAT|O_EXCL`` (``iterations/<I>/claims/<split>/c<K>.<G>.json``): one creator wins
+and is the file's only writer, and only that rank writes the chunk's records. A rank takes
+its own chunks front to back; with ``coordination.work_stealing``, a rank with none left
+takes the last unclaimed chunk of the rank with the most unclaimed tasks, until none is left.
+Without stealing a rank takes exactly its own chunks.
+
+A run resumed on fewer nodes leaves ranks of the plan absent: when the attempt starts inside
+a split's rollout, the master adopts them (:func:`adopt`): it copies each absent rank's
+records into a sealed shard of its own (``r<R>.adopted.jsonl``; every fsynced record counts), claims the chunks of its first share nobody took for it,
+and hands every task it owned but had not done to the present ranks as new chunks
+(``iterations/<I>/claims/<split>/adopted.json``, which maps those tasks to the new chunks).
+
+A crash between creating a claim and writing it leaves an empty claim: once it has stayed
+invalid for ``settle_s`` it is void, and the chunk is claimed at the next generation ``G+1``.
+The owner of a chunk is the writer of its first valid generation (:func:`owners`); the
+aggregate keeps only the owner's records of each chunk, so even a void claim that was merely
+slow (its creator went on and did the chunk too) has every task counted once.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from orchestrator.data import shards
+from orchestrator.data.splitting import split_counts
+from orchestrator.node import identity
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import IterationLayout
+
+CHUNKS_PER_RANK = 32
+"""With work stealing, about this many chunks per rank (coordination.chunk_tasks=0): the phase
+ends up to one chunk of the slowest rank late, so chunks must be small (bench/stealing.py:
+1.18x the ideal with 16 per rank, 1.06x with 32; docs/performance.md, section 12)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    index: int
+    rank: int
+    """The rank whose first share holds it."""
+    tasks: tuple[int, ...]
+    """Positions in the iteration's task ids of the split."""
+
+    @property
+    def size(self) -> int:
+        return len(self.tasks)
+
+
+def plan_split(total: int, weights: Sequence[float], *, stealing: bool, chunk_tasks: int, min_chunk_tasks: int) -> dict:
+    """A split's part of the iteration plan: the first share of each rank (``per_rank``), the
+    ranks that roll out (positive weight), and the chunks. Without stealing, or with a single
+    rank rolling out, a rank's share is one chunk."""
+    per_rank = split_counts(total, weights)
+    takers = [r for r, w in enumerate(weights) if w > 0]
+    if chunk_tasks > 0:
+        size = chunk_tasks
+    elif not stealing or len(takers) <= 1:
+        size = max(1, total)
+    else:
+        size = max(1, min_chunk_tasks, math.ceil(total / (len(takers) * CHUNKS_PER_RANK)))
+    return {"total": total, "per_rank": per_rank, "ranks": takers, "chunk_tasks": size,
+            "chunks": [[c.tasks[0], c.tasks[-1] + 1, c.rank] for c in cut(per_rank, size)]}
+
+
+def cut(per_rank: Sequence[int], size: int, tasks: Sequence[int] | None = None, first_index: int = 0) -> list[Chunk]:
+    """Each rank's contiguous share of ``tasks`` (default: 0, 1, ...), in rank order, cut into
+    chunks of at most ``size``, numbered from ``first_index``."""
+    tasks = range(sum(per_rank)) if tasks is None else tasks
+    chunks, start = [], 0
+    for rank, n in enumerate(per_rank):
+        for s in range(start, start + n, size):
+            chunks.append(Chunk(first_index + len(chunks), rank, tuple(tasks[s : min(s + size, start + n)])))
+        start += n
+    return chunks
+
+
+def chunks_of(split_plan: dict) -> list[Chunk]:
+    """The chunks of a split's plan (a plan written before chunks existed: one per rank)."""
+    if "chunks" in split_plan:
+        return [Chunk(k, r, tuple(range(s, e))) for k, (s, e, r) in enumerate(split_plan["chunks"])]
+    return cut(split_plan["per_rank"], max(1, split_plan["total"]))
+
+
+def takers_of(split_plan: dict) -> list[int]:
+    """The ranks that roll out this split (those with a positive weight)."""
+    if "ranks" in split_plan:
+        return list(split_plan["ranks"])
+    return [r for r, n in enumerate(split_plan["per_rank"]) if n > 0]
+
+
+class Outcome(enum.Enum):
+    WON = "won"
+    TAKEN = "taken"
+    """Another rank holds a valid claim."""
+    PENDING = "pending"
+    """A claim exists that is not valid yet (being written, or void once it stays so)."""
+
+
+class Ledger:
+    """One rank's view of a split's chunks and claims in one iteration."""
+
+    def __init__(self, it: IterationLayout, split: str, rank: int, chunks: list[Chunk], *, stealing: bool, settle_s: float,
+                 attempt: str, on_steal: Callable[[str], None] = lambda _where: None):
+        """``on_steal(point)``: called at "in-steal" (claim created, not yet written) and
+        "after-steal" (written, no record yet), for tests' fault holds."""
+        self.it, self.split, self.rank, self.chunks = it, split, rank, chunks
+        self.stealing, self.settle_s, self.attempt, self.on_steal = stealing, settle_s, attempt, on_steal
+        self.owner: dict[int, int] = {}
+        """Chunk -> the rank of its valid claim, as far as this rank knows (claims never change)."""
+        self._invalid_since: dict[tuple[int, int], float] = {}
+
+    # -- reading claims ----------------------------------------------------------------------
+
+    def _read(self, chunk: Chunk) -> tuple[Outcome | None, int]:
+        """The state of ``chunk``'s claim chain: (None, G) when generation G is free to
+        claim; (TAKEN or WON, G) when generation G holds a valid claim; (PENDING, G) when G is
+        invalid and has not been so for ``settle_s`` yet."""
+        g = 0
+        while True:
+            path = self.it.claim(self.split, chunk.index, g)
+            body = fsio.read_record(path)
+            if body is not None:
+                self.owner[chunk.index] = body["rank"]
+                return (Outcome.WON if body["rank"] == self.rank else Outcome.TAKEN), g
+            if fsio.read_bytes(path) is None:
+                return None, g
+            first = self._invalid_since.setdefault((chunk.index, g), time.monotonic())
+            if time.monotonic() - first < self.settle_s:
+                return Outcome.PENDING, g
+            g += 1  # void: its creator died before writing it
+
+    def owned(self) -> list[Chunk]:
+        """The chunks this rank holds valid claims on (a restarted rank's unfinished work)."""
+        fsio.refresh_dir(self.it.claims(self.split))
+        return [c for c in self.chunks if self._read(c)[0] is Outcome.WON]
+
+    def expected(self) -> int:
+        """Tasks this rank does, as far as it knows now: the chunks it holds, and its own not yet taken."""
+        return sum(c.size for c in self.chunks
+                   if self.owner.get(c.index) == self.rank or (c.rank == self.rank and c.index not in self.owner))
+
+    # -- taking ------------------------------------------------------------------------------
+
+    def claim(self, chunk: Chunk) -> Outcome:
+        state, g = self._read(chunk)
+        while state is None:
+            stolen = chunk.rank != self.rank
+            body = {"rank": self.rank, "chunk": chunk.index, "generation": g, "first_rank": chunk.rank, "attempt": self.attempt,
+                    "host": identity.host(), "pid": os.getpid()}
+            hook = (lambda: self.on_steal("in-steal")) if stolen else None
+            if fsio.create_record_exclusive(self.it.claim(self.split, chunk.index, g), body, before_write=hook):
+                self.owner[chunk.index] = self.rank
+                if stolen:
+                    self.on_steal("after-steal")
+                return Outcome.WON
+            state, g = self._read(chunk)
+        return state
+
+    def take(self) -> tuple[Chunk | None, bool]:
+        """The next chunk for this rank: its own first, then (stealing) another's.
+        (chunk, False) or (None, True) when a claim is still settling and nothing else is
+        free (poll again); (None, False): no work is left for this rank."""
+        pending = False
+        for chunk in self.chunks:
+            if chunk.rank == self.rank and chunk.index not in self.owner:
+                outcome = self.claim(chunk)
+                if outcome is Outcome.WON:
+                    return chunk, False
+                pending |= outcome is Outcome.PENDING
+        if not self.stealing:
+            return None, pending
+        while True:
+            fsio.refresh_dir(self.it.claims(self.split))
+            free: dict[int, list[Chunk]] = {}
+            for chunk in self.chunks:
+                if chunk.index in self.owner:
+                    continue
+                state, _ = self._read(chunk)
+                if state is None:
+                    free.setdefault(chunk.rank, []).append(chunk)
+                pending |= state is Outcome.PENDING
+            if not free:
+                return None, pending
+            victim = max(free, key=lambda r: (sum(c.size for c in free[r]), -r))
+            chunk = free[victim][-1]
+            if self.claim(chunk) is Outcome.WON:
+                return chunk, False
+
+
+def owners(it: IterationLayout, split: str, chunks: list[Chunk]) -> list[int | None]:
+    """Each chunk's owner: the rank of its first valid claim (an invalid one is void by now:
+    every rank has sealed); None for a chunk no rank claimed."""
+    found: list[int | None] = []
+    fsio.refresh_dir(it.claims(split))
+    for chunk in chunks:
+        owner, g = None, 0
+        while fsio.read_bytes(path := it.claim(split, chunk.index, g)) is not None:
+            body = fsio.read_record(path)
+            if body is not None:
+                owner = body["rank"]
+                break
+            g += 1
+        found.append(owner)
+    return found
+
+
+# -- chunks of ranks no longer in the run -------------------------------------------------------
+
+
+def all_chunks(it: IterationLayout, split: str, split_plan: dict) -> list[Chunk]:
+    """The plan's chunks, then those the master made of absent ranks' unfinished work."""
+    chunks = chunks_of(split_plan)
+    for entry in (fsio.read_record(it.adopted(split)) or {}).get("adoptions", []):
+        chunks += [Chunk(k, r, tuple(tasks)) for k, r, tasks in entry["chunks"]]
+    return chunks
+
+
+def task_chunks(chunks: list[Chunk]) -> dict[int, int]:
+    """Each task position's chunk: the last chunk that holds it (an adopted task moved to a new one)."""
+    return {t: c.index for c in chunks for t in c.tasks}
+
+
+def shard_of(it: IterationLayout, split: str, rank: int) -> Path:
+    """The file that holds ``rank``'s records of ``split``: the master's copy once it adopted
+    the rank, else the rank's own shard."""
+    adopted = it.adopted_shard(split, rank)
+    return adopted if shards.sealed(adopted) is not None else it.shard(split, rank)
+
+
+def adopt(it: IterationLayout, split: str, split_plan: dict, ids: Sequence[str], *, iteration: int, present: int,
+          weights: Sequence[float], attempt: str) -> tuple[list[int], int]:
+    """Master, as an attempt starts inside ``split``'s rollout (no other rank runs yet): the
+    ranks at or above ``present`` that hold or were given chunks are adopted. Their records
+    are copied into sealed shards of the master's, their unclaimed chunks claimed for them,
+    and the tasks they owned but had not written go to the present ranks (``weights``) as new
+    chunks. Returns the adopted ranks and how many tasks moved."""
+    chunks = all_chunks(it, split, split_plan)
+    owner = owners(it, split, chunks)
+    absent = sorted({c.rank for c in chunks if c.rank >= present} | {o for o in owner if o is not None and o >= present})
+    if not absent:
+        return [], 0
+    for rank in absent:
+        holder = Ledger(it, split, rank, chunks, stealing=False, settle_s=0.0, attempt=attempt)
+        for c in chunks:
+            if c.rank == rank and owner[c.index] is None:
+                holder.claim(c)  # an invalid claim is void by now: no rank of the old attempt runs
+                owner[c.index] = rank
+    rest = []
+    for rank in absent:
+        if shards.sealed(it.shard(split, rank)) is None and shards.sealed(it.adopted_shard(split, rank)) is None:
+            # Its records so far, copied: the rank's own file keeps one writer, and whatever a
+            # late process of that rank still appends to it counts for nothing.
+            shards.salvage([(f"rank {rank}", it.shard(split, rank))], it.adopted_shard(split, rank), rank=rank, split=split,
+                           iteration=iteration, adopted=True)
+        done = set(shards.read_task_ids(shard_of(it, split, rank)))
+        rest += [t for t, k in task_chunks(chunks).items() if owner[k] == rank and ids[t] not in done]
+    rest.sort()
+    if not rest:
+        return absent, 0
+    size = max(1, split_plan.get("chunk_tasks") or len(rest))
+    new = cut(split_counts(len(rest), list(weights)[:present]), size, rest, first_index=len(chunks))
+    record = fsio.read_record(it.adopted(split)) or {"adoptions": []}
+    record["adoptions"].append({"ranks": absent, "attempt": attempt, "tasks": len(rest),
+                                "chunks": [[c.index, c.rank, list(c.tasks)] for c in new]})
+    fsio.write_record(it.adopted(split), record)
+    return absent, len(rest)

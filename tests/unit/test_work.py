@@ -1,0 +1,164 @@
+"""Chunks and claims (data/work.py): the plan's cut, exclusive claims raced by real processes,
+void claims, and the owner rule the aggregate keeps records by."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.data import work
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import IterationLayout
+
+
+def test_the_plan_cuts_each_first_share_into_chunks_that_cover_every_task_once():
+    plan = work.plan_split(50, [2, 1, 1], stealing=True, chunk_tasks=0, min_chunk_tasks=1)
+    assert plan["per_rank"] == [25, 13, 12] and plan["ranks"] == [0, 1, 2]
+    assert plan["chunk_tasks"] == 1  # 50 tasks over 3 ranks x 32 chunks
+    chunks = work.chunks_of(plan)
+    assert [t for c in chunks for t in c.tasks] == list(range(50))
+    for r, n in enumerate(plan["per_rank"]):
+        assert sum(c.size for c in chunks if c.rank == r) == n
+        assert all(c.size == 1 for c in chunks)
+
+
+def test_without_stealing_or_with_one_rank_a_share_is_one_chunk():
+    static = work.plan_split(12, [2, 1, 1], stealing=False, chunk_tasks=0, min_chunk_tasks=1)
+    assert [(c.tasks, c.rank) for c in work.chunks_of(static)] == [(tuple(range(0, 6)), 0), (tuple(range(6, 9)), 1), (tuple(range(9, 12)), 2)]
+    alone = work.plan_split(12, [1, 0, 0], stealing=True, chunk_tasks=0, min_chunk_tasks=1)
+    assert [(c.tasks, c.rank) for c in work.chunks_of(alone)] == [(tuple(range(12)), 0)]
+
+
+def test_chunk_size_respects_the_workload_minimum_and_the_config():
+    assert work.plan_split(64, [1, 1], stealing=True, chunk_tasks=0, min_chunk_tasks=16)["chunk_tasks"] == 16
+    assert work.plan_split(64, [1, 1], stealing=True, chunk_tasks=5, min_chunk_tasks=16)["chunk_tasks"] == 5
+    assert work.plan_split(0, [1, 1], stealing=True, chunk_tasks=0, min_chunk_tasks=1)["chunks"] == []
+
+
+def test_a_plan_written_before_chunks_reads_as_one_chunk_per_share():
+    old = {"enabled": True, "total": 12, "per_rank": [6, 3, 3]}
+    assert [(c.tasks, c.rank) for c in work.chunks_of(old)] == [(tuple(range(0, 6)), 0), (tuple(range(6, 9)), 1), (tuple(range(9, 12)), 2)]
+    assert work.takers_of({"enabled": True, "total": 4, "per_rank": [4, 0]}) == [0]
+
+
+def _ledger(root: Path, rank: int, chunks, *, stealing: bool = True, settle_s: float = 5.0) -> work.Ledger:
+    return work.Ledger(IterationLayout(root), "train", rank, chunks, stealing=stealing, settle_s=settle_s, attempt="a")
+
+
+def _take_all(root: str, rank: int, per_rank: list[int], start_at: float, out) -> None:
+    chunks = work.cut(per_rank, 1)
+    ledger = _ledger(Path(root), rank, chunks)
+    while time.time() < start_at:
+        pass
+    taken = []
+    while True:
+        chunk, pending = ledger.take()
+        if chunk is None and not pending:
+            break
+        if chunk is not None:
+            taken.append(chunk.index)
+    out.put((rank, taken))
+
+
+def test_ranks_racing_for_chunks_take_each_exactly_once_and_a_rank_without_own_work_steals(tmp_path):
+    per_rank = [20, 20, 20, 0]  # rank 3 has no first share: all it does, it steals
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    start_at = time.time() + 2.0
+    procs = [ctx.Process(target=_take_all, args=(str(tmp_path), r, per_rank, start_at, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    taken = [k for r in range(4) for k in results[r]]
+    assert sorted(taken) == list(range(60)), "every chunk taken exactly once"
+    owners = work.owners(IterationLayout(tmp_path), "train", work.cut(per_rank, 1))
+    assert all(owners[k] == r for r in range(4) for k in results[r])
+
+
+def test_without_stealing_a_rank_takes_exactly_its_own_chunks(tmp_path):
+    chunks = work.cut([2, 2], 1)
+    ledger = _ledger(tmp_path, 1, chunks, stealing=False)
+    got = [ledger.take()[0].index, ledger.take()[0].index, ledger.take()]
+    assert got == [2, 3, (None, False)]
+
+
+def test_a_thief_takes_from_the_back_of_the_rank_with_most_left(tmp_path):
+    chunks = work.cut([2, 5, 3], 1)
+    thief = _ledger(tmp_path, 0, chunks)
+    assert [thief.take()[0].index for _ in range(2)] == [0, 1]  # its own, front to back
+    assert thief.take()[0].index == 6  # rank 1's last: it has the most left
+    assert thief.expected() == 3
+
+
+def test_a_restarted_rank_finds_the_chunks_it_holds(tmp_path):
+    chunks = work.cut([3, 3], 1)
+    first = _ledger(tmp_path, 1, chunks)
+    held = [first.take()[0].index, first.take()[0].index]
+    assert [c.index for c in _ledger(tmp_path, 1, chunks).owned()] == held
+    assert _ledger(tmp_path, 0, chunks).owned() == []
+
+
+def test_a_claim_left_empty_by_a_crash_is_void_after_settling_and_the_next_generation_is_taken(tmp_path):
+    it = IterationLayout(tmp_path)
+    chunks = work.cut([1, 1], 1)
+    it.claims("train").mkdir(parents=True)
+    it.claim("train", 0, 0).write_bytes(b"")  # created, never written: its creator died in between
+    ledger = _ledger(tmp_path, 0, chunks, stealing=False, settle_s=0.3)
+    assert ledger.take() == (None, True)  # it may still be being written
+    time.sleep(0.35)
+    chunk, _ = ledger.take()
+    assert chunk.index == 0 and fsio.read_record(it.claim("train", 0, 1))["rank"] == 0
+    assert work.owners(it, "train", chunks) == [0, None]
+
+
+def test_a_void_claim_that_was_only_slow_still_owns_its_chunk(tmp_path):
+    """The first valid generation owns the chunk, whoever wrote a later one: the aggregate
+    keeps only the owner's records, so the chunk counts once though two ranks did it."""
+    it = IterationLayout(tmp_path)
+    chunks = work.cut([1], 1)
+    fsio.write_record(it.claim("train", 0, 1), {"rank": 0})
+    fsio.write_record(it.claim("train", 0, 0), {"rank": 2})
+    assert work.owners(it, "train", chunks) == [2]
+
+
+@pytest.mark.parametrize("weights", [[1, 1, 1], [3, 0, 1]])
+def test_plan_ranks_are_those_with_a_positive_weight(weights):
+    assert work.plan_split(9, weights, stealing=True, chunk_tasks=0, min_chunk_tasks=1)["ranks"] == [r for r, w in enumerate(weights) if w]
+
+
+def test_an_absent_rank_is_adopted_its_records_kept_and_its_unfinished_tasks_split_over_the_present(tmp_path):
+    """A 3-rank plan resumed on 2 ranks: rank 2 had written 1 task of the chunk it held (and a
+    torn line), and had not started its last chunk. Adoption seals its shard as it is, claims
+    the untouched chunk for it, and makes new chunks of its 4 missing tasks for ranks 0 and 1."""
+    from orchestrator.data import shards
+
+    it = IterationLayout(tmp_path)
+    ids = [f"t{k}" for k in range(12)]
+    plan = work.plan_split(12, [1, 1, 1], stealing=True, chunk_tasks=2, min_chunk_tasks=1)
+    chunks = work.chunks_of(plan)  # rank 2: chunks 4 (tasks 8, 9) and 5 (tasks 10, 11)
+    held = _ledger(tmp_path, 2, chunks)
+    assert held.take()[0].index == 4
+    with shards.ShardWriter(it.shard("train", 2)) as w:
+        w.append({"task_id": "t8"})
+    with open(it.shard("train", 2), "ab") as f:
+        f.write(b'{"task_id": "t9"')  # torn by the crash
+    adopted, moved = work.adopt(it, "train", plan, ids, iteration=1, present=2, weights=[1, 1], attempt="b")
+    assert (adopted, moved) == ([2], 3)
+    m = shards.sealed(it.adopted_shard("train", 2))
+    assert m is not None and m.count == 1 and m.extra["adopted"] is True
+    assert work.shard_of(it, "train", 2) == it.adopted_shard("train", 2)
+    assert it.shard("train", 2).read_bytes().endswith(b'"t9"'), "the rank's own file is left as it is"
+    every = work.all_chunks(it, "train", plan)
+    new = every[len(chunks):]
+    assert sorted(t for c in new for t in c.tasks) == [9, 10, 11] and {c.rank for c in new} == {0, 1}
+    owner = work.owners(it, "train", every)
+    assert owner[4] == owner[5] == 2 and all(owner[c.index] is None for c in new)
+    moved_to = work.task_chunks(every)
+    assert moved_to[8] == 4 and all(moved_to[t] >= len(chunks) for t in (9, 10, 11))
+    # adopting again finds nothing left to move
+    assert work.adopt(it, "train", plan, ids, iteration=1, present=2, weights=[1, 1], attempt="c") == ([2], 0)
