@@ -56,6 +56,34 @@ def test_three_ranks_on_separate_sshfs_mounts_complete_the_run(sshfs_cluster):
     assert_default_three_iteration_run(run)
 
 
+def test_ranks_on_separate_sshfs_mounts_steal_a_slow_ranks_chunks_once_each(sshfs_cluster):
+    """Work stealing across client caches: every chunk is claimed once (O_EXCL decided by the
+    server; sshfs reports a lost race as EPERM), rank 2's chunks go to the fast ranks, and
+    every task is in the aggregate once."""
+    from orchestrator.data import work
+    from orchestrator.protocol import fsio
+    from orchestrator.protocol.layout import RunLayout
+    from tests.harness import aggregate_task_ids
+
+    cluster, export, mounts = sshfs_cluster
+    extra = ["rehearsal.tasks=36", "rehearsal.eval_tasks=9", "rehearsal.task_s=0.03", "rehearsal.slow_ranks=2:4"]
+    procs = [cluster.start(rank, run_flags(mounts[rank] / "run", weights="1,1,1", eval_interval=1, max_iterations=2, extra=extra))
+             for rank in range(3)]
+    codes = cluster.wait_all(procs, timeout=150)
+    assert codes == [0, 0, 0], "\n".join(f"--- rank {p.rank} ---\n{p.output()}" for p in procs)
+
+    layout = RunLayout(export / "run")
+    for i in (1, 2):
+        it = layout.iteration(i)
+        plan = fsio.read_record(it.plan)
+        for split, n in (("train", 36), ("eval", 9)):
+            assert sorted(aggregate_task_ids(layout, i, split)) == [f"{split}-{i:06d}-{k:06d}" for k in range(n)]
+            claims = sorted(q.name for q in it.claims(split).glob("c*.json"))
+            assert claims == [f"c{k:05d}.0.json" for k in range(len(work.chunks_of(plan[split])))]
+        summary = fsio.read_record(it.summary)
+        assert summary["tasks_taken_per_rank"][2] > 0 and sum(summary["tasks_done_per_rank"]) == 36, summary
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_workers_on_separate_sshfs_mounts_write_one_sealed_sharded_checkpoint(sshfs_cluster, demo_data):
