@@ -10,8 +10,9 @@ Without stealing a rank takes exactly its own chunks.
 
 A run resumed on fewer nodes leaves ranks of the plan absent: when the attempt starts inside
 a split's rollout, the master adopts them (:func:`adopt`): it copies each absent rank's
-records into a sealed shard of its own (``r<R>.adopted.jsonl``; every fsynced record counts), claims the chunks of its first share nobody took for it,
-and hands every task it owned but had not done to the present ranks as new chunks
+records into a sealed shard of its own (``r<R>.adopted.jsonl``; every fsynced record
+counts), claims for it the chunks of its first share nobody took, and hands every task it
+owned but had not done to the present ranks as new chunks
 (``iterations/<I>/claims/<split>/adopted.json``, which maps those tasks to the new chunks).
 
 A crash between creating a claim and writing it leaves an empty claim: once it has stayed

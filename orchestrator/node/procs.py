@@ -82,14 +82,21 @@ class Children:
                     return
             self.reap()
 
-    def reap(self) -> None:
+    def reap(self, settle_s: float = 0.0) -> None:
         """Call ``on_exit`` for every watched child that has exited, now (the watcher does it
         every ``WATCH_INTERVAL_S``; a rank that fails calls it first, so that an error caused
-        by a dead child, a refused connection say, is reported as that child's death)."""
-        with self._lock:
-            ended = [(p, cb) for p, cb in self._watched.items() if p.poll() is not None]
-            for p, _ in ended:
-                del self._watched[p]
+        by a dead child, a refused connection say, is reported as that child's death).
+        ``settle_s``: wait up to that long for one to exit: a killed child's sockets close
+        before the kernel reports it gone, so its peer can see the reset first."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            with self._lock:
+                ended = [(p, cb) for p, cb in self._watched.items() if p.poll() is not None]
+                for p, _ in ended:
+                    del self._watched[p]
+            if ended or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         for p, on_exit in ended:
             try:
                 on_exit(p.returncode)

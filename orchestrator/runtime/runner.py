@@ -160,7 +160,9 @@ class Rank:
         engine killed, its wait interrupted) is reported as the cancellation's reason."""
         if isinstance(e, KeyboardInterrupt):
             return Interrupted("SIGINT")
-        self.children.reap()  # a child that died is the cause of what failed with it
+        # A child that died is the cause of what failed with it; a lost connection may be its
+        # death still on its way.
+        self.children.reap(settle_s=LOST_CONNECTION_SETTLE_S if _lost_connection(e) else 0.0)
         if isinstance(self.cancel.reason, ChildFailed) and not isinstance(e, (Interrupted, StopRequested)):
             return self.cancel.reason
         if isinstance(e, ChildFailed):  # a child killed because the rank was cancelled fails too
@@ -254,6 +256,24 @@ class Rank:
             coordinator=self.coordinator,
             log=log,
         )
+
+
+LOST_CONNECTION_SETTLE_S = 1.0
+
+
+def _lost_connection(e: BaseException) -> bool:
+    """Whether ``e`` came from a connection that was reset or refused (a child's server gone)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, ConnectionError):
+            return True
+        todo += [x.__cause__, x.__context__, r if isinstance(r := getattr(x, "reason", None), BaseException) else None]
+    return False
 
 
 def _raise_interrupted(signum, _frame) -> None:

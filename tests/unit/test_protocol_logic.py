@@ -139,3 +139,26 @@ def test_retry_retries_only_what_it_is_told_and_never_an_interrupt():
     with pytest.raises(KeyboardInterrupt):
         retry(interrupted, what="x", attempts=5, backoff=Backoff(0, 0), retry_on=lambda e: True, clock=clock)
     assert calls == [1]
+
+
+def test_a_failure_from_a_reset_or_refused_connection_waits_for_a_dying_child_to_be_reaped():
+    """An engine killed with SIGKILL resets its connections before the kernel reports it
+    gone: the rank waits a moment for the child's death before it names the cause."""
+    import urllib.error
+
+    from orchestrator.engine.client import EngineUnavailable
+    from orchestrator.runtime.runner import _lost_connection
+
+    def raised_from(cause):
+        try:
+            try:
+                raise cause
+            except Exception as e:
+                raise EngineUnavailable("cannot reach the engine") from e
+        except EngineUnavailable as e:
+            return e
+
+    assert _lost_connection(raised_from(urllib.error.URLError(ConnectionResetError(104, "Connection reset by peer"))))
+    assert _lost_connection(raised_from(ConnectionRefusedError(111, "Connection refused")))
+    assert not _lost_connection(raised_from(urllib.error.URLError(TimeoutError("timed out"))))
+    assert not _lost_connection(ValueError("a reward function's bug"))
