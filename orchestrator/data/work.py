@@ -92,13 +92,6 @@ def chunks_of(split_plan: dict) -> list[Chunk]:
     return cut(split_plan["per_rank"], max(1, split_plan["total"]))
 
 
-def takers_of(split_plan: dict) -> list[int]:
-    """The ranks that roll out this split (those with a positive weight)."""
-    if "ranks" in split_plan:
-        return list(split_plan["ranks"])
-    return [r for r, n in enumerate(split_plan["per_rank"]) if n > 0]
-
-
 class Outcome(enum.Enum):
     WON = "won"
     TAKEN = "taken"
@@ -128,13 +121,13 @@ class Ledger:
         invalid and has not been so for ``settle_s`` yet."""
         g = 0
         while True:
-            path = self.it.claim(self.split, chunk.index, g)
-            body = fsio.read_record(path)
+            data = fsio.read_bytes(self.it.claim(self.split, chunk.index, g))
+            if data is None:
+                return None, g
+            body = fsio.parse_record(data)
             if body is not None:
                 self.owner[chunk.index] = body["rank"]
                 return (Outcome.WON if body["rank"] == self.rank else Outcome.TAKEN), g
-            if fsio.read_bytes(path) is None:
-                return None, g
             first = self._invalid_since.setdefault((chunk.index, g), time.monotonic())
             if time.monotonic() - first < self.settle_s:
                 return Outcome.PENDING, g
@@ -205,8 +198,8 @@ def owners(it: IterationLayout, split: str, chunks: list[Chunk]) -> list[int | N
     fsio.refresh_dir(it.claims(split))
     for chunk in chunks:
         owner, g = None, 0
-        while fsio.read_bytes(path := it.claim(split, chunk.index, g)) is not None:
-            body = fsio.read_record(path)
+        while (data := fsio.read_bytes(it.claim(split, chunk.index, g))) is not None:
+            body = fsio.parse_record(data)
             if body is not None:
                 owner = body["rank"]
                 break

@@ -343,15 +343,18 @@ class Coordinator:
 
     def timing(self, part: str, seconds: float, **fields) -> None:
         """Record how long ``part`` of this phase's work took (``status --json``'s ``timing``)."""
-        iteration, label = self.where
-        phase = int(label.split(":")[0]) if label else None
+        iteration, phase = self._event_position()
         self.events.emit(Event.TIMING, iteration=iteration, phase=phase, part=part, seconds=round(seconds, 4), **fields)
 
     def took(self, split: str, chunk: int, tasks: int, victim: int) -> None:
         """Record that this rank took chunk ``chunk`` of ``victim``'s first share (work stealing)."""
-        iteration, label = self.where
-        phase = int(label.split(":")[0]) if label else None
+        iteration, phase = self._event_position()
         self.events.emit(Event.STEAL, iteration=iteration, phase=phase, split=split, chunk=chunk, tasks=tasks, victim=victim)
+
+    def _event_position(self) -> tuple[int | None, int | None]:
+        """(iteration, phase number) of this rank now, as events record them."""
+        iteration, label = self.where
+        return iteration, int(label.split(":")[0]) if label else None
 
     def barrier(
         self, iteration: int, phase: Phase, payload: dict | None, deadline: Deadline,

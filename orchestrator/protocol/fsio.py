@@ -107,7 +107,12 @@ def read_bytes(path: Path) -> bytes | None:
 
 def read_record(path: Path) -> dict | None:
     """The body of a record written by :func:`write_record`, or None if absent or invalid."""
-    data = read_bytes(path)
+    return parse_record(read_bytes(path))
+
+
+def parse_record(data: bytes | None) -> dict | None:
+    """The body of a record's bytes (see :func:`read_record`), or None if absent or invalid:
+    for a reader that must also tell an absent file from an invalid one."""
     if not data:
         return None
     try:

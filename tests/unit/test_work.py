@@ -41,7 +41,6 @@ def test_chunk_size_respects_the_workload_minimum_and_the_config():
 def test_a_plan_written_before_chunks_reads_as_one_chunk_per_share():
     old = {"enabled": True, "total": 12, "per_rank": [6, 3, 3]}
     assert [(c.tasks, c.rank) for c in work.chunks_of(old)] == [(tuple(range(0, 6)), 0), (tuple(range(6, 9)), 1), (tuple(range(9, 12)), 2)]
-    assert work.takers_of({"enabled": True, "total": 4, "per_rank": [4, 0]}) == [0]
 
 
 def _ledger(root: Path, rank: int, chunks, *, stealing: bool = True, settle_s: float = 5.0) -> work.Ledger:

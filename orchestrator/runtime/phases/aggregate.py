@@ -10,21 +10,19 @@ from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
 
 
-def _sources(ctx: PhaseContext, split: str) -> list[tuple[str, object]]:
-    """The shard of every rank that owns a chunk of the split (of a rank the run went on
-    without, the master's sealed copy of its records)."""
-    chunks = work.all_chunks(ctx.it, split, ctx.plan[split])
-    ranks = sorted({o for o in work.owners(ctx.it, split, chunks) if o is not None})
-    return [(f"rank {r}", work.shard_of(ctx.it, split, r)) for r in ranks]
+def _sources(ctx: PhaseContext, split: str, owner: list[int | None]) -> list[tuple[str, object]]:
+    """The shard of every rank that owns a chunk of the split (``owner``: :func:`work.owners`;
+    of a rank the run went on without, the master's sealed copy of its records)."""
+    return [(f"rank {r}", work.shard_of(ctx.it, split, r)) for r in sorted({o for o in owner if o is not None})]
 
 
-def wait_for_seals(ctx: PhaseContext, split: str) -> dict[str, shards.Manifest]:
+def wait_for_seals(ctx: PhaseContext, split: str, sources: list[tuple[str, object]]) -> dict[str, shards.Manifest]:
     """Every rank's seal of ``split``, as its arrival announced it. A manifest is a new file:
     on a network filesystem it can show up on the master's mount later than the arrival (a
     file it already knew), so wait for each, up to one node timeout."""
     timeout = ctx.config.coordination.node_timeout_s
     found = {}
-    for label, shard in _sources(ctx, split):
+    for label, shard in sources:
         def seen(shard=shard):
             fsio.refresh_dir(shard.parent)
             return shards.sealed(shard)
@@ -40,7 +38,8 @@ def wait_for_seals(ctx: PhaseContext, split: str) -> dict[str, shards.Manifest]:
 def verify_seals(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     if not ctx.plan["train"]["enabled"]:
         return {}
-    return {"sealed": {label: m.count for label, m in wait_for_seals(ctx, "train").items()}}
+    owner = work.owners(ctx.it, "train", work.all_chunks(ctx.it, "train", ctx.plan["train"]))
+    return {"sealed": {label: m.count for label, m in wait_for_seals(ctx, "train", _sources(ctx, "train", owner)).items()}}
 
 
 def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
@@ -50,25 +49,23 @@ def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
     if existing is not None and not existing.extra.get("partial"):
         return existing  # a salvaged partial one is replaced by the full merge
     planned = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
-    wait_for_seals(ctx, split)
     chunks = work.all_chunks(ctx.it, split, ctx.plan[split])
+    owner = work.owners(ctx.it, split, chunks)  # final: every rank has sealed
+    sources = _sources(ctx, split, owner)
+    wait_for_seals(ctx, split, sources)
     chunk_of = {planned[t]: k for t, k in work.task_chunks(chunks).items()}
     position = {task_id: t for t, task_id in enumerate(planned)}  # the aggregate is in the plan's order
 
-    def merge() -> shards.Manifest:
-        owner = work.owners(ctx.it, split, chunks)
-
-        def keep(label: str, record: dict) -> bool:
-            k = chunk_of.get(record["task_id"])
-            return k is not None and label == f"rank {owner[k]}"
-
-        return shards.merge(_sources(ctx, split), dest, keep, lambda record: position[record["task_id"]], split=split,
-                            iteration=ctx.iteration, partial=False,
-                            work=work_done(chunks, owner, max(len(ctx.plan[split]["per_rank"]), ctx.config.num_nodes)))
+    def keep(label: str, record: dict) -> bool:
+        k = chunk_of.get(record["task_id"])
+        return k is not None and label == f"rank {owner[k]}"
 
     # A shard read cut short or stale (sshfs, NFS) fails its checksum: read it again before
     # calling it damaged.
-    m = fsio.retry_transient(merge, f"merging the {split} shards of iteration {ctx.iteration}", transient=(shards.ShardError,))
+    m = fsio.retry_transient(
+        lambda: shards.merge(sources, dest, keep, lambda record: position[record["task_id"]], split=split, iteration=ctx.iteration,
+                             partial=False, work=work_done(chunks, owner, max(len(ctx.plan[split]["per_rank"]), ctx.config.num_nodes))),
+        f"merging the {split} shards of iteration {ctx.iteration}", transient=(shards.ShardError,))
     if m.count != len(planned):
         shards.manifest_path(dest).unlink()
         dest.unlink()
