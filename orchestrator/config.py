@@ -61,8 +61,18 @@ class CoordinationConfig:
     chunk_tasks: int = 0
     """Tasks per chunk with work stealing; 0: about 32 chunks per rank (never smaller than
     what one engine request carries)."""
+    elastic: bool = False
+    """A worker that dies or freezes is marked out within node_timeout_s and the run goes on
+    without it (its unsealed rollout and eval work done by the others); the same command on
+    that node rejoins at the next iteration's start. Off: a dead worker ends the attempt on
+    every rank (exit 3). Off by default: training then runs on fewer workers, whose shards of
+    the model and optimizer are larger than the ones the run was sized for."""
+    min_nodes: int = 1
+    """With elastic: the fewest ranks the run goes on with; losing one more ends the attempt."""
 
     def __post_init__(self) -> None:
+        if self.min_nodes < 1:
+            raise ConfigError(f"coordination.min_nodes must be at least 1, got {self.min_nodes}")
         if self.chunk_tasks < 0:
             raise ConfigError(f"coordination.chunk_tasks must be >= 0 (0: automatic), got {self.chunk_tasks}")
         if self.master_wait_s < 0:
@@ -427,6 +437,8 @@ class RunConfig:
             if any(not (0 <= w < math.inf) for w in self.rank_weights) or not any(w > 0 for w in self.rank_weights):
                 raise ConfigError(f"--rank-weights must be numbers >= 0 (0 only for a node without rollout engines), at least one "
                                   f"positive, got {','.join(map(_fmt, self.rank_weights))}")
+        if self.coordination.min_nodes > self.num_nodes:
+            raise ConfigError(f"coordination.min_nodes={self.coordination.min_nodes} exceeds --num-nodes {self.num_nodes}")
         if not 0 <= self.rank < self.num_nodes:
             raise ConfigError(f"rank {self.rank} is out of range: with --num-nodes {self.num_nodes} valid ranks are 0..{self.num_nodes - 1}")
         if self.rl_phase is RLPhase.BOTH and self.eval_interval is None:
@@ -471,6 +483,7 @@ class RunConfig:
         return {
             "num_nodes": self.num_nodes,
             "rank_weights": "auto" if self.rank_weights is None else list(self.rank_weights),
+            "elastic": self.coordination.elastic,
             "rl_phase": self.rl_phase.value,
             "eval_interval": self.eval_interval,
             "rollout_split": self.rollout_split.value if self.rollout_split else None,

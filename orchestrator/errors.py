@@ -97,6 +97,13 @@ class PeerFailed(OrchestratorError):
         self.culprit = culprit
 
 
+class MarkedOut(OrchestratorError):
+    """With coordination.elastic, the master went on without this rank (it was silent past the
+    node timeout): it stops its work and asks to rejoin at the next iteration's start."""
+
+    exit_code = EXIT_PEER_FAILED
+
+
 class DeadlineExceeded(OrchestratorError):
     """A wait ran past its deadline."""
 

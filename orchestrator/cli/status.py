@@ -77,7 +77,8 @@ def view(snap: dict) -> Group:
         rows.append([
             r["rank"], r["host"], r["pid"], "yes" if r["alive"] else "no", r["state"], r["iteration"], r["phase"],
             _duration(r["in_phase_s"]), f"{p['done']}/{p['total']}" if p else "", f"{r['rate']:.1f}/s" if r["rate"] else "",
-            "" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f}s", "<- barrier waits" if r["rank"] in waiting else "",
+            "" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f}s",
+            "out of the run" if r.get("out") else "<- barrier waits" if r["rank"] in waiting else "",
         ])
     parts.append(terminal.table(None, ["rank", "host", "pid", "alive", "state", "iter", "phase", "for", "progress", "rate",
                                        "heartbeat", ""], rows))
@@ -86,6 +87,12 @@ def view(snap: dict) -> Group:
         who = ", ".join(f"rank {w['rank']} ({w['host']}, at {w['at']}, {w['state']})" for w in b["waiting_for"])
         parts.append(Text(f"barrier {b['label']} of iteration {b['iteration']}: {len(b['arrived'])} arrived, waits for {who} "
                           f"for {_duration(b['waiting_for'][0]['waited_s'])}"))
+    for o in snap.get("ranks_out", []):
+        parts.append(Text(f"out: rank {o['rank']} ({o['host']}) since iteration {o['iteration']}, phase {o['phase']} ({o['reason']}); "
+                          f"the run goes on without it. Start the same command on that node to rejoin at the next iteration"))
+    back = [e for e in snap.get("membership", []) if e["event"] == "rejoined"]
+    if back:
+        parts.append(Text("rejoined: " + ", ".join(f"rank {e['rank']} at iteration {e['iteration']}" for e in back)))
     e = snap["eta"]
     if e:
         late = " (overdue)" if e["elapsed_s"] > e["typical_s"] else ""

@@ -15,6 +15,12 @@ counts), claims for it the chunks of its first share nobody took, and hands ever
 owned but had not done to the present ranks as new chunks
 (``iterations/<I>/claims/<split>/adopted.json``, which maps those tasks to the new chunks).
 
+With ``coordination.elastic`` the master adopts a rank it marked out while the others run,
+the same way; from then on that rank's claims count only for the chunks it held when it was
+adopted (``owned``), so whatever a frozen process does once it wakes changes nothing. And no
+rank seals before every chunk is finished (``claims/<split>/done.r<R>.json``, one writer
+each): an adoption may still hand it new chunks.
+
 A crash between creating a claim and writing it leaves an empty claim: once it has stayed
 invalid for ``settle_s`` it is void, and the chunk is claimed at the next generation ``G+1``.
 The owner of a chunk is the writer of its first valid generation (:func:`owners`); the
@@ -24,6 +30,7 @@ slow (its creator went on and did the chunk too) has every task counted once.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import os
@@ -100,18 +107,51 @@ class Outcome(enum.Enum):
     """A claim exists that is not valid yet (being written, or void once it stays so)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Adoptions:
+    """The master's record of the ranks whose work it handed to others (``adopted.json``)."""
+
+    chunks: tuple[Chunk, ...] = ()
+    """The chunks made of their unfinished tasks, numbered after the plan's."""
+    owned: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    """Adopted rank -> the chunks its claims count for: those it held when it was adopted."""
+
+    @classmethod
+    def read(cls, it: IterationLayout, split: str) -> "Adoptions":
+        chunks, owned = [], {}
+        for entry in (fsio.read_record(it.adopted(split)) or {}).get("adoptions", []):
+            chunks += [Chunk(k, r, tuple(tasks)) for k, r, tasks in entry["chunks"]]
+            owned.update({int(r): frozenset(ks) for r, ks in entry.get("owned", {}).items()})
+        return cls(tuple(chunks), owned)
+
+    def counts(self, rank: int, chunk: int) -> bool:
+        """Whether a valid claim of ``rank`` on ``chunk`` makes it the owner."""
+        held = self.owned.get(rank)
+        return held is None or chunk in held
+
+
 class Ledger:
     """One rank's view of a split's chunks and claims in one iteration."""
 
     def __init__(self, it: IterationLayout, split: str, rank: int, chunks: list[Chunk], *, stealing: bool, settle_s: float,
-                 attempt: str, on_steal: Callable[[str], None] = lambda _where: None):
+                 attempt: str, on_steal: Callable[[str], None] = lambda _where: None, adoptions: Adoptions = Adoptions()):
         """``on_steal(point)``: called at "in-steal" (claim created, not yet written) and
         "after-steal" (written, no record yet), for tests' fault holds."""
         self.it, self.split, self.rank, self.chunks = it, split, rank, chunks
         self.stealing, self.settle_s, self.attempt, self.on_steal = stealing, settle_s, attempt, on_steal
+        self.adoptions = adoptions
         self.owner: dict[int, int] = {}
-        """Chunk -> the rank of its valid claim, as far as this rank knows (claims never change)."""
+        """Chunk -> the rank of its valid claim, as far as this rank knows (a claim changes only
+        when its rank is adopted: :meth:`adopted`)."""
+        self.finished: dict[int, set[int]] = {}
+        """Rank -> the chunks it has finished, as far as this rank knows (elastic)."""
         self._invalid_since: dict[tuple[int, int], float] = {}
+
+    def adopted(self, adoptions: Adoptions, chunks: list[Chunk]) -> None:
+        """The master adopted more ranks: their new chunks join, and their claims beyond what
+        they held are void."""
+        self.adoptions, self.chunks = adoptions, chunks
+        self.owner = {k: r for k, r in self.owner.items() if adoptions.counts(r, k)}
 
     # -- reading claims ----------------------------------------------------------------------
 
@@ -125,6 +165,9 @@ class Ledger:
             if data is None:
                 return None, g
             body = fsio.parse_record(data)
+            if body is not None and not self.adoptions.counts(body["rank"], chunk.index):
+                g += 1  # taken by a rank after the master adopted it: void
+                continue
             if body is not None:
                 self.owner[chunk.index] = body["rank"]
                 return (Outcome.WON if body["rank"] == self.rank else Outcome.TAKEN), g
@@ -191,16 +234,49 @@ class Ledger:
                 return chunk, False
 
 
+    def open_chunks(self) -> list[Chunk]:
+        """Elastic: the chunks not finished yet, as far as this rank can tell: unclaimed, or
+        held by a rank in the run that has not listed it as done. A chunk of an adopted rank is
+        finished: what it had not done is in the master's new chunks."""
+        fsio.refresh_dir(self.it.claims(self.split))
+        still, reread = [], set()
+        for chunk in self.chunks:
+            owner = self.owner.get(chunk.index)
+            if owner is None:
+                state, _ = self._read(chunk)
+                owner = self.owner.get(chunk.index) if state in (Outcome.WON, Outcome.TAKEN) else None
+            if owner is None:
+                still.append(chunk)
+            elif owner not in self.adoptions.owned and chunk.index not in self.finished.get(owner, set()):
+                if owner not in reread:
+                    reread.add(owner)
+                    self.finished[owner] = finished_chunks(self.it, self.split, owner)
+                if chunk.index not in self.finished[owner]:
+                    still.append(chunk)
+        return still
+
+
+def finished_chunks(it: IterationLayout, split: str, rank: int) -> set[int]:
+    return set((fsio.read_record(it.done_chunks(split, rank)) or {}).get("chunks", []))
+
+
+def note_finished(it: IterationLayout, split: str, rank: int, chunks: set[int]) -> None:
+    """Elastic: ``rank`` has every record of ``chunks`` fsynced in its shard."""
+    fsio.write_record(it.done_chunks(split, rank), {"rank": rank, "chunks": sorted(chunks)})
+
+
 def owners(it: IterationLayout, split: str, chunks: list[Chunk]) -> list[int | None]:
     """Each chunk's owner: the rank of its first valid claim (an invalid one is void by now:
-    every rank has sealed); None for a chunk no rank claimed."""
+    every rank has sealed; a claim of an adopted rank beyond what it held is void); None for
+    a chunk no rank claimed."""
+    adoptions = Adoptions.read(it, split)
     found: list[int | None] = []
     fsio.refresh_dir(it.claims(split))
     for chunk in chunks:
         owner, g = None, 0
         while (data := fsio.read_bytes(it.claim(split, chunk.index, g))) is not None:
             body = fsio.parse_record(data)
-            if body is not None:
+            if body is not None and adoptions.counts(body["rank"], chunk.index):
                 owner = body["rank"]
                 break
             g += 1
@@ -211,12 +287,10 @@ def owners(it: IterationLayout, split: str, chunks: list[Chunk]) -> list[int | N
 # -- chunks of ranks no longer in the run -------------------------------------------------------
 
 
-def all_chunks(it: IterationLayout, split: str, split_plan: dict) -> list[Chunk]:
+def all_chunks(it: IterationLayout, split: str, split_plan: dict, adoptions: Adoptions | None = None) -> list[Chunk]:
     """The plan's chunks, then those the master made of absent ranks' unfinished work."""
-    chunks = chunks_of(split_plan)
-    for entry in (fsio.read_record(it.adopted(split)) or {}).get("adoptions", []):
-        chunks += [Chunk(k, r, tuple(tasks)) for k, r, tasks in entry["chunks"]]
-    return chunks
+    adoptions = Adoptions.read(it, split) if adoptions is None else adoptions
+    return chunks_of(split_plan) + list(adoptions.chunks)
 
 
 def task_chunks(chunks: list[Chunk]) -> dict[int, int]:
@@ -231,26 +305,37 @@ def shard_of(it: IterationLayout, split: str, rank: int) -> Path:
     return adopted if shards.sealed(adopted) is not None else it.shard(split, rank)
 
 
-def adopt(it: IterationLayout, split: str, split_plan: dict, ids: Sequence[str], *, iteration: int, present: int,
+def ranks_beyond(chunks: list[Chunk], owner: list[int | None], present: int) -> list[int]:
+    """Ranks at or above ``present`` that hold or were given chunks (a resume on fewer nodes)."""
+    return sorted({c.rank for c in chunks if c.rank >= present} | {o for o in owner if o is not None and o >= present})
+
+
+def adopt(it: IterationLayout, split: str, split_plan: dict, ids: Sequence[str], *, iteration: int, ranks: Sequence[int],
           weights: Sequence[float], attempt: str) -> tuple[list[int], int]:
-    """Master, as an attempt starts inside ``split``'s rollout (no other rank runs yet): the
-    ranks at or above ``present`` that hold or were given chunks are adopted. Their records
-    are copied into sealed shards of the master's, their unclaimed chunks claimed for them,
-    and the tasks they owned but had not written go to the present ranks (``weights``) as new
-    chunks. Returns the adopted ranks and how many tasks moved."""
-    chunks = all_chunks(it, split, split_plan)
-    owner = owners(it, split, chunks)
-    absent = sorted({c.rank for c in chunks if c.rank >= present} | {o for o in owner if o is not None and o >= present})
-    if not absent:
+    """Master: take over the work of ``ranks``, no longer in the run (absent from a resumed
+    run, or marked out by an elastic one). Their records are copied into sealed shards of the
+    master's, their unclaimed chunks claimed for them, and the tasks they owned but had not
+    written go to the ranks of positive ``weights`` as new chunks. From then on their claims
+    count only for the chunks they held (``owned``, empty for a rank without work in the
+    split). Ranks adopted already are skipped. Returns the ranks adopted and how many tasks moved."""
+    adoptions = Adoptions.read(it, split)
+    ranks = [r for r in ranks if r not in adoptions.owned]
+    if not ranks:
         return [], 0
-    for rank in absent:
-        holder = Ledger(it, split, rank, chunks, stealing=False, settle_s=0.0, attempt=attempt)
+    chunks = all_chunks(it, split, split_plan, adoptions)
+    owner = owners(it, split, chunks)
+    for rank in ranks:
+        # An invalid claim counts as void here: a live thief that wins the chunk after all is
+        # its owner (the first valid generation), and the merge keeps only the owner's records.
+        holder = Ledger(it, split, rank, chunks, stealing=False, settle_s=0.0, attempt=attempt, adoptions=adoptions)
         for c in chunks:
             if c.rank == rank and owner[c.index] is None:
-                holder.claim(c)  # an invalid claim is void by now: no rank of the old attempt runs
-                owner[c.index] = rank
+                holder.claim(c)
+        owner = owners(it, split, chunks)
     rest = []
-    for rank in absent:
+    for rank in ranks:
+        if rank not in owner:
+            continue
         if shards.sealed(it.shard(split, rank)) is None and shards.sealed(it.adopted_shard(split, rank)) is None:
             # Its records so far, copied: the rank's own file keeps one writer, and whatever a
             # late process of that rank still appends to it counts for nothing.
@@ -259,12 +344,11 @@ def adopt(it: IterationLayout, split: str, split_plan: dict, ids: Sequence[str],
         done = set(shards.read_task_ids(shard_of(it, split, rank)))
         rest += [t for t, k in task_chunks(chunks).items() if owner[k] == rank and ids[t] not in done]
     rest.sort()
-    if not rest:
-        return absent, 0
     size = max(1, split_plan.get("chunk_tasks") or len(rest))
-    new = cut(split_counts(len(rest), list(weights)[:present]), size, rest, first_index=len(chunks))
+    new = cut(split_counts(len(rest), list(weights)), size, rest, first_index=len(chunks)) if rest else []
     record = fsio.read_record(it.adopted(split)) or {"adoptions": []}
-    record["adoptions"].append({"ranks": absent, "attempt": attempt, "tasks": len(rest),
+    record["adoptions"].append({"ranks": ranks, "attempt": attempt, "tasks": len(rest),
+                                "owned": {str(r): [c.index for c in chunks if owner[c.index] == r] for r in ranks},
                                 "chunks": [[c.index, c.rank, list(c.tasks)] for c in new]})
     fsio.write_record(it.adopted(split), record)
-    return absent, len(rest)
+    return ranks, len(rest)

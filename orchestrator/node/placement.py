@@ -15,6 +15,7 @@ Both mappings empty is the CPU placement: one train worker and one engine per no
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -103,6 +104,16 @@ class Placement:
     def checkpoint_node(self) -> int:
         """The node of train worker 0: it hosts the training rendezvous and writes the checkpoint."""
         return self.train_workers[0].node
+
+    def without(self, nodes) -> "Placement":
+        """The placement once the run goes on without ``nodes`` (coordination.elastic): their
+        train workers leave the training group and the others are numbered 0.. in the same
+        order (the update does not depend on the number of workers: train/plan.py). Their
+        engines stay listed; the plan gives those nodes no rollout work."""
+        gone = set(nodes)
+        kept = [w for w in self.train_workers if w.node not in gone]
+        workers = tuple(TrainWorker(rank=i, node=w.node, gpu=w.gpu) for i, w in enumerate(kept))
+        return dataclasses.replace(self, train_workers=workers)
 
 
 def check_mappings(train_mapping: str, rollout_mapping: str, gpus_per_engine: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

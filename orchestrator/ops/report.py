@@ -200,15 +200,17 @@ def timeline(per_attempt: list[tuple[str, dict[int, list[dict]]]]) -> dict:
     times relative to the run's first event.
 
     Returns ``{origin_t, attempts: [{attempt, start_s, end_s, ranks}], segments: [...],
-    steals: [...]}``; each segment is ``{attempt, rank, kind, iteration, phase, label,
-    start_s, end_s, seconds, complete}``, ordered by attempt, rank and time; each steal is
-    ``{attempt, rank, victim, split, chunk, tasks, iteration, at_s}`` (work stealing).
+    steals: [...], membership: [...]}``; each segment is ``{attempt, rank, kind, iteration,
+    phase, label, start_s, end_s, seconds, complete}``, ordered by attempt, rank and time;
+    each steal is ``{attempt, rank, victim, split, chunk, tasks, iteration, at_s}`` (work
+    stealing); each membership change ``{attempt, event, rank, iteration, at_s}`` (``out`` or
+    ``rejoined``, coordination.elastic), as the master recorded it.
     """
     times = [ev["t"] for _, logs in per_attempt for evs in logs.values() for ev in evs if _is_number(ev.get("t"))]
     if not times:
-        return {"origin_t": None, "attempts": [], "segments": [], "steals": []}
+        return {"origin_t": None, "attempts": [], "segments": [], "steals": [], "membership": []}
     origin = min(times)
-    attempts, segments, steals = [], [], []
+    attempts, segments, steals, membership = [], [], [], []
     for a, logs in per_attempt:
         ts = [ev["t"] for evs in logs.values() for ev in evs if _is_number(ev.get("t"))]
         attempts.append({"attempt": a, "start_s": min(ts) - origin, "end_s": max(ts) - origin, "ranks": sorted(logs)})
@@ -216,6 +218,9 @@ def timeline(per_attempt: list[tuple[str, dict[int, list[dict]]]]) -> dict:
             steals += [{"attempt": a, "rank": r, "victim": ev.get("victim"), "split": ev.get("split"), "chunk": ev.get("chunk"),
                         "tasks": ev.get("tasks"), "iteration": ev.get("iteration"), "at_s": ev["t"] - origin}
                        for ev in evs if ev.get("event") == Event.STEAL and _is_number(ev.get("t"))]
+            membership += [{"attempt": a, "event": ev["event"], "rank": ev.get("who"), "iteration": ev.get("iteration"),
+                            "at_s": ev["t"] - origin}
+                           for ev in evs if ev.get("event") in (Event.OUT, Event.REJOINED) and _is_number(ev.get("t"))]
             for s in rank_segments(evs):
                 segments.append({
                     "attempt": a,
@@ -229,7 +234,7 @@ def timeline(per_attempt: list[tuple[str, dict[int, list[dict]]]]) -> dict:
                     "seconds": s["seconds"],
                     "complete": s["complete"],
                 })
-    return {"origin_t": origin, "attempts": attempts, "segments": segments, "steals": steals}
+    return {"origin_t": origin, "attempts": attempts, "segments": segments, "steals": steals, "membership": membership}
 
 
 def _label(phase) -> str:
@@ -417,6 +422,10 @@ def timeline_png(data: dict) -> bytes:
     steals = tl.get("steals") or []
     for st in steals:
         ax.plot(st["at_s"] / unit, row[st["rank"]], marker="<", color="black", markersize=4, linestyle="none")
+    changes = [m for m in tl.get("membership") or [] if m["rank"] in row]
+    for m in changes:
+        ax.plot(m["at_s"] / unit, row[m["rank"]], marker="X" if m["event"] == Event.OUT else "P",
+                color="red" if m["event"] == Event.OUT else "green", markersize=7, linestyle="none")
     for a in tl["attempts"]:
         ax.axvline(a["start_s"] / unit, color="black", linestyle="--", linewidth=0.8)
         ax.text(a["start_s"] / unit, 0.01, " " + a["attempt"], fontsize="x-small", va="bottom",
@@ -433,6 +442,11 @@ def timeline_png(data: dict) -> bytes:
         from matplotlib.lines import Line2D
 
         handles.append(Line2D([], [], marker="<", color="black", linestyle="none", markersize=4, label="took a chunk of another rank"))
+    if changes:
+        from matplotlib.lines import Line2D
+
+        handles += [Line2D([], [], marker="X", color="red", linestyle="none", label="marked out (elastic)"),
+                    Line2D([], [], marker="P", color="green", linestyle="none", label="rejoined")]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize="x-small")
     ax.set_title("per-rank phase timeline")
     return _png(fig)

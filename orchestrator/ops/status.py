@@ -22,6 +22,7 @@ from orchestrator.protocol import fsio
 from orchestrator.protocol import lease as lease_mod
 from orchestrator.protocol.api import TERMINAL_STATES
 from orchestrator.protocol.layout import RunLayout
+from orchestrator.protocol.membership import Members
 
 
 def _server_now(directory: Path) -> float | None:
@@ -57,6 +58,7 @@ def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
     num_nodes = start.get("num_nodes") or fp.get("num_nodes") or 1
     node_timeout = (start.get("coordination") or {}).get("node_timeout_s", CoordinationConfig().node_timeout_s)
     now = _server_now(attempt.root)
+    members = Members.read(attempt.members)
     ranks = []
     for r in range(num_nodes):
         hb = fsio.read_record(attempt.heartbeat(r))
@@ -70,6 +72,7 @@ def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
         progress = hb.get("progress") if hb else None
         ranks.append({
             "rank": r,
+            "out": r in members.out,
             "host": (hb or join).get("host"),
             "pid": (hb or join).get("pid"),
             "alive": alive,
@@ -95,7 +98,7 @@ def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
                                                          "trajectories", "evaluated", "metrics", "checkpoint", "complete",
                                                          "reward_errors", "prompts_too_long")},
                                "timing": times.get(i)})
-    barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks) if not current.released else None
+    barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks, members.out) if not current.released else None
     return {
         "log_path": str(log_path),
         "attempt": current.attempt,
@@ -105,7 +108,9 @@ def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
         "max_iterations": fp.get("max_iterations"),
         "last_released": progress,
         "ranks": ranks,
-        "failure": root_cause(attempt, num_nodes),
+        "failure": root_cause(attempt, num_nodes, members.out),
+        "ranks_out": [{"rank": r, **entry} for r, entry in sorted(members.out.items())],
+        "membership": members.events,
         "barrier": barrier,
         "waiting_for": barrier["waiting_for"] if barrier else [],
         "eta": eta(timing.phase_durations(digests), ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
@@ -113,9 +118,10 @@ def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
     }
 
 
-def barrier_state(attempt, attempt_id: str, num_nodes: int, now: float | None, ranks: list[dict]) -> dict | None:
+def barrier_state(attempt, attempt_id: str, num_nodes: int, now: float | None, ranks: list[dict], out=()) -> dict | None:
     """The barrier ranks are waiting at: the latest one some rank arrived at and the master
-    has not released; who has arrived, and whom it still waits for, since when."""
+    has not released; who has arrived, and whom it still waits for (not the ranks the run
+    goes on without), since when."""
     released = fsio.read_record(attempt.release)
     last = (released["iteration"], released["phase"]) if released else (0, -1)
     arrivals: dict[int, tuple[tuple[int, int], float | None]] = {}
@@ -137,7 +143,7 @@ def barrier_state(attempt, attempt_id: str, num_nodes: int, now: float | None, r
         "label": Phase(key[1]).label,
         "arrived": arrived,
         "waiting_for": [{"rank": r, "host": ranks[r]["host"], "at": ranks[r]["phase"], "state": ranks[r]["state"],
-                         "waited_s": waited} for r in range(num_nodes) if r not in arrived],
+                         "waited_s": waited} for r in range(num_nodes) if r not in arrived and r not in out],
     }
 
 
@@ -171,14 +177,15 @@ def eta(durations: dict[tuple[int, int], float], master: dict | None, rl_phase: 
     }
 
 
-def root_cause(attempt, num_nodes: int) -> dict | None:
+def root_cause(attempt, num_nodes: int, out=()) -> dict | None:
     """The first observed failure of the attempt: the master's abort if it wrote one, else a
-    rank's own failure record, else a rank's report of a peer it lost."""
+    rank's own failure record, else a rank's report of a peer it lost (not of a rank the run
+    went on without: it does not end the attempt)."""
     abort = fsio.read_record(attempt.abort)
     if abort is not None:
         c = abort["culprit"]
         return {k: c.get(k) for k in ("rank", "host", "iteration", "phase", "kind", "error", "child")}
-    records = [(r, fsio.read_record(attempt.failure(r))) for r in range(num_nodes)]
+    records = [(r, fsio.read_record(attempt.failure(r))) for r in range(num_nodes) if r not in out]
     records = [(r, f) for r, f in records if f is not None]
     for r, f in records:
         if f.get("kind") in ROOT_CAUSE_KINDS:

@@ -17,26 +17,52 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 from orchestrator import defaults, records
 from orchestrator.config import RunConfig
-from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput, ChildFailed, ConfigError, Culprit, DeadlineExceeded, FailureKind, PeerFailed
+from orchestrator.errors import (
+    ROOT_CAUSE_KINDS,
+    BadInput,
+    ChildFailed,
+    ConfigError,
+    Culprit,
+    DeadlineExceeded,
+    FailureKind,
+    PeerFailed,
+    StopRequested,
+)
 from orchestrator.node import checks, facts, gpus, identity
 from orchestrator.node import placement as placement_mod
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import faults, fsio
 from orchestrator.protocol import lease as lease_mod
-from orchestrator.protocol.api import Event, HeartbeatState
+from orchestrator.protocol.api import TERMINAL_STATES, Event, HeartbeatState
 from orchestrator.protocol.events import EventLog
 from orchestrator.protocol.heartbeat import Heartbeat
-from orchestrator.protocol.join import Abandoned, Admit, Enter, MasterJoin, Started, TimedOut, Wait, WorkerJoin, WorkerView, config_mismatch
+from orchestrator.protocol.join import (
+    Abandoned,
+    Admit,
+    Enter,
+    MasterJoin,
+    Rejoin,
+    Started,
+    TimedOut,
+    Wait,
+    WorkerJoin,
+    WorkerView,
+    config_mismatch,
+)
 from orchestrator.protocol.layout import AttemptLayout, RunLayout
-from orchestrator.protocol.monitor import Monitor, publish_abort
+from orchestrator.protocol.liveness import LivenessTracker
+from orchestrator.protocol.membership import Members
+from orchestrator.protocol.monitor import Monitor, culprit_dead, publish_abort
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
 
 log = logging.getLogger(__name__)
@@ -75,7 +101,17 @@ class Coordinator:
         self._phase_began = time.monotonic()
         self.gpus = gpus.detect()
         self.placement: placement_mod.Placement | None = None
-        self._worker_join = WorkerJoin(rank=self.rank, pid=os.getpid(), run=str(self.layout.root))
+        """The placement of the ranks in the run now (the attempt's, without out ranks)."""
+        self.full_placement: placement_mod.Placement | None = None
+        self.out: frozenset[int] = frozenset()
+        """Ranks the run goes on without, as the latest barrier released (coordination.elastic)."""
+        self.nonce: str | None = None
+        self.members = Members()
+        """Master: who is out and who came back (attempts/<A>/members.json)."""
+        self._nonces: dict[int, str | None] = {}
+        """Master: the join nonce of each rank's process in the run."""
+        self._members_lock = threading.Lock()
+        self._worker_join = WorkerJoin(rank=self.rank, pid=os.getpid(), run=str(self.layout.root), elastic=self.c.elastic)
         self._join_timeout_s: float | None = None
 
     @property
@@ -98,21 +134,34 @@ class Coordinator:
             return self._join_as_master(resume, prepare)
         return self._join_as_worker()
 
-    def _enter(self, attempt_id: str) -> None:
+    def _enter(self, attempt_id: str, *, rejoin: bool = False) -> None:
+        """Write this rank's join record into ``attempt_id``; a rank asking to rejoin a running
+        attempt starts its heartbeat only once admitted (until then the master still judges the
+        process that went silent)."""
         if self.heartbeat is not None:
             self.heartbeat.close(HeartbeatState.STOPPED)
+        if self.events is not None:
             self.events.close()
         self.attempt_id = attempt_id
+        self.nonce = uuid.uuid4().hex
+        self._worker_join.nonce = self.nonce
         self.events = EventLog(self.attempt.events(self.rank), self.rank)
-        self.heartbeat = Heartbeat(
-            self.attempt.heartbeat(self.rank), rank=self.rank, attempt=attempt_id, interval_s=self.c.heartbeat_interval_s
-        )
-        self.heartbeat.start()
+        self.heartbeat = None
+        if rejoin:
+            self.attempt.failure(self.rank).unlink(missing_ok=True)  # its own record, of the process the run went on without
+        else:
+            self._start_heartbeat()
         fsio.write_record(
             self.attempt.join(self.rank),
             {**identity.me(), "rank": self.rank, "attempt": attempt_id, "fingerprint": self.config.fingerprint(), "gpus": self.gpus,
-             "doctor": self._quick_facts()},
+             "doctor": self._quick_facts(), "nonce": self.nonce},
         )
+
+    def _start_heartbeat(self) -> None:
+        self.heartbeat = Heartbeat(
+            self.attempt.heartbeat(self.rank), rank=self.rank, attempt=self.attempt_id, interval_s=self.c.heartbeat_interval_s
+        )
+        self.heartbeat.start()
 
     def _start_monitor(self) -> None:
         self.monitor = Monitor(
@@ -128,6 +177,9 @@ class Coordinator:
         )
         self.monitor.where = lambda: self.where
         self.monitor.host = identity.host()
+        if self.c.elastic:
+            self.monitor.nonce = self.nonce
+            self.monitor.on_silent = self._go_on_without if self.is_master else None
         self.monitor.watch([0] if not self.is_master else [])
         self.monitor.start()
 
@@ -157,6 +209,7 @@ class Coordinator:
         poll(step, deadline=join.deadline, cancel=self.cancel, backoff=self.backoff,
              on_timeout=lambda: self._join_timed_out(join.missing))
         joins = join.joins
+        self._nonces = {r: j.get("nonce") for r, j in joins.items()}
         mine = self.config.fingerprint()
         mismatch = config_mismatch(mine, joins)
         if mismatch is not None:
@@ -166,7 +219,7 @@ class Coordinator:
             raise BadInput(f"rank {r} on host {joins[r]['host']} runs a different configuration: {detail}")
         self._preflight(joins)
         reports = {0: {**self.gpus, "host": self.hosts[0]}, **{r: {**j["gpus"], "host": j["host"]} for r, j in joins.items()}}
-        self.placement = self._place(reports)
+        self.placement = self.full_placement = self._place(reports)
         prepare(iteration, phase, plan, self.placement)
         start = {
             "attempt": self.attempt_id,
@@ -175,6 +228,7 @@ class Coordinator:
             "plan": plan,
             "hosts": {str(r): h for r, h in self.hosts.items()},
             "joined": {"0": os.getpid(), **{str(r): j["pid"] for r, j in joins.items()}},
+            "nonces": {"0": self.nonce, **{str(r): j.get("nonce") for r, j in joins.items()}},
             "fingerprint": mine,
             "num_nodes": self.config.num_nodes,
             "rl_phase": self.config.rl_phase.value,
@@ -238,9 +292,10 @@ class Coordinator:
                      "colocated" if resolved.colocated else "disaggregated")
         return resolved
 
-    def leave(self, cancel: CancelToken, join_timeout_s: float) -> None:
+    def leave(self, cancel: CancelToken, join_timeout_s: float, *, for_good: bool = True) -> None:
         """A worker leaves the attempt of a master that died, to join the next master's:
-        the old attempt is never joined again, and the next join waits ``join_timeout_s``."""
+        the old attempt is never joined again, and the next join waits ``join_timeout_s``.
+        Not ``for_good``: the run went on without this rank, which asks to come back."""
         if self.monitor is not None:
             self.monitor.halt()
             self.monitor = None
@@ -250,7 +305,7 @@ class Coordinator:
         if self.events is not None:
             self.events.close()
             self.events = None
-        self._worker_join.leave()
+        self._worker_join.leave(for_good=for_good)
         self.attempt_id = None
         self.cancel = cancel
         self._join_timeout_s = join_timeout_s
@@ -266,12 +321,12 @@ class Coordinator:
             action = join.decide(self._worker_view(), deadline)
             if isinstance(action, Enter):
                 self._check_rank_free(action.lease.attempt)
-                self._enter(action.lease.attempt)
+                self._enter(action.lease.attempt, rejoin=action.rejoin)
                 join.joined = action.lease.attempt
                 log.info("joined attempt %s of master %s (pid %d)", action.lease.attempt, action.lease.host, action.lease.pid)
                 action = join.decide(self._worker_view(), deadline)
-            if isinstance(action, Started):
-                return action.start
+            if isinstance(action, (Started, Rejoin)):
+                return action
             if isinstance(action, Abandoned):
                 raise PeerFailed(action.culprit)
             if isinstance(action, TimedOut):
@@ -281,13 +336,48 @@ class Coordinator:
                 log.info("%s", action.message)
             return None
 
-        start = poll(step, deadline=deadline, cancel=self.cancel, backoff=self.backoff, on_timeout=self._no_master)
+        action = poll(step, deadline=deadline, cancel=self.cancel, backoff=self.backoff, on_timeout=self._no_master)
+        start = action.start
         self.hosts.update({int(r): h for r, h in start["hosts"].items()})
         if start["fingerprint"] != self.config.fingerprint():
             raise BadInput(f"this rank's configuration differs from the master's: master {start['fingerprint']} vs {self.config.fingerprint()}")
-        self.placement = records.from_dict(start["placement"], placement_mod.Placement)
+        self.placement = self.full_placement = records.from_dict(start["placement"], placement_mod.Placement)
+        if isinstance(action, Rejoin):
+            iteration = self._await_admission()
+            self._start_heartbeat()
+            self._start_monitor()
+            return Start(start["attempt"], iteration, Phase.SYNC_START, None, dict(self.hosts), self.placement)
         self._start_monitor()
         return Start(start["attempt"], start["iteration"], Phase(start["phase"]), start["plan"], dict(self.hosts), self.placement)
+
+    def _await_admission(self) -> int:
+        """Elastic: wait, silent, until the master admits this process back into the running
+        attempt at an iteration's start (the iteration returned), for as long as the master
+        lives; a run that ends first ends this rank too."""
+        log.warning("attempt %s runs without rank %d: asking to rejoin at the next iteration's start", self.attempt_id, self.rank)
+        master = LivenessTracker(self.c.node_timeout_s)
+        master.watch(0, time.monotonic())
+
+        def probe():
+            fsio.refresh_dir(self.attempt.root)
+            abort = fsio.read_record(self.attempt.abort)
+            if abort is not None:
+                raise PeerFailed(records.from_dict(abort["culprit"], Culprit))
+            entry = Members.read(self.attempt.members).admitted.get(self.rank)
+            if entry is not None and entry.get("nonce") == self.nonce:
+                return entry
+            now = time.monotonic()
+            beat = fsio.read_record(self.attempt.heartbeat(0))
+            master.observe(0, beat, now)
+            if beat is not None and beat.get("state") in TERMINAL_STATES:
+                raise StopRequested(f"the run's master ended ({beat.get('state')}) before rank {self.rank} could rejoin")
+            if master.dead(now):
+                raise PeerFailed(culprit_dead(0, master, now, self.hosts))
+            return None
+
+        entry = poll(probe, deadline=Deadline.never("admission into the running attempt"), cancel=self.cancel, backoff=self.backoff)
+        log.info("rank %d rejoins attempt %s at iteration %d", self.rank, self.attempt_id, entry["iteration"])
+        return entry["iteration"]
 
     def _worker_view(self) -> WorkerView:
         """One snapshot of the files a joining worker decides on."""
@@ -388,13 +478,21 @@ class Coordinator:
             on_timeout=lambda: self._deadline(iteration, phase, f"the master did not release {phase.label} in time", culprit_rank=0),
         )
         self.events.emit(Event.RELEASED, iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
+        if "out" in release["decision"]:
+            self._apply_out(release["decision"]["out"])
         return release["decision"]
 
     def _release(self, iteration, phase, deadline, decide) -> dict:
         arrivals: dict[int, dict] = {}
-        missing = set(range(self.config.num_nodes))
+        missing = set(range(self.config.num_nodes)) - self.monitor.out
 
         def probe():
+            if self.c.elastic:
+                if phase is Phase.SYNC_START:
+                    missing.update(self._admit_returning(iteration))
+                for r in self.monitor.out & (missing | set(arrivals)):  # the run went on without it
+                    missing.discard(r)
+                    arrivals.pop(r, None)
             fsio.refresh_dir(self.attempt.arrivals)
             for r in sorted(missing):
                 a = fsio.read_record(self.attempt.arrive(r))
@@ -415,14 +513,87 @@ class Coordinator:
             ),
         )
         self.events.emit(Event.ALL_ARRIVED, iteration=iteration, phase=int(phase))
+        if self.c.elastic:
+            out = sorted(self.monitor.out)
+            self._apply_out(out)  # the decision (the plan, the training group) is made for these ranks
         self.monitor.work_deadline = deadline  # the decision is the master's work: bound it too
         decision = decide(arrivals)
+        if self.c.elastic:
+            decision = {**decision, "out": out}
         self.monitor.work_deadline = None
         if self.monitor is not None and self.monitor.stop_requested is not None:
             decision = {**decision, "stop": self.monitor.stop_requested}
         fsio.write_record(self.attempt.release, {"iteration": iteration, "phase": int(phase), "decision": decision})
         fsio.write_record(self.layout.progress, {"iteration": iteration, "phase": int(phase), "attempt": self.attempt_id})
         return decision
+
+    # -- elastic membership -------------------------------------------------------------------
+
+    def _apply_out(self, out) -> None:
+        """The ranks in the run from this barrier on: the placement without the others."""
+        out = frozenset(out)
+        if out != self.out:
+            self.out = out
+            self.placement = self.full_placement.without(out) if out else self.full_placement
+
+    def _go_on_without(self, culprit: Culprit) -> bool:
+        """Master's monitor, elastic: a worker went silent past the node timeout. Mark it out
+        and go on, unless too few ranks would be left or the run is training (a training step
+        without one of its workers is not redone yet): then the attempt ends as without elastic."""
+        rank = culprit.rank
+        with self._members_lock:
+            out = set(self.members.out) | {rank}
+            left = self.config.num_nodes - len(out)
+            _, phase = self.where
+            if left < self.c.min_nodes:
+                log.error("rank %d went silent and only %d rank(s) would be left, fewer than coordination.min_nodes=%d: "
+                          "the attempt ends", rank, left, self.c.min_nodes)
+                return False
+            if phase in TRAINING_PHASES or culprit.phase in TRAINING_PHASES:
+                log.error("rank %d went silent during training (phase %s); coordination.elastic does not go on without a "
+                          "train worker mid-step yet: the attempt ends", rank, culprit.phase)
+                return False
+            if not self.full_placement.without(out).train_workers:
+                log.error("rank %d went silent and the ranks left hold no train worker: the attempt ends", rank)
+                return False
+            self.members.mark_out(rank, iteration=culprit.iteration, phase=culprit.phase, host=culprit.host, reason=culprit.error,
+                                  nonce=self._nonces.get(rank))
+            self.members.write(self.attempt.members)
+        self.monitor.forget(rank)
+        self.events.emit(Event.OUT, iteration=culprit.iteration, phase=culprit.phase, who=rank, reason=culprit.error)
+        log.warning("%s. coordination.elastic: the run goes on with ranks %s; its unfinished rollout work goes to them. "
+                    "Start the same command on that node to rejoin at the next iteration's start", culprit.describe(),
+                    _ranks(r for r in range(self.config.num_nodes) if r not in out))
+        return True
+
+    def _admit_returning(self, iteration: int) -> list[int]:
+        """Master, at an iteration's start: admit the out ranks whose process asks to come back
+        (a join record with another nonce than the one that went silent) and runs the same
+        configuration. Returns the ranks admitted."""
+        admitted = []
+        with self._members_lock:
+            if not self.members.out:
+                return []
+            fsio.refresh_dir(self.attempt.joins)
+            for rank in sorted(self.members.out):
+                join = fsio.read_record(self.attempt.join(rank))
+                if not self.members.wants_back(rank, join) or join.get("attempt") != self.attempt_id:
+                    continue
+                mismatch = config_mismatch(self.config.fingerprint(), {rank: join})
+                if mismatch is not None:
+                    log.warning("rank %d asks to rejoin with another configuration (%s): not admitted", rank, mismatch[1])
+                    continue
+                self.members.admit(rank, iteration=iteration, host=join["host"], nonce=join["nonce"])
+                self._nonces[rank] = join["nonce"]
+                self.hosts[rank] = join["host"]
+                admitted.append(rank)
+            if admitted:
+                self.members.write(self.attempt.members)
+        for rank in admitted:
+            self.monitor.watch([rank])
+            self.events.emit(Event.REJOINED, iteration=iteration, phase=int(Phase.SYNC_START), who=rank)
+            log.warning("rank %d on host %s rejoins the run at iteration %d", rank, self.hosts[rank], iteration)
+        return admitted
 
     def _deadline(self, iteration, phase, message, culprit_rank: int | None = None):
         rank = self.rank if culprit_rank is None else culprit_rank
@@ -479,6 +650,9 @@ class Coordinator:
             self.events.close()
         if self.lease is not None:
             lease_mod.release(self.layout, self.lease)
+
+
+TRAINING_PHASES = frozenset(p.label for p in (Phase.TRAIN_CONFIG, Phase.TRAIN, Phase.PUBLISH))
 
 
 def _counts(payload: dict | None) -> dict:

@@ -12,7 +12,8 @@ Master: the ranks 1..N-1 must each write ``joins/r<R>.json`` naming this attempt
 
 Worker: follow ``control/lease.json`` to the live master's attempt, join it, and wait for
 its ``start.json`` to list this process; never rejoin an attempt it left (its master died),
-and never join one that ended or started without it.
+and never join one that ended or started without it, except with ``coordination.elastic``:
+then it joins the running attempt and asks the master to admit it at the next iteration.
 """
 
 from __future__ import annotations
@@ -107,6 +108,16 @@ class Enter:
     process holds the rank), then poll again."""
 
     lease: Lease
+    rejoin: bool = False
+    """The attempt runs already (elastic): the rank asks to come back, silent until admitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoin:
+    """The attempt this rank joined runs without it (elastic): wait for the master to admit
+    it at an iteration's start (protocol/membership.py)."""
+
+    start: dict
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,13 +142,18 @@ class WorkerJoin:
     pid: int
     run: str
     """The run's directory, for messages."""
+    elastic: bool = False
+    nonce: str | None = None
+    """This process's nonce in its latest join record."""
     joined: str | None = None
     left: set[str] = field(default_factory=set)
 
     def _mine(self, start: dict | None) -> bool:
-        return start is not None and start["joined"].get(str(self.rank)) == self.pid
+        if start is None or start["joined"].get(str(self.rank)) != self.pid:
+            return False
+        return start.get("nonces", {}).get(str(self.rank), self.nonce) == self.nonce
 
-    def decide(self, view: WorkerView, deadline: Deadline) -> Wait | Enter | Started | Abandoned | TimedOut:
+    def decide(self, view: WorkerView, deadline: Deadline) -> Wait | Enter | Rejoin | Started | Abandoned | TimedOut:
         if self.joined is not None:
             # The attempt this rank joined, first: its master may start it and even finish it
             # (releasing the lease) between two polls.
@@ -145,6 +161,8 @@ class WorkerJoin:
                 return Abandoned(records.from_dict(view.joined_abort["culprit"], Culprit))
             if self._mine(view.joined_start):
                 return Started(view.joined_start)
+            if self.elastic and view.joined_start is not None:
+                return Rejoin(view.joined_start)
         action = self._follow_lease(view)
         if isinstance(action, Wait) and deadline.expired():
             return TimedOut()
@@ -159,6 +177,8 @@ class WorkerJoin:
         if view.lease_abort is not None:
             return Wait(f"attempt {lease.attempt} has ended; waiting for a new master")
         if lease.attempt != self.joined:
+            if view.lease_start is not None and self.elastic:
+                return Enter(lease, rejoin=True)
             if view.lease_start is not None:  # it started without this process: a stale lease of a dead master
                 return Wait(f"attempt {lease.attempt} already started without this rank; waiting for a new master")
             return Enter(lease)
@@ -168,8 +188,9 @@ class WorkerJoin:
             return Wait(f"attempt {lease.attempt} started with another process as rank {self.rank}; waiting for a new master")
         return Started(view.lease_start)
 
-    def leave(self) -> None:
-        """This rank's master died: never join its attempt again."""
-        if self.joined is not None:
+    def leave(self, *, for_good: bool = True) -> None:
+        """This rank leaves its attempt: for good when its master died (never join that
+        attempt again), else to ask to come back (elastic: the run went on without it)."""
+        if self.joined is not None and for_good:
             self.left.add(self.joined)
         self.joined = None

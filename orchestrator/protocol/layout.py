@@ -8,6 +8,7 @@
     attempts/<A>/release.json                 master: latest barrier release + its decision
     attempts/<A>/abort.json                   master: why the attempt ended (root cause)
     attempts/<A>/stop.json                    `orchestrator stop`: graceful stop request
+    attempts/<A>/members.json                 master: ranks the run went on without, and those that rejoined (elastic)
     attempts/<A>/joins/r<R>.json              rank R: joined this attempt (host, pid, fingerprint)
     attempts/<A>/heartbeats/r<R>.json         rank R: liveness counter, where it is
     attempts/<A>/arrivals/r<R>.json           rank R: latest barrier it arrived at
@@ -27,6 +28,7 @@
     iterations/<I>/rollout/<split>/r<R>.adopted.jsonl   master: rank R's records, copied when the run went on without it
     iterations/<I>/claims/<split>/c<K>.<G>.json   the rank that took chunk K (O_EXCL; generation G after a void claim)
     iterations/<I>/claims/<split>/adopted.json    master: chunks made of the unfinished work of ranks no longer in the run
+    iterations/<I>/claims/<split>/done.r<R>.json  rank R: the chunks it has finished (elastic: nobody seals before all are)
     iterations/<I>/aggregate/<split>.jsonl    master: merged shards
     iterations/<I>/aggregate/<split>.manifest.json      master: seal of the aggregate
     iterations/<I>/train_config.json          master: the training config decision
@@ -214,6 +216,11 @@ class AttemptLayout:
     def stop(self) -> Path:
         return self.root / "stop.json"
 
+    @property
+    def members(self) -> Path:
+        """The master's record of ranks out of the run and back in (protocol/membership.py)."""
+        return self.root / "members.json"
+
     # One directory per kind of file, each holding one file per rank: a poll that reads N
     # names refreshes one directory first (NFS revalidates a directory's entries, negative
     # ones included, when it is opened), and no rank's lookup depends on another's mkdir.
@@ -307,6 +314,10 @@ class IterationLayout:
     def adopted(self, split: str) -> Path:
         """The master's chunks of absent ranks' unfinished work (a run resumed on fewer nodes)."""
         return self.claims(split) / "adopted.json"
+
+    def done_chunks(self, split: str, rank: int) -> Path:
+        """The chunks ``rank`` has finished, rewritten by it after each (elastic runs)."""
+        return self.claims(split) / f"done.r{rank:05d}.json"
 
     def aggregate(self, split: str) -> Path:
         return self.root / "aggregate" / f"{split}.jsonl"

@@ -30,6 +30,10 @@ class LivenessTracker:
         """Start the clock on ``rank`` even before its first heartbeat is readable."""
         self._seen.setdefault(rank, _Seen(counter=None, changed_at=now))
 
+    def forget(self, rank: int) -> None:
+        """Stop judging ``rank`` (the run went on without it); ``watch`` starts afresh."""
+        self._seen.pop(rank, None)
+
     def observe(self, rank: int, heartbeat: dict | None, now: float) -> None:
         """Record what was read for ``rank`` (None: absent or invalid, i.e. no news)."""
         seen = self._seen.setdefault(rank, _Seen(counter=None, changed_at=now))

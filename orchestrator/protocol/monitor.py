@@ -18,10 +18,11 @@ import time
 from typing import Callable
 
 from orchestrator import records
-from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, FailureKind, PeerFailed
+from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, FailureKind, MarkedOut, PeerFailed
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import AttemptLayout
 from orchestrator.protocol.liveness import LivenessTracker
+from orchestrator.protocol.membership import Members
 from orchestrator.protocol.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,14 @@ class Monitor:
         self.work_deadline: Deadline | None = None
         self.where: Callable[[], tuple[int | None, str | None]] = lambda: (None, None)
         self.host = hosts.get(rank, "?")
+        self.out: frozenset[int] = frozenset()
+        """Ranks the run went on without (coordination.elastic): neither their heartbeats nor
+        their failure records concern this attempt any more. Replaced, never changed in place:
+        other threads read it without the lock."""
+        self.on_silent: Callable[[Culprit], bool] | None = None
+        """Master, elastic: offered each worker that went silent; True when the run goes on without it."""
+        self.nonce: str | None = None
+        """Worker, elastic: this process's join nonce, to notice that the master marked it out."""
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
         self._lock = threading.Lock()
@@ -110,12 +119,19 @@ class Monitor:
     def is_master(self) -> bool:
         return self.rank == 0
 
+    def forget(self, rank: int) -> None:
+        """Stop judging ``rank`` (the master marked it out)."""
+        with self._lock:
+            self.out = self.out | {rank}
+            self.tracker.forget(rank)
+
     def watch(self, ranks) -> None:
         """Start judging these ranks' heartbeats (the master adds ranks as they join)."""
         now = time.monotonic()
         with self._lock:
             for r in ranks:
                 if r != self.rank:
+                    self.out = self.out - {r}
                     self.tracker.watch(r, now)
 
     def start(self) -> None:
@@ -141,6 +157,13 @@ class Monitor:
             if verdict is not None:
                 self._end_attempt(verdict)
                 return
+            try:
+                out = self._marked_out()
+            except OSError:
+                out = False
+            if out:
+                self._leave_run()
+                return
             deadline = self.work_deadline
             if deadline is not None and deadline.expired():
                 self._overran(deadline)
@@ -163,11 +186,22 @@ class Monitor:
                 fsio.refresh_dir(self.attempt.failures)
                 failures = {}
                 for r in range(1, self.num_nodes):
-                    f = fsio.read_record(self.attempt.failure(r))
+                    f = fsio.read_record(self.attempt.failure(r)) if r not in self.out else None
                     if f is not None:
                         failures[r] = f
-                return master_verdict(failures, self.tracker, now, self.hosts)
-            return worker_verdict(fsio.read_record(self.attempt.abort), self.tracker, now, self.hosts)
+                culprit = master_verdict(failures, self.tracker, now, self.hosts)
+            else:
+                culprit = worker_verdict(fsio.read_record(self.attempt.abort), self.tracker, now, self.hosts)
+        if culprit is not None and self.is_master and culprit.kind is FailureKind.DEAD and self.on_silent is not None \
+                and self.on_silent(culprit):
+            return None  # the run goes on without it
+        return culprit
+
+    def _marked_out(self) -> bool:
+        """Worker, elastic: whether the master went on without this process."""
+        if self.nonce is None or self.is_master:
+            return False
+        return Members.read(self.attempt.members).is_out(self.rank, self.nonce)
 
     def _overran(self, deadline: Deadline) -> None:
         iteration, phase = self.where()
@@ -176,6 +210,14 @@ class Monitor:
         if self.is_master:
             publish_abort(self.attempt, culprit)
         if self.cancel.cancel(DeadlineExceeded(culprit.error)):
+            self.on_cancel()
+
+    def _leave_run(self) -> None:
+        iteration, phase = self.where()
+        message = (f"rank {self.rank} on host {self.host} was silent past coordination.node_timeout_s at iteration {iteration}, "
+                   f"phase {phase}, and the run went on without it")
+        log.error("%s: stopping its work; it rejoins at the next iteration's start", message)
+        if self.cancel.cancel(MarkedOut(message)):
             self.on_cancel()
 
     def _end_attempt(self, culprit: Culprit) -> None:

@@ -25,6 +25,7 @@ from orchestrator.errors import (
     DeadlineExceeded,
     FailureKind,
     Interrupted,
+    MarkedOut,
     OrchestratorError,
     PeerFailed,
     StopRequested,
@@ -104,7 +105,9 @@ class Rank:
         ids = self.workload.task_ids(split, iteration)[: plan[split]["total"]]
         it = self.layout.iteration(iteration)
         weights = placement.rollout_weights(placed, cfg.rank_weights)
-        adopted, moved = work.adopt(it, split, plan[split], ids, iteration=iteration, present=cfg.num_nodes, weights=weights,
+        chunks = work.all_chunks(it, split, plan[split])
+        absent = work.ranks_beyond(chunks, work.owners(it, split, chunks), cfg.num_nodes)
+        adopted, moved = work.adopt(it, split, plan[split], ids, iteration=iteration, ranks=absent, weights=weights,
                                     attempt=self.coordinator.attempt_id)
         if adopted:
             log.warning("ranks %s have %s work in iteration %d but this run has %d node(s): their records so far are kept and "
@@ -125,6 +128,10 @@ class Rank:
                     if not self._may_wait_for_master(e):
                         raise
                     self._leave_for_new_master(e)
+                except Exception as e:  # noqa: BLE001 - whatever the work raised as it was cancelled
+                    if not isinstance(self.cancel.reason, MarkedOut) or isinstance(e, (Interrupted, StopRequested)):
+                        raise
+                    self._leave_to_rejoin(self.cancel.reason)
             state = HeartbeatState.DONE
             log.info("run complete")
             return EXIT_OK
@@ -154,6 +161,14 @@ class Rank:
         self._stop_children()
         self.cancel = CancelToken()
         self.coordinator.leave(self.cancel, join_timeout_s=wait)
+
+    def _leave_to_rejoin(self, e: MarkedOut) -> None:
+        """Elastic: the run went on without this rank. Stop its work (what it wrote since
+        counts for nothing: data/work.py) and ask to come back at the next iteration."""
+        self.cancel.cancel(e)
+        self._stop_children()
+        self.cancel = CancelToken()
+        self.coordinator.leave(self.cancel, join_timeout_s=self.config.coordination.join_timeout_s, for_good=False)
 
     def _root_cause(self, e: BaseException) -> BaseException:
         """What really ended the rank: work that fails because the rank was cancelled (its

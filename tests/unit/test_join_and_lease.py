@@ -6,6 +6,7 @@ from orchestrator.protocol.join import (
     Admit,
     Enter,
     MasterJoin,
+    Rejoin,
     Started,
     TimedOut,
     Wait,
@@ -120,6 +121,33 @@ def test_worker_in_an_attempt_that_started_with_another_process_as_its_rank_wait
     other = start(pid=PID + 1)
     action = w.decide(WorkerView(lease(), other, None, other, None), Deadline.after(1, "x", FakeClock()))
     assert "another process as rank 1" in action.message
+
+
+def test_elastic_worker_asks_to_rejoin_a_running_attempt_and_a_new_nonce_is_not_the_process_that_started():
+    deadline = Deadline.after(30, "x", FakeClock())
+    w = WorkerJoin(rank=1, pid=PID, run="/runs/x", elastic=True, nonce="n1")
+    running = {**start(pid=PID + 1), "nonces": {"1": "n0"}}
+    assert w.decide(WorkerView(lease(), lease_start=running), deadline) == Enter(lease(), rejoin=True)
+    w.joined = "a1"
+    assert w.decide(WorkerView(lease(), running, None, running, None), deadline) == Rejoin(running)
+    # The same process (SIGCONT after the run went on without it) joins again with a new nonce.
+    same = {**start(pid=PID), "nonces": {"1": "n0"}}
+    assert w.decide(WorkerView(lease(), same, None, same, None), deadline) == Rejoin(same)
+    w.nonce = "n0"
+    assert w.decide(WorkerView(lease(), same, None, same, None), deadline) == Started(same)
+    w.leave(for_good=False)
+    assert w.joined is None and w.left == set()
+
+
+def test_membership_marks_out_the_silent_process_and_knows_a_new_one_asking_back():
+    from orchestrator.protocol.membership import Members
+
+    m = Members()
+    m.mark_out(2, iteration=3, phase="1:rollout", host="n2", reason="no heartbeat", nonce="old")
+    assert m.is_out(2, "old") and not m.is_out(2, "new") and not m.is_out(1, None)
+    assert not m.wants_back(2, {"nonce": "old"}) and not m.wants_back(2, None) and m.wants_back(2, {"nonce": "new"})
+    m.admit(2, iteration=4, host="n2", nonce="new")
+    assert m.out == {} and m.admitted[2]["iteration"] == 4 and [e["event"] for e in m.events] == ["out", "rejoined"]
 
 
 def test_worker_times_out_only_while_waiting_after_its_deadline():

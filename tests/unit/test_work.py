@@ -146,7 +146,9 @@ def test_an_absent_rank_is_adopted_its_records_kept_and_its_unfinished_tasks_spl
         w.append({"task_id": "t8"})
     with open(it.shard("train", 2), "ab") as f:
         f.write(b'{"task_id": "t9"')  # torn by the crash
-    adopted, moved = work.adopt(it, "train", plan, ids, iteration=1, present=2, weights=[1, 1], attempt="b")
+    chunks_now = work.all_chunks(it, "train", plan)
+    assert work.ranks_beyond(chunks_now, work.owners(it, "train", chunks_now), 2) == [2]
+    adopted, moved = work.adopt(it, "train", plan, ids, iteration=1, ranks=[2], weights=[1, 1], attempt="b")
     assert (adopted, moved) == ([2], 3)
     m = shards.sealed(it.adopted_shard("train", 2))
     assert m is not None and m.count == 1 and m.extra["adopted"] is True
@@ -159,5 +161,36 @@ def test_an_absent_rank_is_adopted_its_records_kept_and_its_unfinished_tasks_spl
     assert owner[4] == owner[5] == 2 and all(owner[c.index] is None for c in new)
     moved_to = work.task_chunks(every)
     assert moved_to[8] == 4 and all(moved_to[t] >= len(chunks) for t in (9, 10, 11))
-    # adopting again finds nothing left to move
-    assert work.adopt(it, "train", plan, ids, iteration=1, present=2, weights=[1, 1], attempt="c") == ([2], 0)
+    # a rank is adopted once
+    assert work.adopt(it, "train", plan, ids, iteration=1, ranks=[2], weights=[1, 1], attempt="c") == ([], 0)
+
+
+def test_after_adoption_a_late_claim_of_the_adopted_rank_is_void_and_nobody_seals_before_every_chunk_is_finished(tmp_path):
+    """Elastic: rank 2 is marked out while it holds chunk 4. Its frozen process wakes and takes
+    chunk 0 (rank 0's, unclaimed): that claim counts for nothing, and chunk 0 is taken again.
+    Rank 1 sees chunks open until the others list them as done, and the adoption's new chunk."""
+    it = IterationLayout(tmp_path)
+    ids = [f"t{k}" for k in range(6)]
+    plan = work.plan_split(6, [1, 1, 1], stealing=True, chunk_tasks=1, min_chunk_tasks=1)
+    chunks = work.chunks_of(plan)  # rank 0: 0, 1; rank 1: 2, 3; rank 2: 4, 5
+    late = _ledger(tmp_path, 2, chunks)
+    assert late.take()[0].index == 4
+    one = _ledger(tmp_path, 1, chunks)
+    assert [one.take()[0].index for _ in range(2)] == [2, 3]
+    work.note_finished(it, "train", 1, {2, 3})
+    assert [c.index for c in one.open_chunks()] == [0, 1, 4, 5]
+
+    assert work.adopt(it, "train", plan, ids, iteration=1, ranks=[2], weights=[1, 1, 0], attempt="a") == ([2], 2)
+    adoptions = work.Adoptions.read(it, "train")
+    assert adoptions.owned == {2: frozenset({4, 5})} and [c.tasks for c in adoptions.chunks] == [(4,), (5,)]
+    assert late.claim(chunks[0]) is work.Outcome.WON  # the frozen process still thinks it takes chunk 0 ...
+    every = work.all_chunks(it, "train", plan)
+    assert work.owners(it, "train", every)[0] is None  # ... but nobody counts it
+    one.adopted(adoptions, every)
+    assert [c.index for c in one.open_chunks()] == [0, 1, 6, 7]  # chunks 4, 5: finished by the adoption
+    zero = work.Ledger(it, "train", 0, every, stealing=True, settle_s=5.0, attempt="a", adoptions=adoptions)
+    assert zero.take()[0].index == 0 and work.owners(it, "train", every)[0] == 0
+    taken = [zero.take()[0].index for _ in range(3)]
+    assert taken == [1, 6, 7] and zero.take() == (None, False)
+    work.note_finished(it, "train", 0, {0, 1, 6, 7})
+    assert one.open_chunks() == []

@@ -8,6 +8,7 @@ from orchestrator.data import shards, summary, work
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
+from orchestrator.runtime.phases import rollout
 
 
 def _sources(ctx: PhaseContext, split: str, owner: list[int | None]) -> list[tuple[str, object]]:
@@ -35,9 +36,19 @@ def wait_for_seals(ctx: PhaseContext, split: str, sources: list[tuple[str, objec
     return found
 
 
+def adopt_late(ctx: PhaseContext, split: str) -> None:
+    """Elastic: a rank marked out after it finished its chunks, but before it sealed: its
+    records are adopted now. Every rank sealed, so any task it had not done has nobody left."""
+    if ctx.config.coordination.elastic and rollout.adopt_out(ctx, split):
+        raise shards.ShardError(f"a rank marked out during the seal of iteration {ctx.iteration}'s {split} rollout left "
+                                f"tasks undone that no rank can take any more; run the iteration again (re-run the same "
+                                f"command: it resumes at this phase)")
+
+
 def verify_seals(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     if not ctx.plan["train"]["enabled"]:
         return {}
+    adopt_late(ctx, "train")
     owner = work.owners(ctx.it, "train", work.all_chunks(ctx.it, "train", ctx.plan["train"]))
     return {"sealed": {label: m.count for label, m in wait_for_seals(ctx, "train", _sources(ctx, "train", owner)).items()}}
 
@@ -48,6 +59,7 @@ def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
     existing = shards.sealed(dest)
     if existing is not None and not existing.extra.get("partial"):
         return existing  # a salvaged partial one is replaced by the full merge
+    adopt_late(ctx, split)
     planned = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
     chunks = work.all_chunks(ctx.it, split, ctx.plan[split])
     owner = work.owners(ctx.it, split, chunks)  # final: every rank has sealed

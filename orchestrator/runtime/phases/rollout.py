@@ -2,6 +2,8 @@
 
 A rank takes its own chunks of the plan first, then, with work stealing, chunks not yet
 started from the rank with the most left (data/work.py): the phase ends when the work ends.
+With coordination.elastic a rank seals only once every chunk is finished, and the master
+hands the unfinished work of a rank it marked out to the others as new chunks.
 The shard is appended in small fsynced batches; a restarted rank keeps what its shard
 already holds and finishes the chunks it had claimed. A sealed shard is never regenerated.
 """
@@ -15,14 +17,48 @@ from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
 
 
+def weights(ctx: PhaseContext) -> list[float]:
+    """Each rank's rollout weight now: a rank the run goes on without has none."""
+    given = placement.rollout_weights(ctx.coordinator.placement, ctx.config.rank_weights)
+    out = ctx.coordinator.out | (ctx.coordinator.monitor.out if ctx.is_master else set())
+    return [0.0 if r in out else w for r, w in enumerate(given)]
+
+
 def ledger(ctx: PhaseContext, split: str) -> work.Ledger:
     """This rank's claims on the split's chunks in this iteration."""
     split_plan = ctx.plan[split]
-    weights = placement.rollout_weights(ctx.coordinator.placement, ctx.config.rank_weights)
-    steal = ctx.config.coordination.work_stealing and weights[ctx.rank] > 0
-    return work.Ledger(ctx.it, split, ctx.rank, work.all_chunks(ctx.it, split, split_plan), stealing=steal,
+    steal = ctx.config.coordination.work_stealing and weights(ctx)[ctx.rank] > 0
+    adoptions = work.Adoptions.read(ctx.it, split)
+    return work.Ledger(ctx.it, split, ctx.rank, work.all_chunks(ctx.it, split, split_plan, adoptions), stealing=steal,
                        settle_s=ctx.config.coordination.node_timeout_s, attempt=ctx.attempt_id,
-                       on_steal=lambda point: ctx.coordinator.fault_point(f"hold-{point}", ctx.iteration, ctx.phase))
+                       on_steal=lambda point: ctx.coordinator.fault_point(f"hold-{point}", ctx.iteration, ctx.phase),
+                       adoptions=adoptions)
+
+
+def adopt_out(ctx: PhaseContext, split: str) -> int:
+    """Master, elastic: hand the unfinished work of the ranks it marked out to the others.
+    Returns how many tasks moved."""
+    out = sorted(ctx.coordinator.monitor.out)
+    if not out:
+        return 0
+    ids = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
+    adopted, moved = work.adopt(ctx.it, split, ctx.plan[split], ids, iteration=ctx.iteration, ranks=out, weights=weights(ctx),
+                                attempt=ctx.attempt_id)
+    if moved:
+        ctx.log.warning("the %s records of ranks %s so far are kept, and their %d unfinished task(s) of iteration %d go to the "
+                        "ranks in the run", split, ",".join(map(str, adopted)), moved, ctx.iteration)
+    return moved
+
+
+def _refresh(ctx: PhaseContext, split: str, claims: work.Ledger) -> bool:
+    """Elastic: take in the master's latest adoptions; True when there are new chunks."""
+    if ctx.is_master:
+        adopt_out(ctx, split)
+    adoptions = work.Adoptions.read(ctx.it, split)
+    if len(adoptions.chunks) == len(claims.adoptions.chunks) and adoptions.owned.keys() == claims.adoptions.owned.keys():
+        return False
+    claims.adopted(adoptions, work.all_chunks(ctx.it, split, ctx.plan[split], adoptions))
+    return True
 
 
 def generate_shard(ctx: PhaseContext, split: str) -> None:
@@ -37,9 +73,11 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
                         "it takes no more of that work", split, ctx.iteration)
         return
     ids = ctx.workload.task_ids(split, ctx.iteration)
+    elastic = ctx.config.coordination.elastic
     claims = ledger(ctx, split)
     slots = max(1, ctx.workload.rollout_slots(ctx))
     moved = work.task_chunks(claims.chunks)  # a task of an adopted rank's chunk may be another chunk's now
+    finished = work.finished_chunks(ctx.it, split, ctx.rank) if elastic else set()
     with shards.ShardWriter(path) as writer:
         queue = claims.owned()
         done = len(writer.task_ids)
@@ -49,6 +87,8 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
         with terminal.progress(f"iteration {ctx.iteration} {split} rollout", count, done) as bar:
             while True:
                 pending = False
+                if elastic and _refresh(ctx, split, claims):
+                    moved = work.task_chunks(claims.chunks)
                 while len(queue) < slots:
                     chunk, pending = claims.take()
                     if chunk is None:
@@ -58,9 +98,11 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
                         ctx.coordinator.took(split, chunk.index, chunk.size, chunk.rank)
                     queue.append(chunk)
                 if not queue:
-                    if not pending:
+                    if not pending and (not elastic or not claims.open_chunks()):
                         break
-                    ctx.cancel.sleep(ctx.config.coordination.poll_max_s)  # a claim is settling: see whether it is void
+                    # A claim is settling (see whether it is void), or (elastic) others still work:
+                    # a rank marked out meanwhile leaves chunks for this one.
+                    ctx.cancel.sleep(ctx.config.coordination.poll_max_s)
                     continue
                 taking, queue = queue[:slots], queue[slots:]
                 todo = [ids[t] for c in taking for t in c.tasks if moved[t] == c.index and ids[t] not in writer.task_ids]
@@ -72,6 +114,9 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
                     done += len(batch)
                     ctx.progress(done, total)
                     bar.update(done, total)
+                if elastic:
+                    finished |= {c.index for c in taking}
+                    work.note_finished(ctx.it, split, ctx.rank, finished)
 
 
 def seal_shard(ctx: PhaseContext, split: str) -> dict:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from orchestrator.config import RolloutSplit
 from orchestrator.data import retention, summary, work
-from orchestrator.node import placement
 from orchestrator.phase_table import RLPhase, eval_due
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
+from orchestrator.runtime.phases import rollout
 
 
 def make_plan(ctx: PhaseContext) -> dict:
     """Who rolls out how many tasks of each split this iteration, first (``per_rank``), in
-    which chunks: a pure function of the config, the placement (``--rank-weights auto``) and
-    the iteration, so every master that computes it gets the same plan."""
+    which chunks: a pure function of the config, the placement (``--rank-weights auto``), the
+    ranks in the run and the iteration; made once and kept."""
     cfg = ctx.config
     if cfg.rl_phase is RLPhase.ROLLOUT:
         train = cfg.rollout_split is RolloutSplit.TRAIN_ONLY
@@ -23,7 +23,7 @@ def make_plan(ctx: PhaseContext) -> dict:
         train = True
         evaluate = eval_due(ctx.iteration, cfg.eval_interval)
     plan = {"iteration": ctx.iteration}
-    weights = placement.rollout_weights(ctx.coordinator.placement, cfg.rank_weights)
+    weights = rollout.weights(ctx)  # a rank the run goes on without (coordination.elastic) gets none
     c = cfg.coordination
     for split, enabled in (("train", train), ("eval", evaluate)):
         total = ctx.workload.tasks_per_iteration(split) if enabled else 0

@@ -57,6 +57,8 @@ class NodeTrainers:
         self.keep_alive = keep_alive
         self.train_timeout_s = train_timeout_s
         self.running: list[_Process] = []
+        self.group: tuple[tuple[int, int], ...] = ()
+        """(worker, node) of the training group the running trainers belong to."""
 
     def update(self, ctx: PhaseContext, configs: dict[int, dict]) -> dict[int, dict]:
         """One iteration's update by this node's workers (``configs``: each one's train
@@ -71,6 +73,11 @@ class NodeTrainers:
             fsio.atomic_write_bytes(path, json.dumps(configs[w.rank], indent=2).encode(), durable=False)
             child_error.clear(attempt.trainer_error(w.rank))
             attempt.trainer_done(w.rank).unlink(missing_ok=True)
+        group = tuple((w.rank, w.node) for w in placement.train_workers)
+        if self.running and group != self.group:
+            log.info("the training group changed (coordination.elastic): restarting this node's trainers")
+            self.stop()
+        self.group = group
         if not self.keep_alive:
             self.running = self._start(ctx, workers, serve=False)
         elif not self.running:

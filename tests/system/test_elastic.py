@@ -1,0 +1,138 @@
+"""coordination.elastic: a worker killed (kill -9) or frozen (SIGSTOP) mid-rollout is marked
+out within the node timeout, the others finish every iteration with every task exactly once,
+status names it out, and the same command (or SIGCONT) brings it back at the next iteration's
+start (issue 17, item 1)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import RunLayout
+from tests.harness import NODE_TIMEOUT_S, Cluster, aggregate_task_ids, heartbeat, run_flags, status_json, wait_for
+
+pytestmark = pytest.mark.timeout(150)
+
+TASKS, EVAL_TASKS, ITERATIONS = 36, 9, 5
+ELASTIC = ["coordination.elastic=true", f"rehearsal.tasks={TASKS}", f"rehearsal.eval_tasks={EVAL_TASKS}", "rehearsal.task_s=0.08"]
+
+
+def _flags(cluster, extra: list[str] = ()) -> list[str]:
+    return run_flags(cluster.log_path, weights="1,1,1", eval_interval=1, max_iterations=ITERATIONS, extra=[*ELASTIC, *extra])
+
+
+def _mid_rollout(layout: RunLayout, rank: int, iteration: int) -> bool:
+    hb = heartbeat(layout, rank)
+    progress = hb and hb.get("iteration") == iteration and hb.get("phase") == "1:rollout" and hb.get("progress")
+    return bool(progress) and 0 < progress["done"] < progress["total"]
+
+
+def _members(layout: RunLayout) -> dict:
+    attempts = sorted(layout.attempts.iterdir())
+    return fsio.read_record(layout.attempt(attempts[-1].name).members) or {}
+
+
+def _events(layout: RunLayout, kind: str) -> list[dict]:
+    return [e for e in _members(layout).get("events", []) if e["event"] == kind]
+
+
+def _assert_each_task_once(layout: RunLayout) -> None:
+    for i in range(1, ITERATIONS + 1):
+        for split, n in (("train", TASKS), ("eval", EVAL_TASKS)):
+            ids = aggregate_task_ids(layout, i, split)
+            assert sorted(ids) == [f"{split}-{i:06d}-{k:06d}" for k in range(n)], f"iteration {i} {split}: a task missing or twice"
+
+
+@pytest.mark.parametrize("how", ["kill-9", "sigstop"])
+def test_a_worker_lost_mid_rollout_is_marked_out_the_others_finish_and_it_rejoins(cluster, how):
+    flags = _flags(cluster)
+    procs = cluster.start_all(flags)
+    layout = cluster.layout
+    wait_for(lambda: _mid_rollout(layout, 2, 2), 60, "rank 2 to be part-way through the rollout of iteration 2")
+    if how == "kill-9":
+        os.kill(procs[2].pid, signal.SIGKILL)
+    else:
+        os.kill(procs[2].pid, signal.SIGSTOP)
+    # Marked out within the node timeout (plus a heartbeat poll), not at a barrier's deadline.
+    wait_for(lambda: _events(layout, "out"), NODE_TIMEOUT_S + 5, "the master to mark rank 2 out")
+    out = _events(layout, "out")[0]
+    assert out["rank"] == 2 and out["iteration"] == 2 and out["phase"] == "1:rollout", out
+    status = status_json(cluster.log_path)
+    assert status["failure"] is None and [r["rank"] for r in status["ranks_out"]] == [2], status["ranks_out"]
+
+    if how == "kill-9":
+        assert procs[2].wait(timeout=10) == -9
+        procs[2] = cluster.start(2, flags)
+    else:
+        os.kill(procs[2].pid, signal.SIGCONT)  # it finds itself out, and asks to come back
+    wait_for(lambda: _events(layout, "rejoined"), 60, "rank 2 to rejoin")
+    assert cluster.wait_all(procs, timeout=90) == [0, 0, 0], "\n".join(p.output() for p in procs)
+
+    _assert_each_task_once(layout)
+    rejoined = _events(layout, "rejoined")[0]
+    assert rejoined["rank"] == 2 and rejoined["iteration"] > 2, rejoined
+    status = status_json(cluster.log_path)
+    assert status["failure"] is None and status["ranks_out"] == []
+    assert [(e["event"], e["rank"]) for e in status["membership"]] == [("out", 2), ("rejoined", 2)]
+    by_iteration = {it["iteration"]: it for it in status["iterations"]}
+    assert by_iteration[rejoined["iteration"]]["tasks_per_rank"] == [12, 12, 12]  # back in the plan
+    assert by_iteration[rejoined["iteration"] - 1]["tasks_per_rank"][2] in (0, 12)
+    assert "rejoins attempt" in procs[2].output()
+    if how == "kill-9":
+        report = subprocess.run([sys.executable, "-m", "orchestrator", "report", f"--log-path={cluster.log_path}"],
+                                capture_output=True, text=True, timeout=90)
+        assert report.returncode == 0, report.stderr
+        timeline = json.loads((cluster.log_path / "report" / "report.json").read_text())["timeline"]
+        changes = [(m["event"], m["rank"], m["iteration"]) for m in timeline["membership"]]
+        assert changes == [("out", 2, 2), ("rejoined", 2, rejoined["iteration"])]
+
+
+def test_min_nodes_ends_the_attempt_as_without_elastic(cluster):
+    """With coordination.min_nodes=3 no rank can be lost: a dead worker ends the attempt (exit 3)."""
+    procs = cluster.start_all(_flags(cluster, ["coordination.min_nodes=3"]))
+    wait_for(lambda: _mid_rollout(cluster.layout, 2, 1), 60, "rank 2 to be part-way through the rollout of iteration 1")
+    os.kill(procs[2].pid, signal.SIGKILL)
+    assert cluster.wait_all(procs, timeout=30) == [3, 3, -9]
+    assert "fewer than coordination.min_nodes=3" in procs[0].output()
+    assert not _events(cluster.layout, "out")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_rl_run_goes_on_without_a_worker_killed_mid_rollout_trains_on_two_and_takes_it_back(demo_data, tmp_path):
+    """The RL loop with elastic: rank 2 (engine, trainer) is killed mid-rollout of iteration 1.
+    Ranks 0 and 1 finish its tasks, train iteration 1 as a group of two, and the restarted rank
+    2 is back in the plan and the training group from the iteration it rejoins at."""
+    cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
+    layout = cluster.layout
+    flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
+             "--rank-weights=1,1,1", "--eval-interval=2", "--max-iterations=3", "rl.train_tasks=96", "rl.samples_per_prompt=2",
+             "rl.eval_tasks=16", "rl.eval_samples=2", "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5",
+             "coordination.node_timeout_s=4", "coordination.join_timeout_s=120", "coordination.elastic=true"]
+    procs = cluster.start_all(flags)
+    try:
+        wait_for(lambda: _mid_rollout(layout, 2, 1), 180, "rank 2 to be part-way through the rollout of iteration 1")
+        os.kill(procs[2].pid, signal.SIGKILL)
+        assert procs[2].wait(timeout=10) == -9
+        wait_for(lambda: _events(layout, "out"), 4 + 10, "the master to mark rank 2 out")
+        procs[2] = cluster.start(2, flags)
+        assert cluster.wait_all(procs, timeout=360) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
+    finally:
+        cluster.kill_all()
+    rejoined = _events(layout, "rejoined")
+    assert [e["rank"] for e in _events(layout, "out")] == [2] and [e["rank"] for e in rejoined] == [2]
+    back = rejoined[0]["iteration"]
+    assert back in (2, 3)
+    for i in (1, 2, 3):
+        ids = [json.loads(line)["task_id"] for line in layout.iteration(i).aggregate("train").read_text().splitlines()]
+        assert len(ids) == 96 and len(set(ids)) == 96, f"iteration {i}: a task missing or twice"
+        assert layout.checkpoint(i).is_dir()
+    attempt = layout.attempt(sorted(layout.attempts.iterdir())[-1].name)
+    worlds = re.findall(r"joining rendezvous \S+ as rank \d+ of (\d+)", attempt.trainer_log(0).read_text())
+    assert worlds[0] == "2" and worlds[-1] == "3", worlds  # two trained iteration 1; three once rank 2 was back
+    assert fsio.read_record(layout.iteration(back).plan)["train"]["per_rank"] == [32, 32, 32]
