@@ -62,7 +62,7 @@ from orchestrator.protocol.join import (
 from orchestrator.protocol.layout import AttemptLayout, RunLayout
 from orchestrator.protocol.liveness import LivenessTracker
 from orchestrator.protocol.membership import Members
-from orchestrator.protocol.monitor import Monitor, culprit_dead, publish_abort
+from orchestrator.protocol.monitor import Monitor, publish_abort, worker_verdict
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
 
 log = logging.getLogger(__name__)
@@ -360,19 +360,17 @@ class Coordinator:
 
         def probe():
             fsio.refresh_dir(self.attempt.root)
-            abort = fsio.read_record(self.attempt.abort)
-            if abort is not None:
-                raise PeerFailed(records.from_dict(abort["culprit"], Culprit))
             entry = Members.read(self.attempt.members).admitted.get(self.rank)
             if entry is not None and entry.get("nonce") == self.nonce:
                 return entry
             now = time.monotonic()
             beat = fsio.read_record(self.attempt.heartbeat(0))
             master.observe(0, beat, now)
+            culprit = worker_verdict(fsio.read_record(self.attempt.abort), master, now, self.hosts)  # what a monitor judges
+            if culprit is not None:
+                raise PeerFailed(culprit)
             if beat is not None and beat.get("state") in TERMINAL_STATES:
                 raise StopRequested(f"the run's master ended ({beat.get('state')}) before rank {self.rank} could rejoin")
-            if master.dead(now):
-                raise PeerFailed(culprit_dead(0, master, now, self.hosts))
             return None
 
         entry = poll(probe, deadline=Deadline.never("admission into the running attempt"), cancel=self.cancel, backoff=self.backoff)
