@@ -46,10 +46,11 @@ class CoordinationConfig:
     60 s, blobfuse2 120 s by default), GC pauses and server stalls."""
     join_timeout_s: float = 900.0
     """How long ranks wait for every rank to join an attempt before failing, naming the absent."""
-    master_wait_s: float = 0.0
+    master_wait_s: float | None = None
     """After the master dies, how long the workers wait for a new one (restart only rank 0
     with the same command) before they exit; 0: they exit at once (exit 3) and every node
-    is re-run."""
+    is re-run. Unset: join_timeout_s with elastic (a run that goes on without a node also
+    waits for its master), else 0."""
     poll_min_s: float = 0.002
     """First poll interval of a wait; it doubles up to poll_max_s."""
     poll_max_s: float = 0.1
@@ -63,19 +64,27 @@ class CoordinationConfig:
     what one engine request carries)."""
     elastic: bool = False
     """A worker that dies or freezes is marked out within node_timeout_s and the run goes on
-    without it (its unsealed rollout and eval work done by the others); the same command on
-    that node rejoins at the next iteration's start. Off: a dead worker ends the attempt on
+    without it (its unsealed rollout and eval work done by the others; lost mid-training, the
+    others train that step again without it); the same command on that node rejoins at the
+    next iteration's start, and workers wait for a restarted master (master_wait_s). Off: a dead worker ends the attempt on
     every rank (exit 3). Off by default: training then runs on fewer workers, whose shards of
     the model and optimizer are larger than the ones the run was sized for."""
     min_nodes: int = 1
     """With elastic: the fewest ranks the run goes on with; losing one more ends the attempt."""
+
+    @property
+    def master_wait(self) -> float:
+        """Seconds workers wait for a restarted master (master_wait_s, or its default)."""
+        if self.master_wait_s is not None:
+            return self.master_wait_s
+        return self.join_timeout_s if self.elastic else 0.0
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1:
             raise ConfigError(f"coordination.min_nodes must be at least 1, got {self.min_nodes}")
         if self.chunk_tasks < 0:
             raise ConfigError(f"coordination.chunk_tasks must be >= 0 (0: automatic), got {self.chunk_tasks}")
-        if self.master_wait_s < 0:
+        if self.master_wait_s is not None and self.master_wait_s < 0:
             raise ConfigError(f"coordination.master_wait_s must be >= 0 seconds, got {self.master_wait_s}")
         for name in ("heartbeat_interval_s", "node_timeout_s", "join_timeout_s", "poll_min_s", "poll_max_s"):
             if getattr(self, name) <= 0:

@@ -104,6 +104,12 @@ class MarkedOut(OrchestratorError):
     exit_code = EXIT_PEER_FAILED
 
 
+class Retrain(OrchestratorError):
+    """With coordination.elastic, a rank was lost while the group trained: this rank stops its
+    trainers and trains the step again with the ranks left (never an exit: the runner redoes
+    the phase)."""
+
+
 class DeadlineExceeded(OrchestratorError):
     """A wait ran past its deadline."""
 

@@ -11,6 +11,9 @@ Barriers. Each rank rewrites its own ``arrive.json`` with (iteration, phase, pay
 master polls the N known names until all match, runs the phase's decision, and rewrites
 ``release.json`` with it; workers poll that one file. O(N) metadata operations per round.
 Everything is under ``attempts/A/``: a file of a crashed attempt never releases anything.
+With coordination.elastic, phase 10's arrivals and release also carry the training round
+(``round``, left out while it is 0): a step redone without a lost rank never counts an
+arrival of the try before.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ from orchestrator.errors import (
     Culprit,
     DeadlineExceeded,
     FailureKind,
+    MarkedOut,
+    OrchestratorError,
     PeerFailed,
+    Retrain,
     StopRequested,
 )
 from orchestrator.node import checks, facts, gpus, identity
@@ -111,6 +117,11 @@ class Coordinator:
         self._nonces: dict[int, str | None] = {}
         """Master: the join nonce of each rank's process in the run."""
         self._members_lock = threading.Lock()
+        self.train_round = 0
+        """The try of this iteration's training (coordination.elastic: a step redone without a
+        rank lost while it trained is round 1, 2, ...)."""
+        self._train_released: int | None = None
+        """Master: the last iteration whose training it released (no retrain after that)."""
         self._worker_join = WorkerJoin(rank=self.rank, pid=os.getpid(), run=str(self.layout.root), elastic=self.c.elastic)
         self._join_timeout_s: float | None = None
 
@@ -178,8 +189,8 @@ class Coordinator:
         self.monitor.where = lambda: self.where
         self.monitor.host = identity.host()
         if self.c.elastic:
-            self.monitor.nonce = self.nonce
             self.monitor.on_silent = self._go_on_without if self.is_master else None
+            self.monitor.on_members = None if self.is_master else self._members_news
         self.monitor.watch([0] if not self.is_master else [])
         self.monitor.start()
 
@@ -412,7 +423,10 @@ class Coordinator:
 
     def set_position(self, iteration: int, phase: Phase, work_deadline: Deadline) -> None:
         """This rank starts ``phase``; its monitor cancels it if the work outlives ``work_deadline``."""
-        self.where = (iteration, phase.label)
+        with self._members_lock:
+            self.where = (iteration, phase.label)
+            if phase is Phase.TRAIN:
+                self._enter_train_round(iteration)
         self.monitor.work_deadline = work_deadline
         self._phase_began = time.monotonic()
         self.events.emit(Event.PHASE, iteration=iteration, phase=int(phase))
@@ -453,7 +467,7 @@ class Coordinator:
         self.monitor.work_deadline = None  # from here on the barrier's own deadline applies
         fsio.write_record(
             self.attempt.arrive(self.rank),
-            {"attempt": self.attempt_id, "iteration": iteration, "phase": int(phase), "payload": payload or {}},
+            {"attempt": self.attempt_id, "iteration": iteration, "phase": int(phase), **self._round(phase), "payload": payload or {}},
         )
         arrived = time.monotonic()
         self.events.emit(Event.ARRIVE, iteration=iteration, phase=int(phase), work_s=round(arrived - self._phase_began, 4),
@@ -466,7 +480,7 @@ class Coordinator:
             return decision
         def probe():
             fsio.refresh_dir(self.attempt.root)
-            return _matching(fsio.read_record(self.attempt.release), iteration, phase)
+            return _matching(fsio.read_record(self.attempt.release), iteration, phase, self._round(phase))
 
         release = poll(
             probe,
@@ -494,7 +508,7 @@ class Coordinator:
             fsio.refresh_dir(self.attempt.arrivals)
             for r in sorted(missing):
                 a = fsio.read_record(self.attempt.arrive(r))
-                if a is not None and a.get("attempt") == self.attempt_id and _matching(a, iteration, phase):
+                if a is not None and a.get("attempt") == self.attempt_id and _matching(a, iteration, phase, self._round(phase)):
                     arrivals[r] = a["payload"]
                     missing.discard(r)
             return True if not missing else None
@@ -511,6 +525,10 @@ class Coordinator:
             ),
         )
         self.events.emit(Event.ALL_ARRIVED, iteration=iteration, phase=int(phase))
+        if self.c.elastic and phase is Phase.TRAIN:
+            with self._members_lock:  # a rank lost from here on does not undo the finished step
+                self.cancel.check()
+                self._train_released = iteration
         if self.c.elastic:
             out = sorted(self.monitor.out)
             self._apply_out(out)  # the decision (the plan, the training group) is made for these ranks
@@ -521,7 +539,7 @@ class Coordinator:
         self.monitor.work_deadline = None
         if self.monitor is not None and self.monitor.stop_requested is not None:
             decision = {**decision, "stop": self.monitor.stop_requested}
-        fsio.write_record(self.attempt.release, {"iteration": iteration, "phase": int(phase), "decision": decision})
+        fsio.write_record(self.attempt.release, {"iteration": iteration, "phase": int(phase), **self._round(phase), "decision": decision})
         fsio.write_record(self.layout.progress, {"iteration": iteration, "phase": int(phase), "attempt": self.attempt_id})
         return decision
 
@@ -536,33 +554,88 @@ class Coordinator:
 
     def _go_on_without(self, culprit: Culprit) -> bool:
         """Master's monitor, elastic: a worker went silent past the node timeout. Mark it out
-        and go on, unless too few ranks would be left or the run is training (a training step
-        without one of its workers is not redone yet): then the attempt ends as without elastic."""
+        and go on, unless too few ranks would be left: then the attempt ends as without
+        elastic. Lost while the group trains (phase 10, not yet released), the step is
+        trained again without it: a new round, which cancels every rank's try of it."""
         rank = culprit.rank
         with self._members_lock:
             out = set(self.members.out) | {rank}
             left = self.config.num_nodes - len(out)
-            _, phase = self.where
+            iteration, phase = self.where
             if left < self.c.min_nodes:
                 log.error("rank %d went silent and only %d rank(s) would be left, fewer than coordination.min_nodes=%d: "
                           "the attempt ends", rank, left, self.c.min_nodes)
-                return False
-            if phase in TRAINING_PHASES or culprit.phase in TRAINING_PHASES:
-                log.error("rank %d went silent during training (phase %s); coordination.elastic does not go on without a "
-                          "train worker mid-step yet: the attempt ends", rank, culprit.phase)
                 return False
             if not self.full_placement.without(out).train_workers:
                 log.error("rank %d went silent and the ranks left hold no train worker: the attempt ends", rank)
                 return False
             self.members.mark_out(rank, iteration=culprit.iteration, phase=culprit.phase, host=culprit.host, reason=culprit.error,
                                   nonce=self._nonces.get(rank))
+            retrain = phase == Phase.TRAIN.label and self._train_released != iteration
+            if retrain:
+                self.members.declare_round(iteration, self.train_round + 1)
             self.members.write(self.attempt.members)
         self.monitor.forget(rank)
         self.events.emit(Event.OUT, iteration=culprit.iteration, phase=culprit.phase, who=rank, reason=culprit.error)
+        survivors = _ranks(r for r in range(self.config.num_nodes) if r not in out)
         log.warning("%s. coordination.elastic: the run goes on with ranks %s; its unfinished rollout work goes to them. "
-                    "Start the same command on that node to rejoin at the next iteration's start", culprit.describe(),
-                    _ranks(r for r in range(self.config.num_nodes) if r not in out))
+                    "Start the same command on that node to rejoin at the next iteration's start", culprit.describe(), survivors)
+        if retrain and self.cancel.cancel(Retrain(f"rank {rank} was lost while iteration {iteration} trained: ranks {survivors} "
+                                                  f"train it again (round {self.train_round + 1}) from the same checkpoint")):
+            self.monitor.on_cancel()
         return True
+
+    def _enter_train_round(self, iteration: int) -> None:
+        """Elastic, at each start of phase 10 (holding the members lock): the round of this
+        iteration's training and the ranks it trains with. The master declares a new round
+        when a rank went out since the last release (lost between it and this training)."""
+        if not self.c.elastic:
+            return
+        if self.is_master:
+            members = self.members
+        else:
+            fsio.refresh_dir(self.attempt.root)
+            members = Members.read(self.attempt.members)
+        declared = members.round_of(iteration)
+        round_, out = declared if declared is not None else (0, self.out)
+        if self.is_master and frozenset(members.out) != out:
+            round_, out = round_ + 1, frozenset(members.out)
+            members.declare_round(iteration, round_)
+            members.write(self.attempt.members)
+        self.train_round = round_
+        self._apply_out(out)
+        if round_:
+            log.warning("training iteration %d again (round %d) with ranks %s", iteration, round_,
+                        _ranks(r for r in range(self.config.num_nodes) if r not in out))
+
+    def _members_news(self, members: Members) -> OrchestratorError | None:
+        """Worker's monitor, elastic: what the master's membership record means for this process."""
+        iteration, phase = self.where
+        if members.is_out(self.rank, self.nonce):
+            return MarkedOut(f"rank {self.rank} on host {identity.host()} was silent past coordination.node_timeout_s at iteration "
+                             f"{iteration}, phase {phase}, and the run went on without it: stopping its work; it rejoins at "
+                             f"the next iteration's start")
+        declared = members.round_of(iteration) if phase == Phase.TRAIN.label else None
+        if declared is not None and declared[0] > self.train_round:
+            lost = _ranks(declared[1] - self.out)
+            return Retrain(f"rank(s) {lost} were lost while iteration {iteration} trained: training it again (round {declared[0]}) "
+                           f"from the same checkpoint without them")
+        return None
+
+    def _round(self, phase: Phase) -> dict:
+        """The round field of a barrier record: phase 10's after a retrain, else none."""
+        return {"round": self.train_round} if phase is Phase.TRAIN and self.train_round else {}
+
+    @property
+    def train_tag(self) -> str:
+        """This try's name for what training writes (its checkpoint staging directory)."""
+        return self.attempt_id if not self.train_round else f"{self.attempt_id}.r{self.train_round}"
+
+    def rearm(self, cancel: CancelToken) -> None:
+        """Go on with ``cancel`` after a retrain ended the old token (its monitor with it)."""
+        self.cancel = cancel
+        if self.monitor is not None:
+            self.monitor.rearm(cancel)
 
     def _admit_returning(self, iteration: int) -> list[int]:
         """Master, at an iteration's start: admit the out ranks whose process asks to come back
@@ -650,16 +723,15 @@ class Coordinator:
             lease_mod.release(self.layout, self.lease)
 
 
-TRAINING_PHASES = frozenset(p.label for p in (Phase.TRAIN_CONFIG, Phase.TRAIN, Phase.PUBLISH))
-
-
 def _counts(payload: dict | None) -> dict:
     """The numbers of a barrier payload (counts, sizes), for the event log."""
     return {k: v for k, v in (payload or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _matching(record: dict | None, iteration: int, phase: Phase) -> dict | None:
+def _matching(record: dict | None, iteration: int, phase: Phase, round_: dict | None = None) -> dict | None:
     if record is None or record.get("iteration") != iteration or record.get("phase") != int(phase):
+        return None
+    if record.get("round", 0) != (round_ or {}).get("round", 0):
         return None
     return record
 

@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from orchestrator import records
-from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, FailureKind, MarkedOut, PeerFailed
+from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, FailureKind, OrchestratorError, PeerFailed
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import AttemptLayout
 from orchestrator.protocol.liveness import LivenessTracker
@@ -109,8 +109,9 @@ class Monitor:
         other threads read it without the lock."""
         self.on_silent: Callable[[Culprit], bool] | None = None
         """Master, elastic: offered each worker that went silent; True when the run goes on without it."""
-        self.nonce: str | None = None
-        """Worker, elastic: this process's join nonce, to notice that the master marked it out."""
+        self.on_members: Callable[[Members], OrchestratorError | None] | None = None
+        """Worker, elastic: judges the master's membership record each poll; what it returns
+        (the run went on without this process, or the training step is redone) cancels the rank."""
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
         self._lock = threading.Lock()
@@ -137,6 +138,15 @@ class Monitor:
     def start(self) -> None:
         self._thread.start()
 
+    def rearm(self, cancel: CancelToken) -> None:
+        """Watch on for ``cancel`` after the old token ended this thread (a training step
+        redone, coordination.elastic); what it knows of the ranks stays."""
+        self.halt()
+        self.cancel = cancel
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+        self._thread.start()
+
     def halt(self) -> None:
         self._halt.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -158,11 +168,13 @@ class Monitor:
                 self._end_attempt(verdict)
                 return
             try:
-                out = self._marked_out()
+                news = self.on_members(Members.read(self.attempt.members)) if self.on_members is not None else None
             except OSError:
-                out = False
-            if out:
-                self._leave_run()
+                news = None
+            if news is not None:
+                log.error("%s", news)
+                if self.cancel.cancel(news):
+                    self.on_cancel()
                 return
             deadline = self.work_deadline
             if deadline is not None and deadline.expired():
@@ -197,12 +209,6 @@ class Monitor:
             return None  # the run goes on without it
         return culprit
 
-    def _marked_out(self) -> bool:
-        """Worker, elastic: whether the master went on without this process."""
-        if self.nonce is None or self.is_master:
-            return False
-        return Members.read(self.attempt.members).is_out(self.rank, self.nonce)
-
     def _overran(self, deadline: Deadline) -> None:
         iteration, phase = self.where()
         culprit = Culprit(self.rank, self.host, iteration, phase, FailureKind.DEADLINE, f"the phase's work ran past {deadline.what}")
@@ -210,14 +216,6 @@ class Monitor:
         if self.is_master:
             publish_abort(self.attempt, culprit)
         if self.cancel.cancel(DeadlineExceeded(culprit.error)):
-            self.on_cancel()
-
-    def _leave_run(self) -> None:
-        iteration, phase = self.where()
-        message = (f"rank {self.rank} on host {self.host} was silent past coordination.node_timeout_s at iteration {iteration}, "
-                   f"phase {phase}, and the run went on without it")
-        log.error("%s: stopping its work; it rejoins at the next iteration's start", message)
-        if self.cancel.cancel(MarkedOut(message)):
             self.on_cancel()
 
     def _end_attempt(self, culprit: Culprit) -> None:

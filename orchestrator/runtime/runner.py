@@ -28,6 +28,7 @@ from orchestrator.errors import (
     MarkedOut,
     OrchestratorError,
     PeerFailed,
+    Retrain,
     StopRequested,
 )
 from orchestrator.data import work
@@ -146,14 +147,15 @@ class Rank:
             self.coordinator.close(state)
 
     def _may_wait_for_master(self, e: PeerFailed) -> bool:
-        """A worker whose master died waits for a new one (coordination.master_wait_s > 0)."""
+        """A worker whose master died waits for a new one (coordination.master_wait_s > 0; by
+        default with coordination.elastic)."""
         c = e.culprit
-        return not self.config.is_master and self.config.coordination.master_wait_s > 0 and c.rank == 0 and c.kind is FailureKind.DEAD
+        return not self.config.is_master and self.config.coordination.master_wait > 0 and c.rank == 0 and c.kind is FailureKind.DEAD
 
     def _leave_for_new_master(self, e: PeerFailed) -> None:
         """Leave the dead master's attempt (its children stopped, its work durable as always)
         and join the next one; the worker's join deadline bounds the wait."""
-        wait = self.config.coordination.master_wait_s
+        wait = self.config.coordination.master_wait
         log.warning("%s. Waiting up to %.0f s (coordination.master_wait_s) for a new master: restart rank 0 with the "
                     "same command; the run resumes from its last finished phase", e, wait)
         self.coordinator.record_failure(FailureKind.PEER, str(e), culprit=e.culprit)
@@ -226,38 +228,60 @@ class Rank:
         return f"iteration {iteration}, phase {phase}" if iteration is not None else "start-up"
 
     def _walk(self, iteration: int, phase: Phase, plan: dict | None) -> None:
-        cfg = self.config
         group_start, group_budget = None, 0.0  # phases since the last barrier share its deadline
-        for iteration, phase in schedule((iteration, phase), cfg.rl_phase, cfg.max_iterations):
+        for iteration, phase in schedule((iteration, phase), self.config.rl_phase, self.config.max_iterations):
             if plan is None or plan.get("iteration") != iteration:
                 plan = fsio.read_record(self.layout.iteration(iteration).plan) or {"iteration": iteration}
-            spec = phase.spec
-            budget = cfg.deadlines.for_phase(phase)
-            if group_start is None:
-                group_start, group_budget = time.monotonic(), 0.0
-            group_budget += budget
-            self.coordinator.set_position(iteration, phase, Deadline.after(budget, f"deadlines.{phase.name.lower()}={budget:g} s"))
-            ctx = self._ctx(iteration, phase, plan)
-            self.cancel.check()
-            payload = None
-            if spec.needs_engine:
-                self.workload.engine_start(ctx)  # a no-op when it runs: covers a resume after phase 12
-            self.coordinator.fault_point("hold", iteration, phase)
-            self.coordinator.fault_point("raise", iteration, phase)
-            if spec.actor.acts(ctx.is_master) and phase in phases.WORK:
-                payload = phases.WORK[phase](ctx)
-            if spec.barrier is Barrier.ALL:
-                decide = phases.DECIDE.get(phase, phases.no_decision)
-                # Each rank's monitor enforces its own work deadline and reports it; the barrier's
-                # deadline, later by one node timeout, is the backstop for ranks that cannot.
-                deadline = Deadline(group_start + group_budget + cfg.coordination.node_timeout_s,
-                                    f"deadlines.{phase.name.lower()}")
-                group_start = None
-                decision = self.coordinator.barrier(iteration, phase, payload, deadline, lambda arrivals: decide(ctx, arrivals))
-                if "plan" in decision:
-                    plan = decision["plan"]
-                if decision.get("stop"):
-                    raise StopRequested(f"stopped on request after iteration {iteration}, phase {phase.label}")
+            while True:
+                try:
+                    plan, group_start, group_budget = self._phase(iteration, phase, plan, group_start, group_budget)
+                    break
+                except Exception as e:  # noqa: BLE001 - whatever the work raised as it was cancelled
+                    if not isinstance(self.cancel.reason, Retrain) or isinstance(e, (Interrupted, StopRequested)):
+                        raise
+                    self._retrain(self.cancel.reason)
+                    group_start, group_budget = None, 0.0  # phase 10 follows a barrier: the redo gets its own budget
+
+    def _phase(self, iteration: int, phase: Phase, plan: dict, group_start: float | None,
+               group_budget: float) -> tuple[dict, float | None, float]:
+        """One phase's work and barrier; returns the plan and the deadline group after it."""
+        cfg = self.config
+        spec = phase.spec
+        budget = cfg.deadlines.for_phase(phase)
+        if group_start is None:
+            group_start, group_budget = time.monotonic(), 0.0
+        group_budget += budget
+        self.coordinator.set_position(iteration, phase, Deadline.after(budget, f"deadlines.{phase.name.lower()}={budget:g} s"))
+        ctx = self._ctx(iteration, phase, plan)
+        self.cancel.check()
+        payload = None
+        if spec.needs_engine:
+            self.workload.engine_start(ctx)  # a no-op when it runs: covers a resume after phase 12
+        self.coordinator.fault_point("hold", iteration, phase)
+        self.coordinator.fault_point("raise", iteration, phase)
+        if spec.actor.acts(ctx.is_master) and phase in phases.WORK:
+            payload = phases.WORK[phase](ctx)
+        if spec.barrier is not Barrier.ALL:
+            return plan, group_start, group_budget
+        decide = phases.DECIDE.get(phase, phases.no_decision)
+        # Each rank's monitor enforces its own work deadline and reports it; the barrier's
+        # deadline, later by one node timeout, is the backstop for ranks that cannot.
+        deadline = Deadline(group_start + group_budget + cfg.coordination.node_timeout_s, f"deadlines.{phase.name.lower()}")
+        decision = self.coordinator.barrier(iteration, phase, payload, deadline, lambda arrivals: decide(ctx, arrivals))
+        if "plan" in decision:
+            plan = decision["plan"]
+        if decision.get("stop"):
+            raise StopRequested(f"stopped on request after iteration {iteration}, phase {phase.label}")
+        return plan, None, 0.0
+
+    def _retrain(self, e: Retrain) -> None:
+        """Elastic: a rank was lost while the group trained. Stop this node's trainers (a
+        collective with the lost one never ends) and its engines, and train the step again
+        with the ranks left; the engines start again when a phase needs them."""
+        log.warning("%s", e)
+        self._stop_children()
+        self.cancel = CancelToken()
+        self.coordinator.rearm(self.cancel)
 
     def _ctx(self, iteration: int, phase: Phase, plan: dict) -> PhaseContext:
         return PhaseContext(

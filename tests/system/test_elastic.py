@@ -14,11 +14,21 @@ import pytest
 
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import NODE_TIMEOUT_S, Cluster, aggregate_task_ids, heartbeat, run_flags, status_json, wait_for
+from tests.harness import (
+    NODE_TIMEOUT_S,
+    Cluster,
+    aggregate_task_ids,
+    heartbeat,
+    kill_tree,
+    run_flags,
+    status_json,
+    trainer_in_update,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
-TASKS, EVAL_TASKS, ITERATIONS = 36, 9, 5
+TASKS, EVAL_TASKS, ITERATIONS = 36, 9, 4
 ELASTIC = ["coordination.elastic=true", f"rehearsal.tasks={TASKS}", f"rehearsal.eval_tasks={EVAL_TASKS}", "rehearsal.task_s=0.08"]
 
 
@@ -92,6 +102,40 @@ def test_a_worker_lost_mid_rollout_is_marked_out_the_others_finish_and_it_rejoin
         assert changes == [("out", 2, 2), ("rejoined", 2, rejoined["iteration"])]
 
 
+@pytest.mark.parametrize("how", ["kill-9", "sigstop"])
+def test_a_worker_lost_mid_training_is_marked_out_the_step_is_trained_again_without_it_and_it_rejoins(cluster, how):
+    """Rank 2 is lost in phase 10 of iteration 2, after ranks 0 and 1 arrived at its barrier:
+    the master declares a second round of that training (members.json), every rank trains the
+    step again without rank 2, and it rejoins at the next iteration."""
+    flags = _flags(cluster)
+    layout = cluster.layout
+    procs = [cluster.start(r, flags, {"ORCHESTRATOR_FAULT": "hold@2:10"} if r == 2 else None) for r in range(3)]
+
+    def held():
+        hb = heartbeat(layout, 2)
+        return hb and (hb.get("iteration"), hb.get("phase"), hb.get("state")) == (2, "10:train", "held")
+
+    wait_for(held, 60, "rank 2 to be held in the training of iteration 2")
+    os.kill(procs[2].pid, signal.SIGKILL if how == "kill-9" else signal.SIGSTOP)
+    if how == "kill-9":
+        assert procs[2].wait(timeout=10) == -9
+        procs[2] = cluster.start(2, flags)  # at once: it asks to rejoin, silent, before the master marks it out
+    wait_for(lambda: _events(layout, "out"), NODE_TIMEOUT_S + 5, "the master to mark rank 2 out")
+    out = _events(layout, "out")[0]
+    assert (out["rank"], out["iteration"], out["phase"]) == (2, 2, "10:train"), out
+    assert _members(layout)["train_round"] | {"at": 0} == {"iteration": 2, "round": 1, "out": [2], "at": 0}
+    if how == "sigstop":
+        os.kill(procs[2].pid, signal.SIGCONT)
+    wait_for(lambda: _events(layout, "rejoined"), 60, "rank 2 to rejoin")
+    assert cluster.wait_all(procs, timeout=90) == [0, 0, 0], "\n".join(p.output() for p in procs)
+
+    _assert_each_task_once(layout)
+    assert _events(layout, "rejoined")[0]["iteration"] > 2
+    assert "training iteration 2 again (round 1) with ranks 0,1" in procs[0].output()
+    assert "training it again (round 1)" in procs[1].output()
+    assert not list(layout.checkpoint(2).parent.glob(".*.tmp")), "a try's staging directory is left"
+
+
 def test_min_nodes_ends_the_attempt_as_without_elastic(cluster):
     """With coordination.min_nodes=3 no rank can be lost: a dead worker ends the attempt (exit 3)."""
     procs = cluster.start_all(_flags(cluster, ["coordination.min_nodes=3"]))
@@ -104,42 +148,55 @@ def test_min_nodes_ends_the_attempt_as_without_elastic(cluster):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_rl_run_goes_on_without_a_worker_killed_mid_rollout_trains_on_two_and_takes_it_back(demo_data, tmp_path):
-    """The RL loop with elastic: rank 2 (engine, trainer) is killed mid-rollout of iteration 1.
-    Ranks 0 and 1 finish its tasks, train iteration 1 as a group of two, and the restarted rank
-    2 is back in the plan and the training group from the iteration it rejoins at."""
+def test_rl_run_goes_on_without_a_node_lost_mid_rollout_and_mid_training_and_takes_it_back(demo_data, tmp_path):
+    """The RL loop with elastic; rank 2's node (the rank, its engine, its train worker) is
+    killed twice, and each time the same command is started again at once.
+
+    - Mid-rollout of iteration 1: ranks 0 and 1 finish its tasks and train as a group of two;
+      rank 2 rejoins at iteration 2.
+    - Mid-update of iteration 2: the others' trainers lose their peer; the master marks rank 2
+      out and ranks 0 and 1 train iteration 2 again as two from the same checkpoint (the
+      update does not depend on the worker count: tests/system/test_fsdp.py); rank 2
+      rejoins at iteration 3 and trains with them."""
     cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
     layout = cluster.layout
     flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
-             "--rank-weights=1,1,1", "--eval-interval=2", "--max-iterations=3", "rl.train_tasks=96", "rl.samples_per_prompt=2",
-             "rl.eval_tasks=16", "rl.eval_samples=2", "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5",
+             "--rank-weights=1,1,2", "--eval-interval=3", "--max-iterations=3", "rl.train_tasks=64", "rl.samples_per_prompt=2",
+             "rl.eval_tasks=16", "rl.eval_samples=1", "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5",
              "coordination.node_timeout_s=6", "coordination.join_timeout_s=120", "coordination.elastic=true",
              # Without stealing rank 2's share is one chunk of 32 tasks, reported every 16: it is
              # seen part-way through (with stealing the others may leave it a single chunk).
              "coordination.work_stealing=false"]
     procs = cluster.start_all(flags)
-    try:
-        def mid_rollout():
-            assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
-            return _mid_rollout(layout, 2, 1)
 
-        wait_for(mid_rollout, 180, "rank 2 to be part-way through the rollout of iteration 1")
-        os.kill(procs[2].pid, signal.SIGKILL)
+    def running(ranks_alive):
+        assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
+        return ranks_alive()
+
+    def lose_rank_2(when, what: str, outs: int) -> None:
+        wait_for(lambda: running(when), 180, what)
+        kill_tree(procs[2].pid)  # the node is gone
         assert procs[2].wait(timeout=10) == -9
-        wait_for(lambda: _events(layout, "out"), 6 + 10, "the master to mark rank 2 out")
-        procs[2] = cluster.start(2, flags)
-        assert cluster.wait_all(procs, timeout=360) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
+        procs[2] = cluster.start(2, flags)  # at once: it asks to rejoin, silent, before the master marks it out
+        wait_for(lambda: len(_events(layout, "out")) == outs, 6 + 10, "the master to mark rank 2 out")
+
+    try:
+        lose_rank_2(lambda: _mid_rollout(layout, 2, 1), "rank 2 to be part-way through the rollout of iteration 1", 1)
+        lose_rank_2(lambda: trainer_in_update(cluster.log_path, 2, 2), "train worker 2 to be in the update of iteration 2", 2)
+        assert cluster.wait_all(procs, timeout=300) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
     finally:
         cluster.kill_all()
-    rejoined = _events(layout, "rejoined")
-    assert [e["rank"] for e in _events(layout, "out")] == [2] and [e["rank"] for e in rejoined] == [2]
-    back = rejoined[0]["iteration"]
-    assert back in (2, 3)
+    assert [(e["rank"], e["iteration"], e["phase"]) for e in _events(layout, "out")] == [(2, 1, "1:rollout"), (2, 2, "10:train")]
+    assert [(e["rank"], e["iteration"]) for e in _events(layout, "rejoined")] == [(2, 2), (2, 3)]
+    assert _members(layout)["train_round"] | {"at": 0} == {"iteration": 2, "round": 1, "out": [2], "at": 0}
     for i in (1, 2, 3):
-        ids = [json.loads(line)["task_id"] for line in layout.iteration(i).aggregate("train").read_text().splitlines()]
-        assert len(ids) == 96 and len(set(ids)) == 96, f"iteration {i}: a task missing or twice"
+        ids = aggregate_task_ids(layout, i)
+        assert len(ids) == 64 and len(set(ids)) == 64, f"iteration {i}: a task missing or twice"
         assert layout.checkpoint(i).is_dir()
+    assert [fsio.read_record(layout.iteration(i).plan)["train"]["per_rank"] for i in (1, 2, 3)] == [[16, 16, 32]] * 3
+    assert json.loads((layout.checkpoint(2) / "train_stats.json").read_text())["world_size"] == 2
     attempt = layout.attempt(sorted(layout.attempts.iterdir())[-1].name)
     worlds = re.findall(r"joining rendezvous \S+ as rank \d+ of (\d+)", attempt.trainer_log(0).read_text())
-    assert worlds[0] == "2" and worlds[-1] == "3", worlds  # two trained iteration 1; three once rank 2 was back
-    assert fsio.read_record(layout.iteration(back).plan)["train"]["per_rank"] == [32, 32, 32]
+    # Two trained iteration 1; three began iteration 2, two trained it again; three trained iteration 3.
+    assert worlds == ["2", "3", "2", "3"], worlds
+    assert not list(layout.checkpoint(2).parent.glob(".*.tmp")), "a try's staging directory is left"

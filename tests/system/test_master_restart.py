@@ -1,6 +1,7 @@
 """The master killed in each phase and restarted alone while the workers wait (issue 6):
 with coordination.master_wait_s set, workers that see the master die leave its attempt,
-wait for a new master, and finish the run with it; every task is accounted for once."""
+wait for a new master, and finish the run with it; every task is accounted for once.
+With coordination.elastic they wait so by default (issue 17, item 2)."""
 
 import time
 
@@ -16,7 +17,18 @@ MASTER_WAIT_S = 60
 
 @pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.label)
 def test_master_killed_then_restarted_alone(cluster, phase):
-    flags = run_flags(cluster.log_path, extra=[f"coordination.master_wait_s={MASTER_WAIT_S}"])
+    _kill_the_master_and_restart_it_alone(cluster, phase, [f"coordination.master_wait_s={MASTER_WAIT_S}"])
+
+
+@pytest.mark.parametrize("phase", [Phase.TRAIN], ids=lambda p: p.label)
+def test_with_elastic_workers_wait_for_a_restarted_master_without_being_told(cluster, phase):
+    texts = _kill_the_master_and_restart_it_alone(cluster, phase, ["coordination.elastic=true", f"coordination.join_timeout_s={MASTER_WAIT_S}"])
+    assert all(f"Waiting up to {MASTER_WAIT_S} s (coordination.master_wait_s)" in t for t in texts)
+
+
+def _kill_the_master_and_restart_it_alone(cluster, phase: Phase, extra: list[str]) -> list[str]:
+    """Returns the workers' output."""
+    flags = run_flags(cluster.log_path, extra=extra)
     master = cluster.start(0, flags, env={"ORCHESTRATOR_FAULT": f"hold@2:{int(phase)}"})
     workers = [cluster.start(r, flags) for r in (1, 2)]
     wait_for(lambda: "fault injection: holding" in master.output(), 60, f"the master to reach phase {phase.label}")
@@ -35,6 +47,7 @@ def test_master_killed_then_restarted_alone(cluster, phase):
     assert [w.wait(timeout=30) for w in workers] == [0, 0], workers[0].output()[-3000:]
     assert_default_three_iteration_run(cluster.log_path)
     print(f"{phase.label}: workers noticed the master's death {detected:.1f} s after the kill (node timeout {NODE_TIMEOUT_S:g} s)")
+    return [w.output() for w in workers]
 
 
 def test_workers_give_up_when_no_master_comes_back(cluster):

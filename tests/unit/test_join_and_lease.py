@@ -150,6 +150,19 @@ def test_membership_marks_out_the_silent_process_and_knows_a_new_one_asking_back
     assert m.out == {} and m.admitted[2]["iteration"] == 4 and [e["event"] for e in m.events] == ["out", "rejoined"]
 
 
+def test_a_training_round_is_declared_for_one_iteration_without_the_ranks_out_and_survives_a_write(tmp_path):
+    from orchestrator.protocol.membership import Members
+
+    m = Members()
+    assert m.round_of(3) is None
+    m.mark_out(2, iteration=3, phase="10:train", host="n2", reason="no heartbeat", nonce="old")
+    m.declare_round(3, 1)
+    assert m.round_of(3) == (1, frozenset({2})) and m.round_of(4) is None
+    m.write(tmp_path / "members.json")
+    back = Members.read(tmp_path / "members.json")
+    assert back.round_of(3) == (1, frozenset({2})) and back.out.keys() == {2}
+
+
 def test_worker_times_out_only_while_waiting_after_its_deadline():
     clock = FakeClock()
     deadline = Deadline.after(30, "x", clock)

@@ -57,17 +57,19 @@ def socket_env(addr: str, environ=os.environ) -> dict[str, str]:
 
 def publish_or_read(ctx: PhaseContext) -> dict:
     """The node of train worker 0 (the master on CPU) chooses and publishes the address of
-    this iteration's training; the others read it."""
+    this iteration's training (and round: a step trained again without a lost rank is a new
+    group, coordination.elastic); the others read it."""
     path = ctx.coordinator.attempt.rendezvous
+    round_ = ctx.coordinator.train_round
     if ctx.rank == ctx.coordinator.placement.checkpoint_node:
-        record = {"iteration": ctx.iteration, "addr": master_address(), "port": free_port(ctx.config.rl.train_port)}
+        record = {"iteration": ctx.iteration, "round": round_, "addr": master_address(), "port": free_port(ctx.config.rl.train_port)}
         fsio.write_record(path, record)
         return record
 
     def probe():
         fsio.refresh_dir(path.parent)
         r = fsio.read_record(path)
-        return r if r is not None and r["iteration"] == ctx.iteration else None
+        return r if r is not None and r["iteration"] == ctx.iteration and r.get("round", 0) == round_ else None
 
     return poll(probe, deadline=Deadline.after(ctx.config.coordination.node_timeout_s, str(path)),
                 cancel=ctx.cancel, backoff=ctx.coordinator.backoff)

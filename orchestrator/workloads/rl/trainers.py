@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator import defaults
 from orchestrator.errors import EXIT_BAD_INPUT, ChildFailed
 from orchestrator.node import gpus
 from orchestrator.node.placement import TrainWorker
@@ -169,9 +170,11 @@ class NodeTrainers:
         error = self._failed(ctx, t, t.proc.returncode)
         if t.proc.returncode != EXIT_BAD_INPUT and len(ctx.coordinator.placement.train_workers) > len(procs) \
                 and _lost_a_peer(error):
+            c = ctx.config.coordination
+            wait = c.node_timeout_s + (defaults.WORKER_GRACE_S if c.elastic else 0.0)
             log.warning("%s; waiting up to %.0f s (coordination.node_timeout_s) for the node that failed first to be named",
-                        error, ctx.config.coordination.node_timeout_s)
-            ctx.cancel.sleep(ctx.config.coordination.node_timeout_s)  # raises the peer's failure when the monitor learns it
+                        error, wait)
+            ctx.cancel.sleep(wait)  # raises the peer's failure (or, elastic, the retrain) when the monitor learns it
         raise error
 
     def _failed(self, ctx: PhaseContext, t: _Process, code: int) -> TrainerFailed:
