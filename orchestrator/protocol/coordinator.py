@@ -626,11 +626,6 @@ class Coordinator:
         """The round field of a barrier record: phase 10's after a retrain, else none."""
         return {"round": self.train_round} if phase is Phase.TRAIN and self.train_round else {}
 
-    @property
-    def train_tag(self) -> str:
-        """This try's name for what training writes (its checkpoint staging directory)."""
-        return self.attempt_id if not self.train_round else f"{self.attempt_id}.r{self.train_round}"
-
     def rearm(self, cancel: CancelToken) -> None:
         """Go on with ``cancel`` after a retrain ended the old token (its monitor with it)."""
         self.cancel = cancel

@@ -106,10 +106,11 @@ class RunLayout:
     def checkpoint(self, iteration: int) -> Path:
         return self.checkpoints / f"iter-{iteration_dir_name(iteration)}"
 
-    def checkpoint_staging(self, iteration: int, attempt_id: str) -> Path:
-        """Where an attempt's training writes the checkpoint before phase 10 renames it into place."""
+    def checkpoint_staging(self, iteration: int, attempt_id: str, round_: int = 0) -> Path:
+        """Where an attempt's training writes the checkpoint before phase 10 renames it into
+        place; a training round after the first (coordination.elastic) has its own."""
         final = self.checkpoint(iteration)
-        return final.with_name(f".{final.name}.{attempt_id}.tmp")
+        return final.with_name(f".{final.name}.{attempt_id}{f'.r{round_}' if round_ else ''}.tmp")
 
     @property
     def current_checkpoint(self) -> Path:

@@ -159,18 +159,20 @@ class Rank:
         log.warning("%s. Waiting up to %.0f s (coordination.master_wait_s) for a new master: restart rank 0 with the "
                     "same command; the run resumes from its last finished phase", e, wait)
         self.coordinator.record_failure(FailureKind.PEER, str(e), culprit=e.culprit)
-        self.cancel.cancel(OrchestratorError("leaving the attempt of a dead master"))
-        self._stop_children()
-        self.cancel = CancelToken()
-        self.coordinator.leave(self.cancel, join_timeout_s=wait)
+        self.coordinator.leave(self._start_over(OrchestratorError("leaving the attempt of a dead master")), join_timeout_s=wait)
 
     def _leave_to_rejoin(self, e: MarkedOut) -> None:
         """Elastic: the run went on without this rank. Stop its work (what it wrote since
         counts for nothing: data/work.py) and ask to come back at the next iteration."""
-        self.cancel.cancel(e)
+        self.coordinator.leave(self._start_over(e), join_timeout_s=self.config.coordination.join_timeout_s, for_good=False)
+
+    def _start_over(self, reason: OrchestratorError) -> CancelToken:
+        """End this rank's current work (cancelled for ``reason``, its children stopped) and
+        return the token the work that follows waits on."""
+        self.cancel.cancel(reason)
         self._stop_children()
         self.cancel = CancelToken()
-        self.coordinator.leave(self.cancel, join_timeout_s=self.config.coordination.join_timeout_s, for_good=False)
+        return self.cancel
 
     def _root_cause(self, e: BaseException) -> BaseException:
         """What really ended the rank: work that fails because the rank was cancelled (its
@@ -279,9 +281,7 @@ class Rank:
         collective with the lost one never ends) and its engines, and train the step again
         with the ranks left; the engines start again when a phase needs them."""
         log.warning("%s", e)
-        self._stop_children()
-        self.cancel = CancelToken()
-        self.coordinator.rearm(self.cancel)
+        self.coordinator.rearm(self._start_over(e))
 
     def _ctx(self, iteration: int, phase: Phase, plan: dict) -> PhaseContext:
         return PhaseContext(

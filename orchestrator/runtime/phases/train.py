@@ -34,7 +34,7 @@ def train(ctx: PhaseContext) -> None:
     if ctx.rank != ctx.coordinator.placement.checkpoint_node:
         ctx.workload.train(ctx, cfg, None)
         return
-    staging = ctx.layout.checkpoint_staging(ctx.iteration, ctx.coordinator.train_tag)
+    staging = ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.coordinator.train_round)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     ctx.workload.train(ctx, cfg, staging)
@@ -43,5 +43,4 @@ def train(ctx: PhaseContext) -> None:
     os.replace(staging, final)
     fsio.fsync_dir(final.parent)
     for earlier in range(ctx.coordinator.train_round):  # the tries a lost rank cut short (coordination.elastic)
-        shutil.rmtree(ctx.layout.checkpoint_staging(ctx.iteration, f"{ctx.attempt_id}.r{earlier}" if earlier else ctx.attempt_id),
-                      ignore_errors=True)
+        shutil.rmtree(ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, earlier), ignore_errors=True)

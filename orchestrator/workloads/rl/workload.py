@@ -283,7 +283,7 @@ class RLWorkload:
         base = self._trainer_config(ctx, train_config)
         # With fsdp every worker writes its shard into the staging directory that the node of
         # worker 0 made (phase 10); with ddp worker 0 writes it all and the others nothing.
-        staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.coordinator.train_tag)
+        staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.coordinator.train_round)
         writes = self.config.train.strategy == "fsdp"
         configs = {w.rank: {**base, "output": str(staging if w.rank == 0 or writes else attempt.trainer_scratch(w.rank)),
                             "offload": placement.colocated and w.gpu is not None and bool(placement.engines_on(ctx.rank))}
