@@ -145,12 +145,30 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
-def start_ranks(flags: list[str], n: int) -> list[subprocess.Popen]:
-    """``orchestrator run`` for ranks 0..n-1, output discarded (tests that only need exit codes)."""
+def start_ranks(flags: list[str], n: int, env_for: dict[int, dict] | None = None) -> list[subprocess.Popen]:
+    """``orchestrator run`` for ranks 0..n-1, output discarded (tests that only need exit
+    codes); ``env_for``: extra environment of some ranks."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return [subprocess.Popen([sys.executable, "-m", "orchestrator", "run", *flags, rank_flag(r)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**env, **(env_for or {}).get(r, {})},
+                             start_new_session=True)
             for r in range(n)]
+
+
+def held_mid_rollout(rank: int) -> dict[int, dict]:
+    """``env_for`` that holds ``rank`` once its first batch of rollout records in iteration 1
+    is durable (part-way through a share of at least two batches): wait with
+    :func:`wait_held_mid_rollout`."""
+    return {rank: {"ORCHESTRATOR_FAULT": "hold-after-batch@1:1"}}
+
+
+def wait_held_mid_rollout(layout: RunLayout, rank: int, timeout: float = 120) -> None:
+    def held():
+        hb = heartbeat(layout, rank)
+        p = hb and hb.get("state") == "held" and hb.get("phase") == Phase.ROLLOUT.label and hb.get("progress")
+        return p and 0 < p["done"] < p["total"]
+
+    wait_for(held, timeout, f"rank {rank} to be held part-way through its rollout")
 
 
 def wait_mid_rollout(layout: RunLayout, rank: int, timeout: float = 120) -> None:

@@ -11,6 +11,8 @@
 - ``hold-in-steal``: the same, inside a rank's first steal of a chunk in that phase (1 or 6),
   after its claim file was created and before it is written (data/work.py).
 - ``hold-after-steal``: the same, once that claim is written, before any of the chunk's records.
+- ``hold-after-batch``: the same, once the rank's first batch of records in that phase (1 or
+  6) is durable, before the rest: a rank caught part-way through its rollout.
 - ``raise``: raise an exception inside that phase's work.
 
 Unset in production; the hooks cost one dict lookup per phase.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 ENV = "ORCHESTRATOR_FAULT"
 HOLD_LIMIT_S = 300.0
-ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-in-steal", "hold-after-steal", "raise")
+ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-in-steal", "hold-after-steal", "hold-after-batch", "raise")
 
 
 class InjectedFault(RuntimeError):

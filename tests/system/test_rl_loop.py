@@ -17,7 +17,7 @@ from orchestrator.data import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.train import optimizer_state
-from tests.harness import NODE_TIMEOUT_S, kill_tree, start_ranks, status_json, wait_for, wait_mid_rollout
+from tests.harness import NODE_TIMEOUT_S, held_mid_rollout, kill_tree, start_ranks, status_json, wait_for, wait_held_mid_rollout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -134,27 +134,26 @@ def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
 
 def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, tmp_path):
     log_path = tmp_path / "run"
-    # 192 tasks: rank 0 (weight 2 of 4) sends 96 prompts in 6 requests, so "part-way" lasts
-    # five requests, long enough for the poll below to see it even on a loaded machine. Without
-    # work stealing: with it, ranks whose engines start first may take rank 0's chunks
+    # 64 tasks: rank 0 (weight 2 of 4) sends its 32 prompts in two requests of 16 and is held
+    # after the first is fsynced. Without work stealing, so its share stays its own
     # (tests/system/test_work_stealing.py kills ranks mid-steal).
-    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192", "coordination.work_stealing=false"])
-    procs = start_ranks(flags, 3)
+    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=64", "coordination.work_stealing=false"])
+    procs = start_ranks(flags, 3, env_for=held_mid_rollout(0))
     try:
         layout = RunLayout(log_path)
-        wait_mid_rollout(layout, 0)
+        wait_held_mid_rollout(layout, 0)
         os.kill(procs[0].pid, signal.SIGKILL)
         procs[0].wait(timeout=10)
         assert [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs[1:]] == [3, 3]
         partial = layout.iteration(1).shard("train", 0).read_text().splitlines()
-        assert 0 < len(partial) < 96
+        assert 0 < len(partial) < 32
     finally:
         for p in procs:
             kill_tree(p.pid)
     result = _local(flags)
     assert result.returncode == 0, result.stdout[-6000:]
     ids = [r["task_id"] for r in _aggregate(layout, 1)]
-    assert len(ids) == 192 and len(set(ids)) == 192
+    assert len(ids) == 64 and len(set(ids)) == 64
     kept = [json.loads(line)["task_id"] for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
     assert kept[: len(partial)] == [json.loads(line)["task_id"] for line in partial]
 

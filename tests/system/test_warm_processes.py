@@ -13,17 +13,18 @@ from orchestrator.protocol.layout import RunLayout
 from tests.harness import (
     NODE_TIMEOUT_S,
     aggregate_task_ids,
+    held_mid_rollout,
     kill_trainer_mid_update,
     kill_tree,
     start_ranks,
     status_json,
-    wait_mid_rollout,
+    wait_held_mid_rollout,
 )
 from tests.system.test_rl_loop import _flags, _local, _sha
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-ITERATIONS = 3
+ITERATIONS = 2
 
 
 def _finish_and_check(flags, layout):
@@ -65,12 +66,13 @@ def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_co
 def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_finishes(demo_data, tmp_path):
     log_path = tmp_path / "run"
     layout = RunLayout(log_path)
-    # 192 tasks: rank 1 (weight 1 of 4) sends 48 prompts in 3 requests: long enough to be caught part-way.
-    # Without work stealing: with it, a rank whose engine starts first may take all of rank 1's share.
-    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=192", "coordination.work_stealing=false"])
-    procs = start_ranks(flags, 3)
+    # 128 tasks: rank 1 (weight 1 of 4) sends its 32 prompts in two requests of 16 and is held
+    # after the first. Without work stealing: with it, a rank whose engine starts first may take
+    # all of rank 1's share.
+    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=128", "coordination.work_stealing=false"])
+    procs = start_ranks(flags, 3, env_for=held_mid_rollout(1))
     try:
-        wait_mid_rollout(layout, 1)
+        wait_held_mid_rollout(layout, 1)
         pid = _engine_pid(procs[1].pid)
         os.kill(pid, signal.SIGKILL)
         codes = [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs]
@@ -84,7 +86,7 @@ def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_fin
     result = _local(flags, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:]
     ids = aggregate_task_ids(layout, 1)
-    assert len(ids) == 192 and len(set(ids)) == 192
+    assert len(ids) == 128 and len(set(ids)) == 128
 
 
 def _engine_pid(rank_pid: int) -> int:

@@ -84,6 +84,7 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
         if done:
             ctx.log.info("resuming %s shard: %d tasks already there, %d chunk(s) claimed", split, done, len(queue))
         ctx.progress(done, count)
+        first_batch = True
         with terminal.progress(f"iteration {ctx.iteration} {split} rollout", count, done) as bar:
             while True:
                 pending = False
@@ -114,6 +115,9 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
                     done += len(batch)
                     ctx.progress(done, total)
                     bar.update(done, total)
+                    if first_batch:
+                        first_batch = False
+                        ctx.coordinator.fault_point("hold-after-batch", ctx.iteration, ctx.phase)
                 if elastic:
                     finished |= {c.index for c in taking}
                     work.note_finished(ctx.it, split, ctx.rank, finished)
