@@ -578,8 +578,9 @@ class Coordinator:
         self.monitor.forget(rank)
         self.events.emit(Event.OUT, iteration=culprit.iteration, phase=culprit.phase, who=rank, reason=culprit.error)
         survivors = _ranks(r for r in range(self.config.num_nodes) if r not in out)
-        log.warning("%s. coordination.elastic: the run goes on with ranks %s; its unfinished rollout work goes to them. "
-                    "Start the same command on that node to rejoin at the next iteration's start", culprit.describe(), survivors)
+        work = "they train this step again without it" if retrain else "its unfinished rollout work goes to them"
+        log.warning("%s. coordination.elastic: the run goes on with ranks %s; %s. "
+                    "Start the same command on that node to rejoin at the next iteration's start", culprit.describe(), survivors, work)
         if retrain and self.cancel.cancel(Retrain(f"rank {rank} was lost while iteration {iteration} trained: ranks {survivors} "
                                                   f"train it again (round {self.train_round + 1}) from the same checkpoint")):
             self.monitor.on_cancel()

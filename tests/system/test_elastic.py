@@ -147,56 +147,76 @@ def test_min_nodes_ends_the_attempt_as_without_elastic(cluster):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_rl_run_goes_on_without_a_node_lost_mid_rollout_and_mid_training_and_takes_it_back(demo_data, tmp_path):
-    """The RL loop with elastic; rank 2's node (the rank, its engine, its train worker) is
-    killed twice, and each time the same command is started again at once.
+@pytest.mark.timeout(480)
+def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mid_training_and_takes_it_back(demo_data, tmp_path):
+    """The RL loop with elastic; rank 2 is lost three times and comes back each time.
 
-    - Mid-rollout of iteration 1: ranks 0 and 1 finish its tasks and train as a group of two;
-      rank 2 rejoins at iteration 2.
-    - Mid-update of iteration 2: the others' trainers lose their peer; the master marks rank 2
-      out and ranks 0 and 1 train iteration 2 again as two from the same checkpoint (the
-      update does not depend on the worker count: tests/system/test_fsdp.py); rank 2
-      rejoins at iteration 3 and trains with them."""
+    - Iteration 1, mid-rollout: its node (the rank, its engine, its train worker) is killed
+      and the same command started again at once. Ranks 0 and 1 finish its tasks and train as
+      a group of two; rank 2 rejoins at iteration 2.
+    - Iteration 2, mid-rollout: the rank is frozen (SIGSTOP; its engine runs on). Marked out,
+      it is continued (SIGCONT), finds itself out and rejoins at iteration 3.
+    - Iteration 3, mid-update: its node is killed and the command started again at once. The
+      others' trainers lose their peer; the master marks rank 2 out and ranks 0 and 1 train
+      iteration 3 again as two from the same checkpoint (the update does not depend on the
+      worker count: tests/system/test_fsdp.py); rank 2 rejoins at iteration 4."""
     cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
     layout = cluster.layout
     flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
-             "--rank-weights=1,1,2", "--eval-interval=3", "--max-iterations=3", "rl.train_tasks=64", "rl.samples_per_prompt=2",
+             "--rank-weights=1,1,2", "--eval-interval=4", "--max-iterations=4", "rl.train_tasks=64", "rl.samples_per_prompt=2",
              "rl.eval_tasks=16", "rl.eval_samples=1", "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5",
              "coordination.node_timeout_s=6", "coordination.join_timeout_s=120", "coordination.elastic=true",
-             # Without stealing rank 2's share is one chunk of 32 tasks, reported every 16: it is
-             # seen part-way through (with stealing the others may leave it a single chunk).
+             "checkpoint.keep_last=4",  # the test reads every iteration's checkpoint
+             # Without stealing rank 2's share is its own: one chunk of 32 tasks, written in two
+             # batches of 16. hold-after-batch holds it after the first (16 records fsynced).
              "coordination.work_stealing=false"]
-    procs = cluster.start_all(flags)
+    procs = cluster.start_all(flags, env_for={2: {"ORCHESTRATOR_FAULT": "hold-after-batch@1:1"}})
 
-    def running(ranks_alive):
-        assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
-        return ranks_alive()
+    def wait_until(ready, what: str) -> None:
+        def check():
+            assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
+            return ready()
+        wait_for(check, 180, what)
 
-    def lose_rank_2(when, what: str, outs: int) -> None:
-        wait_for(lambda: running(when), 180, what)
-        kill_tree(procs[2].pid)  # the node is gone
+    def marked_out(times: int) -> None:
+        wait_for(lambda: len(_events(layout, "out")) == times, 6 + 10, "the master to mark rank 2 out")
+
+    def held_mid_rollout(iteration: int) -> None:
+        wait_until(lambda: _mid_rollout(layout, 2, iteration) and heartbeat(layout, 2)["state"] == "held",
+                   f"rank 2 to be held part-way through the rollout of iteration {iteration}")
+
+    def kill_node_and_start_again(env: dict | None = None) -> None:
+        kill_tree(procs[2].pid)
         assert procs[2].wait(timeout=10) == -9
-        procs[2] = cluster.start(2, flags)  # at once: it asks to rejoin, silent, before the master marks it out
-        wait_for(lambda: len(_events(layout, "out")) == outs, 6 + 10, "the master to mark rank 2 out")
+        procs[2] = cluster.start(2, flags, env)  # at once: it asks to rejoin, silent, before the master marks it out
 
     try:
-        lose_rank_2(lambda: _mid_rollout(layout, 2, 1), "rank 2 to be part-way through the rollout of iteration 1", 1)
-        lose_rank_2(lambda: trainer_in_update(cluster.log_path, 2, 2), "train worker 2 to be in the update of iteration 2", 2)
+        held_mid_rollout(1)
+        kill_node_and_start_again({"ORCHESTRATOR_FAULT": "hold-after-batch@2:1"})
+        marked_out(1)
+        held_mid_rollout(2)
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        marked_out(2)
+        os.kill(procs[2].pid, signal.SIGCONT)  # it finds itself out, stops its work and asks to come back
+        wait_until(lambda: trainer_in_update(cluster.log_path, 2, 3), "train worker 2 to be in the update of iteration 3")
+        kill_node_and_start_again()
+        marked_out(3)
         assert cluster.wait_all(procs, timeout=300) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
     finally:
         cluster.kill_all()
-    assert [(e["rank"], e["iteration"], e["phase"]) for e in _events(layout, "out")] == [(2, 1, "1:rollout"), (2, 2, "10:train")]
-    assert [(e["rank"], e["iteration"]) for e in _events(layout, "rejoined")] == [(2, 2), (2, 3)]
-    assert _members(layout)["train_round"] | {"at": 0} == {"iteration": 2, "round": 1, "out": [2], "at": 0}
-    for i in (1, 2, 3):
+    assert [(e["rank"], e["iteration"], e["phase"]) for e in _events(layout, "out")] == [
+        (2, 1, "1:rollout"), (2, 2, "1:rollout"), (2, 3, "10:train")]
+    assert [(e["rank"], e["iteration"]) for e in _events(layout, "rejoined")] == [(2, 2), (2, 3), (2, 4)]
+    assert _members(layout)["train_round"] | {"at": 0} == {"iteration": 3, "round": 1, "out": [2], "at": 0}
+    for i in (1, 2, 3, 4):
         ids = aggregate_task_ids(layout, i)
         assert len(ids) == 64 and len(set(ids)) == 64, f"iteration {i}: a task missing or twice"
         assert layout.checkpoint(i).is_dir()
-    assert [fsio.read_record(layout.iteration(i).plan)["train"]["per_rank"] for i in (1, 2, 3)] == [[16, 16, 32]] * 3
-    assert json.loads((layout.checkpoint(2) / "train_stats.json").read_text())["world_size"] == 2
+    assert [fsio.read_record(layout.iteration(i).plan)["train"]["per_rank"] for i in (1, 2, 3, 4)] == [[16, 16, 32]] * 4
+    assert json.loads((layout.checkpoint(3) / "train_stats.json").read_text())["world_size"] == 2
     attempt = layout.attempt(sorted(layout.attempts.iterdir())[-1].name)
-    worlds = re.findall(r"joining rendezvous \S+ as rank \d+ of (\d+)", attempt.trainer_log(0).read_text())
-    # Two trained iteration 1; three began iteration 2, two trained it again; three trained iteration 3.
-    assert worlds == ["2", "3", "2", "3"], worlds
-    assert not list(layout.checkpoint(2).parent.glob(".*.tmp")), "a try's staging directory is left"
+    updates = re.findall(r"trainer rank \d+/(\d+) .*: update of iteration (\d+)", attempt.trainer_log(0).read_text())
+    # Two trained iterations 1 and 2 (one group, kept alive); three began iteration 3, two
+    # trained it again; three trained iteration 4.
+    assert updates == [("2", "1"), ("2", "2"), ("3", "3"), ("2", "3"), ("3", "4")], updates
+    assert not list(layout.checkpoint(3).parent.glob(".*.tmp")), "a try's staging directory is left"
