@@ -112,6 +112,12 @@ class RunLayout:
         final = self.checkpoint(iteration)
         return final.with_name(f".{final.name}.{attempt_id}{f'.r{round_}' if round_ else ''}.tmp")
 
+    def checkpoint_stagings(self, iteration: int) -> list[Path]:
+        """Every staging directory of ``iteration``'s checkpoint there is: any attempt's, any
+        round's (:meth:`checkpoint_staging`)."""
+        final = self.checkpoint(iteration)
+        return sorted(final.parent.glob(f".{final.name}.*.tmp"))
+
     @property
     def current_checkpoint(self) -> Path:
         return self.checkpoints / "current.json"

@@ -51,7 +51,9 @@ def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_co
     flags = _flags(demo_data, log_path, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"])
     procs = start_ranks(flags, 3)
     kill_trainer_mid_update(procs, log_path, worker=2, rank=2, iteration=2, codes=[3, 3, 1], timeout=240)
+    assert layout.checkpoint_stagings(2), "the killed try's staging directory"
     _finish_and_check(flags, layout)
+    assert not list(layout.checkpoints.glob(".*.tmp")), "the rerun removes the staging directory the crash left"
     stats = json.loads((layout.checkpoint(2) / "train_stats.json").read_text())
     assert stats["policy_from"] == "checkpoint"  # the rerun's new trainers loaded iteration 1's weights and moments
     # The same run without the crash ends with the same weights and moments, bit for bit.

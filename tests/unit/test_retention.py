@@ -133,6 +133,17 @@ def test_checkpoint_names_parse_and_trash_is_not_a_checkpoint(tmp_path):
     assert checkpoint_iteration("current.json") is None
 
 
+def test_the_staging_directories_of_an_iteration_are_every_try_of_it_and_nothing_else(tmp_path):
+    layout = RunLayout(tmp_path)
+    tries = [layout.checkpoint_staging(7, "a000001-abcdef"), layout.checkpoint_staging(7, "a000002-012345", 1)]
+    others = [layout.checkpoint(7), layout.checkpoint_staging(17, "a000001-abcdef"), layout.checkpoint_trash(7, "ab"),
+              layout.checkpoint_staging(70, "a000001-abcdef")]
+    for d in tries + others:
+        d.mkdir(parents=True)
+    assert layout.checkpoint_stagings(7) == sorted(tries)
+    assert layout.checkpoint_stagings(8) == []
+
+
 def test_the_removal_hold_is_a_known_fault():
     assert faults.from_env({faults.ENV: "hold-in-removal@6:13"}) == faults.Fault("hold-in-removal", 6, 13)
 

@@ -30,6 +30,8 @@ def train(ctx: PhaseContext) -> None:
     fsio.refresh_dir(final.parent)  # every rank must see a checkpoint an earlier attempt renamed into place
     if final.is_dir():
         ctx.log.info("checkpoint of iteration %d exists already: not training again", ctx.iteration)
+        if ctx.rank == ctx.coordinator.placement.checkpoint_node:
+            _remove_stagings(ctx)
         return
     if ctx.rank != ctx.coordinator.placement.checkpoint_node:
         ctx.workload.train(ctx, cfg, None)
@@ -42,5 +44,15 @@ def train(ctx: PhaseContext) -> None:
     fsio.fsync_dir(staging)
     os.replace(staging, final)
     fsio.fsync_dir(final.parent)
-    for earlier in range(ctx.coordinator.train_round):  # the tries a lost rank cut short (coordination.elastic)
-        shutil.rmtree(ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, earlier), ignore_errors=True)
+    _remove_stagings(ctx)
+
+
+def _remove_stagings(ctx: PhaseContext) -> None:
+    """Once the checkpoint is in place, the staging directories of the tries that never got
+    there: an attempt that crashed in this phase, a round a lost rank cut short (elastic)."""
+    left = ctx.layout.checkpoint_stagings(ctx.iteration)
+    for staging in left:
+        shutil.rmtree(staging, ignore_errors=True)
+    if left:
+        ctx.log.info("removed %d staging director%s of earlier tries of iteration %d: %s", len(left), "y" if len(left) == 1 else "ies",
+                     ctx.iteration, ", ".join(p.name for p in left))
