@@ -171,6 +171,9 @@ class Ledger:
             if body is not None:
                 self.owner[chunk.index] = body["rank"]
                 return (Outcome.WON if body["rank"] == self.rank else Outcome.TAKEN), g
+            if self.it.claim(self.split, chunk.index, g + 1).exists():
+                g += 1  # void: a rank saw it settle and claimed the next generation
+                continue
             first = self._invalid_since.setdefault((chunk.index, g), time.monotonic())
             if time.monotonic() - first < self.settle_s:
                 return Outcome.PENDING, g

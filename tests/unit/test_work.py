@@ -115,6 +115,21 @@ def test_a_claim_left_empty_by_a_crash_is_void_after_settling_and_the_next_gener
     assert work.owners(it, "train", chunks) == [0, None]
 
 
+def test_a_restarted_rank_finds_a_chunk_it_claimed_behind_a_void_claim_at_once(tmp_path):
+    """Rank 0 claimed generation 1 of a chunk whose generation 0 was left empty, then crashed
+    before any record of it. Restarted, it holds the chunk at once: were it to wait for
+    generation 0 to settle, it would find the chunk taken (by itself) when nothing is left
+    to take, and nobody would do it."""
+    it = IterationLayout(tmp_path)
+    chunks = work.cut([1, 1], 1)
+    it.claims("train").mkdir(parents=True)
+    it.claim("train", 1, 0).write_bytes(b"")  # rank 0 was killed stealing chunk 1 ...
+    fsio.write_record(it.claim("train", 1, 1), {"rank": 2, "chunk": 1, "generation": 1})  # ... rank 2 took it after it settled
+    restarted = _ledger(tmp_path, 2, chunks, settle_s=60)
+    assert [c.index for c in restarted.owned()] == [1]
+    assert _ledger(tmp_path, 1, chunks, stealing=False, settle_s=60).take() == (None, False)  # its first rank: taken
+
+
 def test_a_void_claim_that_was_only_slow_still_owns_its_chunk(tmp_path):
     """The first valid generation owns the chunk, whoever wrote a later one: the aggregate
     keeps only the owner's records, so the chunk counts once though two ranks did it."""
