@@ -155,20 +155,23 @@ def start_ranks(flags: list[str], n: int, env_for: dict[int, dict] | None = None
             for r in range(n)]
 
 
-def held_mid_rollout(rank: int) -> dict[int, dict]:
-    """``env_for`` that holds ``rank`` once its first batch of rollout records in iteration 1
-    is durable (part-way through a share of at least two batches): wait with
+def hold_after_first_batch(rank: int, iteration: int = 1) -> dict[int, dict]:
+    """``env_for`` that holds ``rank`` once its first batch of rollout records in
+    ``iteration`` is durable (part-way through a share of at least two batches): wait with
     :func:`wait_held_mid_rollout`."""
-    return {rank: {"ORCHESTRATOR_FAULT": "hold-after-batch@1:1"}}
+    return {rank: {"ORCHESTRATOR_FAULT": f"hold-after-batch@{iteration}:{int(Phase.ROLLOUT)}"}}
+
+
+def held_mid_rollout(layout: RunLayout, rank: int, iteration: int | None = None) -> bool:
+    """Whether ``rank`` is held part-way through its rollout (of ``iteration``, if given)."""
+    hb = heartbeat(layout, rank)
+    p = (hb and hb.get("state") == "held" and hb.get("phase") == Phase.ROLLOUT.label
+         and iteration in (None, hb.get("iteration")) and hb.get("progress"))
+    return bool(p) and 0 < p["done"] < p["total"]
 
 
 def wait_held_mid_rollout(layout: RunLayout, rank: int, timeout: float = 120) -> None:
-    def held():
-        hb = heartbeat(layout, rank)
-        p = hb and hb.get("state") == "held" and hb.get("phase") == Phase.ROLLOUT.label and hb.get("progress")
-        return p and 0 < p["done"] < p["total"]
-
-    wait_for(held, timeout, f"rank {rank} to be held part-way through its rollout")
+    wait_for(lambda: held_mid_rollout(layout, rank), timeout, f"rank {rank} to be held part-way through its rollout")
 
 
 def wait_mid_rollout(layout: RunLayout, rank: int, timeout: float = 120) -> None:

@@ -480,7 +480,7 @@ class Coordinator:
             return decision
         def probe():
             fsio.refresh_dir(self.attempt.root)
-            return _matching(fsio.read_record(self.attempt.release), iteration, phase, self._round(phase))
+            return _matching(fsio.read_record(self.attempt.release), iteration, phase, self._round_at(phase))
 
         release = poll(
             probe,
@@ -508,7 +508,7 @@ class Coordinator:
             fsio.refresh_dir(self.attempt.arrivals)
             for r in sorted(missing):
                 a = fsio.read_record(self.attempt.arrive(r))
-                if a is not None and a.get("attempt") == self.attempt_id and _matching(a, iteration, phase, self._round(phase)):
+                if a is not None and a.get("attempt") == self.attempt_id and _matching(a, iteration, phase, self._round_at(phase)):
                     arrivals[r] = a["payload"]
                     missing.discard(r)
             return True if not missing else None
@@ -577,7 +577,7 @@ class Coordinator:
             self.members.write(self.attempt.members)
         self.monitor.forget(rank)
         self.events.emit(Event.OUT, iteration=culprit.iteration, phase=culprit.phase, who=rank, reason=culprit.error)
-        survivors = _ranks(r for r in range(self.config.num_nodes) if r not in out)
+        survivors = self._ranks_in(out)
         work = "they train this step again without it" if retrain else "its unfinished rollout work goes to them"
         log.warning("%s. coordination.elastic: the run goes on with ranks %s; %s. "
                     "Start the same command on that node to rejoin at the next iteration's start", culprit.describe(), survivors, work)
@@ -606,8 +606,7 @@ class Coordinator:
         self.train_round = round_
         self._apply_out(out)
         if round_:
-            log.warning("training iteration %d again (round %d) with ranks %s", iteration, round_,
-                        _ranks(r for r in range(self.config.num_nodes) if r not in out))
+            log.warning("training iteration %d again (round %d) with ranks %s", iteration, round_, self._ranks_in(out))
 
     def _members_news(self, members: Members) -> OrchestratorError | None:
         """Worker's monitor, elastic: what the master's membership record means for this process."""
@@ -623,9 +622,17 @@ class Coordinator:
                            f"from the same checkpoint without them")
         return None
 
+    def _ranks_in(self, out) -> str:
+        """The ranks in the run without ``out``, as log lines name them."""
+        return _ranks(r for r in range(self.config.num_nodes) if r not in out)
+
+    def _round_at(self, phase: Phase) -> int:
+        """The training round a barrier of ``phase`` belongs to: phase 10's try, else 0."""
+        return self.train_round if phase is Phase.TRAIN else 0
+
     def _round(self, phase: Phase) -> dict:
         """The round field of a barrier record: phase 10's after a retrain, else none."""
-        return {"round": self.train_round} if phase is Phase.TRAIN and self.train_round else {}
+        return {"round": r} if (r := self._round_at(phase)) else {}
 
     def rearm(self, cancel: CancelToken) -> None:
         """Go on with ``cancel`` after a retrain ended the old token (its monitor with it)."""
@@ -724,12 +731,10 @@ def _counts(payload: dict | None) -> dict:
     return {k: v for k, v in (payload or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _matching(record: dict | None, iteration: int, phase: Phase, round_: dict | None = None) -> dict | None:
+def _matching(record: dict | None, iteration: int, phase: Phase, round_: int = 0) -> dict | None:
     if record is None or record.get("iteration") != iteration or record.get("phase") != int(phase):
         return None
-    if record.get("round", 0) != (round_ or {}).get("round", 0):
-        return None
-    return record
+    return record if record.get("round", 0) == round_ else None
 
 
 def _short_node(reports: dict[int, dict]) -> int:

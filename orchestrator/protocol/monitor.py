@@ -112,8 +112,7 @@ class Monitor:
         self.on_members: Callable[[Members], OrchestratorError | None] | None = None
         """Worker, elastic: judges the master's membership record each poll; what it returns
         (the run went on without this process, or the training step is redone) cancels the rank."""
-        self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+        self._new_thread()
         self._lock = threading.Lock()
 
     @property
@@ -135,6 +134,10 @@ class Monitor:
                     self.out = self.out - {r}
                     self.tracker.watch(r, now)
 
+    def _new_thread(self) -> None:
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+
     def start(self) -> None:
         self._thread.start()
 
@@ -143,8 +146,7 @@ class Monitor:
         redone, coordination.elastic); what it knows of the ranks stays."""
         self.halt()
         self.cancel = cancel
-        self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+        self._new_thread()
         self._thread.start()
 
     def halt(self) -> None:

@@ -19,6 +19,8 @@ from tests.harness import (
     Cluster,
     aggregate_task_ids,
     heartbeat,
+    hold_after_first_batch,
+    held_mid_rollout,
     kill_tree,
     run_flags,
     status_json,
@@ -170,7 +172,7 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
              # Without stealing rank 2's share is its own: one chunk of 32 tasks, written in two
              # batches of 16. hold-after-batch holds it after the first (16 records fsynced).
              "coordination.work_stealing=false"]
-    procs = cluster.start_all(flags, env_for={2: {"ORCHESTRATOR_FAULT": "hold-after-batch@1:1"}})
+    procs = cluster.start_all(flags, env_for=hold_after_first_batch(2, 1))
 
     def wait_until(ready, what: str) -> None:
         def check():
@@ -181,9 +183,8 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
     def marked_out(times: int) -> None:
         wait_for(lambda: len(_events(layout, "out")) == times, 6 + 10, "the master to mark rank 2 out")
 
-    def held_mid_rollout(iteration: int) -> None:
-        wait_until(lambda: _mid_rollout(layout, 2, iteration) and heartbeat(layout, 2)["state"] == "held",
-                   f"rank 2 to be held part-way through the rollout of iteration {iteration}")
+    def held(iteration: int) -> None:
+        wait_until(lambda: held_mid_rollout(layout, 2, iteration), f"rank 2 to be held part-way through the rollout of iteration {iteration}")
 
     def kill_node_and_start_again(env: dict | None = None) -> None:
         kill_tree(procs[2].pid)
@@ -191,10 +192,10 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
         procs[2] = cluster.start(2, flags, env)  # at once: it asks to rejoin, silent, before the master marks it out
 
     try:
-        held_mid_rollout(1)
-        kill_node_and_start_again({"ORCHESTRATOR_FAULT": "hold-after-batch@2:1"})
+        held(1)
+        kill_node_and_start_again(hold_after_first_batch(2, 2)[2])
         marked_out(1)
-        held_mid_rollout(2)
+        held(2)
         os.kill(procs[2].pid, signal.SIGSTOP)
         marked_out(2)
         os.kill(procs[2].pid, signal.SIGCONT)  # it finds itself out, stops its work and asks to come back

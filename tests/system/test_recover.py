@@ -13,7 +13,7 @@ import pytest
 from orchestrator.data import shards
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import held_mid_rollout, kill_tree, run_flags, start_ranks, status_json, wait_for, wait_held_mid_rollout, wait_state
+from tests.harness import hold_after_first_batch, kill_tree, run_flags, start_ranks, status_json, wait_for, wait_held_mid_rollout, wait_state
 
 
 def recover(log_path, *args, timeout=60):
@@ -41,7 +41,7 @@ def test_salvage_after_kill_9_mid_rollout_then_train_only_when_allowed(demo_data
     flags = [f"--data-path={demo_data}", f"--log-path={log_path}", "--rl-phase=both", "--eval-interval=1",
              "--num-nodes=3", "--rank-weights=2,1,1", "--max-iterations=1", *SMALL, "rl.train_tasks=128",
              "coordination.work_stealing=false"]  # rank 1 keeps its share (with stealing, a faster rank may take all of it)
-    procs = start_ranks(flags, 3, env_for=held_mid_rollout(1))  # its 32 tasks in two requests: held after the first
+    procs = start_ranks(flags, 3, env_for=hold_after_first_batch(1))  # its 32 tasks in two requests: held after the first
     layout = RunLayout(log_path)
     try:
         wait_held_mid_rollout(layout, 1)

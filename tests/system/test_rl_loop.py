@@ -17,7 +17,7 @@ from orchestrator.data import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.train import optimizer_state
-from tests.harness import NODE_TIMEOUT_S, held_mid_rollout, kill_tree, start_ranks, status_json, wait_for, wait_held_mid_rollout
+from tests.harness import NODE_TIMEOUT_S, hold_after_first_batch, kill_tree, start_ranks, status_json, wait_for, wait_held_mid_rollout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -138,7 +138,7 @@ def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, t
     # after the first is fsynced. Without work stealing, so its share stays its own
     # (tests/system/test_work_stealing.py kills ranks mid-steal).
     flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=64", "coordination.work_stealing=false"])
-    procs = start_ranks(flags, 3, env_for=held_mid_rollout(0))
+    procs = start_ranks(flags, 3, env_for=hold_after_first_batch(0))
     try:
         layout = RunLayout(log_path)
         wait_held_mid_rollout(layout, 0)

@@ -13,7 +13,7 @@ from orchestrator.protocol.layout import RunLayout
 from tests.harness import (
     NODE_TIMEOUT_S,
     aggregate_task_ids,
-    held_mid_rollout,
+    hold_after_first_batch,
     kill_trainer_mid_update,
     kill_tree,
     start_ranks,
@@ -72,7 +72,7 @@ def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_fin
     # after the first. Without work stealing: with it, a rank whose engine starts first may take
     # all of rank 1's share.
     flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=128", "coordination.work_stealing=false"])
-    procs = start_ranks(flags, 3, env_for=held_mid_rollout(1))
+    procs = start_ranks(flags, 3, env_for=hold_after_first_batch(1))
     try:
         wait_held_mid_rollout(layout, 1)
         pid = _engine_pid(procs[1].pid)

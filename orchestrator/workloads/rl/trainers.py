@@ -172,8 +172,8 @@ class NodeTrainers:
                 and _lost_a_peer(error):
             c = ctx.config.coordination
             wait = c.node_timeout_s + (defaults.WORKER_GRACE_S if c.elastic else 0.0)
-            log.warning("%s; waiting up to %.0f s (coordination.node_timeout_s) for the node that failed first to be named",
-                        error, wait)
+            log.warning("%s; waiting up to %.0f s (coordination.node_timeout_s%s) for the node that failed first to be named",
+                        error, wait, f" + {defaults.WORKER_GRACE_S:g} s, elastic" if c.elastic else "")
             ctx.cancel.sleep(wait)  # raises the peer's failure (or, elastic, the retrain) when the monitor learns it
         raise error
 
