@@ -2,17 +2,22 @@
 
 Flags of ``orchestrator run`` (SPEC section 2) fill the top level; every nested field is a
 dotted key a user can override on the command line (``coordination.node_timeout_s=30``).
+A field's bounds are msgspec constraints on its type (``Annotated[int, msgspec.Meta(ge=1)]``),
+so the trainer, which decodes with the same types, and the run refuse the same values; one
+walk over the fields checks them in every section, and the overrides take their keys and
+types from the same fields. ``__post_init__`` adds only the rules between fields.
 Validation raises :class:`ConfigError`, which the CLI turns into exit code 2 before
-anything is written under ``--log-path``.
+anything is written under ``--log-path``. Which rank this process is, and how many nodes
+there are, the CLI works out (``orchestrator/cli/rank.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import json
+import functools
 import math
-import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -36,30 +41,90 @@ class Workload(enum.Enum):
     RL = "rl"
 
 
+# --- field constraints ------------------------------------------------------------------
+# A constrained field's error is ``"{key} must be > 0, got {value}"`` with its bounds; a field
+# worded otherwise carries its own template in the Meta's ``extra["error"]``, formatted with
+# ``key`` (``rl.lr``, or the flag ``--num-nodes`` at the top level), ``value`` and ``self``.
+
+
+def _limit(error: str, **constraints) -> msgspec.Meta:
+    """Constraints whose error is worded by ``error`` rather than by the bounds alone."""
+    return msgspec.Meta(**constraints, extra={"error": error})
+
+
+def _one_of(values: tuple[str, ...], what: str) -> msgspec.Meta:
+    """A string that is one of ``values``; its error lists them."""
+    return _limit(f"{{key}}={{value!r}}: valid {what} are {', '.join(values)}",
+                  pattern=rf"\A(?:{'|'.join(map(re.escape, values))})\Z")
+
+
+def _bounds(meta: msgspec.Meta) -> str:
+    """``"> 0"``, or ``"in (0, 1]"`` when both ends are bounded: how a default error words them."""
+    low = f"({meta.gt}" if meta.gt is not None else f"[{meta.ge}" if meta.ge is not None else ""
+    high = f"{meta.lt})" if meta.lt is not None else f"{meta.le}]" if meta.le is not None else ""
+    if low and high:
+        return f"in {low}, {high}"
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    return " and ".join(f"{op} {getattr(meta, k)}" for k, op in ops.items() if getattr(meta, k) is not None)
+
+
+def _meta(hint) -> msgspec.Meta | None:
+    """The Meta of ``Annotated[int, msgspec.Meta(ge=1)]``, also inside ``... | None``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(filter(None, map(_meta, typing.get_args(hint))), None)
+    return next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, msgspec.Meta)), None)
+
+
+@functools.cache
+def _constrained_fields(cls: type) -> tuple[tuple[str, object, msgspec.Meta], ...]:
+    """``(name, type, meta)`` for each field of dataclass ``cls`` whose type carries a Meta."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return tuple((f.name, hints[f.name], meta) for f in dataclasses.fields(cls) if (meta := _meta(hints[f.name])))
+
+
+def _check_fields(obj, section: str | None) -> None:
+    """Raise ConfigError for the first field of ``obj`` that msgspec finds outside its type's
+    constraints. ``section`` is the key's prefix; None: the top level, whose keys are flags."""
+    for name, hint, meta in _constrained_fields(type(obj)):
+        value = getattr(obj, name)
+        try:
+            msgspec.convert(value, hint)
+        except msgspec.ValidationError:
+            key = f"{section}.{name}" if section else f"--{name.replace('_', '-')}"
+            error = (meta.extra or {}).get("error", "{key} must be " + _bounds(meta) + ", got {value}")
+            raise ConfigError(error.format(key=key, value=value, self=obj)) from None
+
+
+Count = Annotated[int, _limit("{key} must be at least 1, got {value}", ge=1)]
+Seconds = Annotated[float, _limit("{key} must be a positive number of seconds, got {value}", gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
 @dataclass(kw_only=True, slots=True)
 class CoordinationConfig:
-    heartbeat_interval_s: float = 5.0
+    heartbeat_interval_s: Seconds = 5.0
     """How often each rank rewrites its heartbeat counter. At most node_timeout_s / 4."""
-    node_timeout_s: float = defaults.NODE_TIMEOUT_S
+    node_timeout_s: Seconds = defaults.NODE_TIMEOUT_S
     """A rank whose heartbeat counter has not changed for this long (on the reader's own
     monotonic clock) is dead. Must exceed the filesystem's cache window (NFS attributes up to
     60 s, blobfuse2 120 s by default), GC pauses and server stalls."""
-    join_timeout_s: float = 900.0
+    join_timeout_s: Seconds = 900.0
     """How long ranks wait for every rank to join an attempt before failing, naming the absent."""
-    master_wait_s: float | None = None
+    master_wait_s: Annotated[float, _limit("{key} must be >= 0 seconds, got {value}", ge=0)] | None = None
     """After the master dies, how long the workers wait for a new one (restart only rank 0
     with the same command) before they exit; 0: they exit at once (exit 3) and every node
     is re-run. Unset: join_timeout_s with elastic (a run that goes on without a node also
     waits for its master), else 0."""
-    poll_min_s: float = 0.002
+    poll_min_s: Seconds = 0.002
     """First poll interval of a wait; it doubles up to poll_max_s."""
-    poll_max_s: float = 0.1
+    poll_max_s: Seconds = 0.1
     """Longest interval between two polls of a known file name."""
     work_stealing: bool = True
     """Rollout and eval tasks go out in chunks; a rank that has finished its own takes chunks
     not yet started from the rank with the most left, so a phase ends when its work ends.
     --rank-weights sets the first split. Off: each rank does exactly its weighted share."""
-    chunk_tasks: int = 0
+    chunk_tasks: Annotated[int, _limit("{key} must be >= 0 (0: automatic), got {value}", ge=0)] = 0
     """Tasks per chunk with work stealing; 0: about 32 chunks per rank (never smaller than
     what one engine request carries)."""
     elastic: bool = False
@@ -69,7 +134,7 @@ class CoordinationConfig:
     next iteration's start, and workers wait for a restarted master (master_wait_s). Off: a dead worker ends the attempt on
     every rank (exit 3). Off by default: training then runs on fewer workers, whose shards of
     the model and optimizer are larger than the ones the run was sized for."""
-    min_nodes: int = 1
+    min_nodes: Count = 1
     """With elastic: the fewest ranks the run goes on with; losing one more ends the attempt."""
 
     @property
@@ -80,15 +145,7 @@ class CoordinationConfig:
         return self.join_timeout_s if self.elastic else 0.0
 
     def __post_init__(self) -> None:
-        if self.min_nodes < 1:
-            raise ConfigError(f"coordination.min_nodes must be at least 1, got {self.min_nodes}")
-        if self.chunk_tasks < 0:
-            raise ConfigError(f"coordination.chunk_tasks must be >= 0 (0: automatic), got {self.chunk_tasks}")
-        if self.master_wait_s is not None and self.master_wait_s < 0:
-            raise ConfigError(f"coordination.master_wait_s must be >= 0 seconds, got {self.master_wait_s}")
-        for name in ("heartbeat_interval_s", "node_timeout_s", "join_timeout_s", "poll_min_s", "poll_max_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"coordination.{name} must be a positive number of seconds, got {getattr(self, name)}")
+        _check_fields(self, "coordination")
         if self.heartbeat_interval_s * 4 > self.node_timeout_s:
             raise ConfigError(
                 f"coordination.heartbeat_interval_s ({self.heartbeat_interval_s}) must be at most a quarter of "
@@ -98,21 +155,15 @@ class CoordinationConfig:
             raise ConfigError(f"coordination.poll_min_s ({self.poll_min_s}) must not exceed poll_max_s ({self.poll_max_s})")
 
 
-def _deadline_fields() -> list[tuple[str, type, dataclasses.Field]]:
-    return [(p.name.lower(), float, field(default=PHASE_TABLE[p].deadline_s)) for p in Phase]
-
-
-def _validate_deadlines(self) -> None:
-    for f in dataclasses.fields(self):
-        if getattr(self, f.name) <= 0:
-            raise ConfigError(f"deadlines.{f.name} must be a positive number of seconds, got {getattr(self, f.name)}")
+def _deadline_fields() -> list[tuple[str, object, dataclasses.Field]]:
+    return [(p.name.lower(), Seconds, field(default=PHASE_TABLE[p].deadline_s)) for p in Phase]
 
 
 DeadlineConfig = dataclasses.make_dataclass(
     "DeadlineConfig",
     _deadline_fields(),
     namespace={
-        "__post_init__": _validate_deadlines,
+        "__post_init__": lambda self: _check_fields(self, "deadlines"),
         "__doc__": "Seconds each phase (its work and its barrier) may take, one key per phase.",
         "for_phase": lambda self, phase: getattr(self, phase.name.lower()),
     },
@@ -121,31 +172,28 @@ DeadlineConfig = dataclasses.make_dataclass(
 )
 
 
+_RehearsalTasks = Annotated[int, _limit(
+    "rehearsal.tasks and rehearsal.eval_tasks must be at least 1, got {self.tasks}, {self.eval_tasks}", ge=1)]
+
+
 @dataclass(kw_only=True, slots=True)
 class RehearsalConfig:
-    tasks: int = 24
+    tasks: _RehearsalTasks = 24
     """Rollout tasks per iteration, split over the ranks by weight."""
-    eval_tasks: int = 8
+    eval_tasks: _RehearsalTasks = 8
     """Eval tasks per evaluated iteration."""
-    work_s: float = 0.2
+    work_s: NonNegative = 0.2
     """Simulated seconds of work in each working phase (rollout, eval, train)."""
-    record_bytes: int = 256
+    record_bytes: NonNegativeInt = 256
     """Payload bytes per simulated trajectory record."""
-    task_s: float = 0.0
+    task_s: NonNegative = 0.0
     """Simulated seconds per rollout or eval task; 0: a rank's first share takes work_s."""
     slow_ranks: str = ""
     """``"R:F,..."``: rank R takes F times longer per task (a slow node, to rehearse work stealing)."""
 
     def __post_init__(self) -> None:
-        if self.task_s < 0:
-            raise ConfigError(f"rehearsal.task_s must be >= 0, got {self.task_s}")
+        _check_fields(self, "rehearsal")
         self.slowdown  # validates rehearsal.slow_ranks
-        if self.tasks < 1 or self.eval_tasks < 1:
-            raise ConfigError(f"rehearsal.tasks and rehearsal.eval_tasks must be at least 1, got {self.tasks}, {self.eval_tasks}")
-        if self.work_s < 0:
-            raise ConfigError(f"rehearsal.work_s must be >= 0, got {self.work_s}")
-        if self.record_bytes < 0:
-            raise ConfigError(f"rehearsal.record_bytes must be >= 0, got {self.record_bytes}")
 
     @property
     def slowdown(self) -> dict[int, float]:
@@ -164,61 +212,46 @@ class RehearsalConfig:
         return factors
 
 
-# The update's hyper-parameters and their bounds: the rl.* keys below and the trainer's config
-# (train/worker.py TrainConfig, which msgspec decodes) both take their types from here.
+# The update's hyper-parameters and their bounds: the rl.* and train.* keys and the trainer's
+# config (its TrainConfig, which msgspec decodes) both take their types from here.
 LearningRate = Annotated[float, msgspec.Meta(gt=0)]
 Epochs = Annotated[int, msgspec.Meta(ge=1)]
 MicroBatch = Annotated[int, msgspec.Meta(ge=1)]
-MicroBatchTokens = Annotated[int, msgspec.Meta(ge=0)]
+MicroBatchTokens = Annotated[int, _limit("{key} must be >= 0 (0: no limit), got {value}", ge=0)]
 ClipEps = Annotated[float, msgspec.Meta(gt=0)]
 KLCoef = Annotated[float, msgspec.Meta(ge=0)]
 MaxGradNorm = Annotated[float, msgspec.Meta(gt=0)]
 MaxPromptTokens = Annotated[int, msgspec.Meta(ge=0)]
 
-
-def _bounds(hint) -> str:
-    """``"> 0"`` for ``Annotated[float, msgspec.Meta(gt=0)]``; empty for a type without bounds."""
-    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-    metas = [m for m in typing.get_args(hint)[1:] if isinstance(m, msgspec.Meta)]
-    return " and ".join(f"{op} {getattr(m, k)}" for m in metas for k, op in ops.items() if getattr(m, k) is not None)
-
-
-def _out_of_bounds(obj) -> typing.Iterator[tuple[str, str]]:
-    """``(name, "must be > 0, got -1.0")`` for each field of dataclass ``obj`` outside its type's bounds."""
-    hints = typing.get_type_hints(type(obj), include_extras=True)
-    for f in dataclasses.fields(obj):
-        if _bounds(hints[f.name]):
-            try:
-                msgspec.convert(getattr(obj, f.name), hints[f.name])
-            except msgspec.ValidationError:
-                yield f.name, f"must be {_bounds(hints[f.name])}, got {getattr(obj, f.name)!r}"
+_Temperature = Annotated[float, _limit("rl.temperature and rl.eval_temperature must be >= 0", ge=0)]
+_StopStrings = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], _limit("{key} must be non-empty strings, got {value!r}")]
 
 
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
-    train_tasks: int = 384
+    train_tasks: Count = 384
     """Train tasks (prompts) per iteration, sampled from tasks/train.jsonl, split by weight."""
-    samples_per_prompt: int = 8
+    samples_per_prompt: Count = 8
     """Completions drawn per prompt: one GRPO group."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 8
+    temperature: _Temperature = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    max_tokens: Count = 8
     """Longest completion, in tokens."""
     max_prompt_tokens: MaxPromptTokens = 0
     """Tasks whose prompt (as the engine sees it: rendered, special tokens included) is longer
     than this many tokens are left out of the run, with a count in the log and in every
     iteration's summary. 0: the model's context length minus rl.max_tokens."""
-    stop: list[str] = field(default_factory=list)
+    stop: _StopStrings = field(default_factory=list)
     """Strings that end a completion (cut from its text), besides every EOS id of the model's
     generation_config. On the command line a JSON list, rl.stop='["</answer>", "\\n\\n"]', or one string."""
-    eval_tasks: int = 200
+    eval_tasks: Count = 200
     """Eval tasks, the first of tasks/test.jsonl: the same set every evaluated iteration."""
-    eval_samples: int = 4
+    eval_samples: Count = 4
     """Completions per eval task: accuracy is their mean reward, pass@k their best."""
-    eval_temperature: float = 0.5
+    eval_temperature: _Temperature = 0.5
     reward: str = "orchestrator.rewards:exact_match"
     """The reward function, as module:function (task dict, completion text) -> float."""
-    max_reward_error_fraction: float = 0.01
+    max_reward_error_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.01
     """A sample whose reward raises scores 0; a rank fails when more than this share of the
     samples of its rollout failed."""
     lr: LearningRate = 3e-4
@@ -242,19 +275,7 @@ class RLConfig:
     """Collective timeout of the training process group: a lost peer fails the step."""
 
     def __post_init__(self) -> None:
-        for name in ("train_tasks", "samples_per_prompt", "max_tokens", "eval_tasks", "eval_samples"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"rl.{name} must be at least 1, got {getattr(self, name)}")
-        for name, problem in _out_of_bounds(self):
-            raise ConfigError(f"rl.{name} {problem}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError(f"rl.stop must be non-empty strings, got {self.stop!r}")
-        if not 0 <= self.max_reward_error_fraction <= 1:
-            raise ConfigError(f"rl.max_reward_error_fraction must be in [0, 1], got {self.max_reward_error_fraction}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rl.top_p must be in (0, 1], got {self.top_p}")
-        if self.temperature < 0 or self.eval_temperature < 0:
-            raise ConfigError("rl.temperature and rl.eval_temperature must be >= 0")
+        _check_fields(self, "rl")
         from orchestrator import rewards
 
         try:
@@ -266,29 +287,29 @@ class RLConfig:
 ENGINES = ("embedded", "vllm")
 WEIGHT_UPDATES = ("auto", "restart")
 
+NonEmpty = Annotated[str, _limit("{key} must not be empty", min_length=1)]
+
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     """Where the tasks come from (docs/data.md)."""
 
-    train_file: str = "tasks/train.jsonl"
+    train_file: NonEmpty = "tasks/train.jsonl"
     """Train tasks, JSON lines or Parquet (.parquet); relative paths are under --data-path."""
-    test_file: str = "tasks/test.jsonl"
+    test_file: NonEmpty = "tasks/test.jsonl"
     """Eval tasks, in the same formats."""
-    prompt_key: str = "prompt"
+    prompt_key: NonEmpty = "prompt"
     """The column of the prompt: a string, or a list of chat messages rendered with the model's chat template."""
-    answer_key: str = "answer"
+    answer_key: NonEmpty = "answer"
     """The column of the reference answer the reward compares with."""
-    id_key: str = "id"
+    id_key: NonEmpty = "id"
     """The column of a task's unique id; a file without it numbers its rows (1, 2, ...)."""
     system_prompt: str = ""
     """A system message put before every prompt (a string prompt then becomes the user's
     message); both go through the chat template."""
 
     def __post_init__(self) -> None:
-        for name in ("train_file", "test_file", "prompt_key", "answer_key", "id_key"):
-            if not getattr(self, name):
-                raise ConfigError(f"data.{name} must not be empty")
+        _check_fields(self, "data")
         for name in ("train_file", "test_file"):
             if Path(getattr(self, name)).suffix not in (".jsonl", ".json", ".parquet"):
                 raise ConfigError(f"data.{name}={getattr(self, name)!r}: task files are JSON lines (.jsonl) or Parquet (.parquet)")
@@ -307,81 +328,66 @@ class TrainPlacementConfig:
     """One trainer process per train worker for the whole attempt: it forms the process group
     once and keeps the model and the optimizer in memory across iterations. false: a new
     trainer process per iteration, which loads the checkpoint (weights and optimizer state)."""
-    strategy: str = "ddp"
+    strategy: Annotated[str, _one_of(STRATEGIES, "strategies")] = "ddp"
     """"ddp": every train worker holds the whole model, gradients and optimizer state. "fsdp":
     FSDP2, each holds 1/N of them, and the checkpoint is written as one shard per worker
     (docs/training.md)."""
-    mixed_precision: str = "fp32"
+    mixed_precision: Annotated[str, _one_of(PRECISIONS, "values")] = "fp32"
     """"bf16": compute in bfloat16, with fp32 master weights, gradient reduction and optimizer state."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them."""
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: MicroBatchTokens = 16384
     """Most tokens (padding included) in one micro-batch; a worker accumulates gradients over
     as many as its part of an optimizer step needs. 0: its whole part at once. The update is
     the same whatever this is (the loss is the token mean over the whole step)."""
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"train.strategy={self.strategy!r}: valid strategies are {', '.join(STRATEGIES)}")
-        if self.mixed_precision not in PRECISIONS:
-            raise ConfigError(f"train.mixed_precision={self.mixed_precision!r}: valid values are {', '.join(PRECISIONS)}")
-        if self.micro_batch_tokens < 0:
-            raise ConfigError(f"train.micro_batch_tokens must be >= 0 (0: no limit), got {self.micro_batch_tokens}")
+        _check_fields(self, "train")
+
+
+_EngineGPUs = Annotated[int, _limit("rollout.gpus_per_engine and rollout.pipeline_parallel_size must be at least 1", ge=1)]
+_Timeout = Annotated[float, _limit("{key} must be a positive number of seconds", gt=0)]
 
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
-    engine: str = "embedded"
+    engine: Annotated[str, _one_of(ENGINES, "engines")] = "embedded"
     """Inference engine: "embedded" (this package's server, CPU) or "vllm"."""
     device_mapping: str = ""
     """Global GPU ranks of the inference engines (empty: CPU, one engine per node)."""
-    gpus_per_engine: int = 1
+    gpus_per_engine: _EngineGPUs = 1
     """GPUs per engine: tensor_parallel_size x pipeline_parallel_size."""
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: _EngineGPUs = 1
     """vLLM pipeline stages per engine; tensor parallel size is gpus_per_engine / this."""
-    engine_port: int = 8000
+    engine_port: Annotated[int, _limit("{key} must be a TCP port (0-65535), got {value}", ge=0, le=65535)] = 8000
     """Port of a node's first engine; its next engines take the next ports (the first free one
     from there at start)."""
     engine_url: str = "http://127.0.0.1:8000"
     """With --debug-mode: the engine already running, used as it is."""
-    engine_start_timeout_s: float = 300.0
-    gpu_memory_utilization: float = 0.9
+    engine_start_timeout_s: _Timeout = 300.0
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     """vLLM: fraction of each GPU's memory the engine may take."""
-    max_model_len: int = 0
+    max_model_len: NonNegativeInt = 0
     """vLLM: longest sequence (0: the model's own)."""
     dtype: str = "auto"
     """vLLM: weight dtype (float32 on CPU)."""
     engine_args: str = ""
     """vLLM: more serve arguments, as one shell-quoted string (e.g. "--enforce-eager")."""
-    weight_update: str = "auto"
+    weight_update: Annotated[str, _one_of(WEIGHT_UPDATES, "values")] = "auto"
     """How a running engine moves to a new checkpoint: "auto" reloads the weights in place
     (vLLM's reload_weights) and restarts when that fails; "restart" always restarts."""
-    memory_release_timeout_s: float = 120.0
+    memory_release_timeout_s: _Timeout = 120.0
     """Colocated GPUs: how long training waits for the engines' GPU memory to be released."""
     memory_released_mib: int = 2048
     """Colocated GPUs: memory in use per GPU below which it counts as released."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"rollout.engine={self.engine!r}: valid engines are {', '.join(ENGINES)}")
-        if self.weight_update not in WEIGHT_UPDATES:
-            raise ConfigError(f"rollout.weight_update={self.weight_update!r}: valid values are {', '.join(WEIGHT_UPDATES)}")
-        if self.gpus_per_engine < 1 or self.pipeline_parallel_size < 1:
-            raise ConfigError("rollout.gpus_per_engine and rollout.pipeline_parallel_size must be at least 1")
+        _check_fields(self, "rollout")
         if self.gpus_per_engine % self.pipeline_parallel_size:
             raise ConfigError(
                 f"rollout.pipeline_parallel_size={self.pipeline_parallel_size} does not divide rollout.gpus_per_engine="
                 f"{self.gpus_per_engine} (tensor parallel size = gpus_per_engine / pipeline_parallel_size)"
             )
-        if not 0 <= self.engine_port <= 65535:
-            raise ConfigError(f"rollout.engine_port must be a TCP port (0-65535), got {self.engine_port}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_model_len < 0:
-            raise ConfigError(f"rollout.max_model_len must be >= 0, got {self.max_model_len}")
-        for name in ("engine_start_timeout_s", "memory_release_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"rollout.{name} must be a positive number of seconds")
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -393,16 +399,13 @@ class CheckpointConfig:
     """Which iteration checkpoints the master keeps (data/retention.py). Whatever these say,
     the current checkpoint and every checkpoint a consumer marker names are kept too."""
 
-    keep_last: int = 3
+    keep_last: Annotated[int, _limit("{key} must be at least 1 (the current checkpoint is always kept), got {value}", ge=1)] = 3
     """The newest checkpoints kept, the current one among them; at least 1."""
-    keep_every: int = 0
+    keep_every: Annotated[int, _limit("{key} must be >= 0 (0: none kept for that reason), got {value}", ge=0)] = 0
     """Also keep the checkpoint of every iteration divisible by this (0: none kept for that reason)."""
 
     def __post_init__(self) -> None:
-        if self.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last must be at least 1 (the current checkpoint is always kept), got {self.keep_last}")
-        if self.keep_every < 0:
-            raise ConfigError(f"checkpoint.keep_every must be >= 0 (0: none kept for that reason), got {self.keep_every}")
+        _check_fields(self, "checkpoint")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -411,13 +414,13 @@ class RunConfig:
     log_path: Path
     rl_phase: RLPhase
     rank: int
-    num_nodes: int = 1
+    num_nodes: Count = 1
     rank_weights: tuple[float, ...] | None = (1.0,)
     """Each node's share of rollout and eval; None: ``--rank-weights auto`` (by the GPUs of
     each node's engines, known once the nodes report theirs)."""
-    eval_interval: int | None = None
+    eval_interval: Count | None = None
     rollout_split: RolloutSplit | None = None
-    max_iterations: int | None = None
+    max_iterations: Count | None = None
     workload: Workload = Workload.RL
     debug_mode: bool = False
     seed: int = 0
@@ -435,8 +438,7 @@ class RunConfig:
         for name in ("data_path", "log_path"):
             if not Path(getattr(self, name)).is_absolute():
                 raise ConfigError(f"--{name.replace('_', '-')} must be an absolute path (the same on every node), got {getattr(self, name)!s}")
-        if self.num_nodes < 1:
-            raise ConfigError(f"--num-nodes must be at least 1, got {self.num_nodes}")
+        _check_fields(self, None)
         if self.rank_weights is not None:
             if len(self.rank_weights) != self.num_nodes:
                 raise ConfigError(
@@ -452,12 +454,8 @@ class RunConfig:
             raise ConfigError(f"rank {self.rank} is out of range: with --num-nodes {self.num_nodes} valid ranks are 0..{self.num_nodes - 1}")
         if self.rl_phase is RLPhase.BOTH and self.eval_interval is None:
             raise ConfigError("--rl-phase both needs --eval-interval N (evaluate on iterations 1, 1+N, 1+2N, ...)")
-        if self.eval_interval is not None and self.eval_interval < 1:
-            raise ConfigError(f"--eval-interval must be at least 1, got {self.eval_interval}")
         if self.rl_phase is RLPhase.ROLLOUT and self.rollout_split is None:
             raise ConfigError("--rl-phase rollout needs --rollout-split train-only|eval-only")
-        if self.max_iterations is not None and self.max_iterations < 1:
-            raise ConfigError(f"--max-iterations must be at least 1, got {self.max_iterations}")
         if any(r >= self.num_nodes for r in self.rehearsal.slowdown):
             raise ConfigError(f"rehearsal.slow_ranks={self.rehearsal.slow_ranks!r} names a rank outside 0..{self.num_nodes - 1}")
         from orchestrator.node import placement
@@ -515,145 +513,72 @@ def _fmt(x: float) -> str:
 
 # --- dotted overrides -------------------------------------------------------------------
 
-_SECTIONS = ("coordination", "deadlines", "rehearsal", "rl", "data", "train", "rollout", "checkpoint")
 _TOP_LEVEL_OVERRIDABLE = ("seed",)
-_SECTION_CLASSES = {
-    "coordination": CoordinationConfig,
-    "deadlines": DeadlineConfig,
-    "rehearsal": RehearsalConfig,
-    "rl": RLConfig,
-    "data": DataConfig,
-    "train": TrainPlacementConfig,
-    "rollout": RolloutConfig,
-    "checkpoint": CheckpointConfig,
-}
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+@functools.cache
+def _section_classes() -> dict[str, type]:
+    """RunConfig's sections by key prefix: its fields whose type is a dataclass."""
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
+
+
+@functools.cache
+def _override_types() -> dict[str, object]:
+    """Every key an override may set, in the order ``valid keys`` lists them, with the type its
+    value is read as: the fields' own types, their constraints left for the section to check
+    once it is built (so a bound is refused in its own words, not as a bad value)."""
+    top = typing.get_type_hints(RunConfig)
+    keys = {name: top[name] for name in _TOP_LEVEL_OVERRIDABLE}
+    for section, cls in _section_classes().items():
+        keys.update((f"{section}.{name}", ftype) for name, ftype in typing.get_type_hints(cls).items())
+    return keys
 
 
 def valid_override_keys() -> list[str]:
-    keys = list(_TOP_LEVEL_OVERRIDABLE)
-    defaults = _SECTION_CLASSES
-    for section in _SECTIONS:
-        keys += [f"{section}.{f.name}" for f in dataclasses.fields(defaults[section])]
-    return keys
+    return list(_override_types())
 
 
 def parse_overrides(items: typing.Iterable[str]) -> dict[str, dict[str, object] | object]:
     """Turn ``["coordination.node_timeout_s=30", ...]`` into typed values per section."""
-    valid = valid_override_keys()
-    sections: dict[str, dict[str, object]] = {s: {} for s in _SECTIONS}
+    types_ = _override_types()
+    valid = ", ".join(types_)
+    sections: dict[str, dict[str, object]] = {section: {} for section in _section_classes()}
     top: dict[str, object] = {}
-    classes = _SECTION_CLASSES
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ConfigError(f"override {item!r} is not key=value; valid keys: {', '.join(valid)}")
+            raise ConfigError(f"override {item!r} is not key=value; valid keys: {valid}")
         key = key.strip()
-        if key not in valid:
-            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid)}")
-        if "." in key:
-            section, name = key.split(".", 1)
-            ftype = _field_type(classes[section], name)
-            sections[section][name] = _coerce(key, raw, ftype)
-        else:
-            top[key] = _coerce(key, raw, int)
+        if key not in types_:
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {valid}")
+        section, _, name = key.rpartition(".")
+        (sections[section] if section else top)[name] = _coerce(key, raw, types_[key])
     return {"sections": sections, "top": top}
 
 
-def _field_type(cls: type, name: str) -> type:
-    hints = typing.get_type_hints(cls)
-    return hints[name]
-
-
-def _coerce(key: str, raw: str, ftype: type) -> object:
+def _coerce(key: str, raw: str, ftype) -> object:
+    """The command line's text as a value of the field's type. A list is JSON, decoded and
+    type-checked by msgspec (or one bare string). A number is read by its type's own
+    constructor, which takes ``+5``, ``.5`` and ``1_000`` as it always has (msgspec's lax
+    reading of text refuses those and reads ``5.0`` as an int); a bool by ``_BOOLEANS``."""
     raw = raw.strip()
-    origin = typing.get_origin(ftype)
-    if origin in (typing.Union, types.UnionType):
+    if typing.get_origin(ftype) in (typing.Union, types.UnionType):
         ftype = next(a for a in typing.get_args(ftype) if a is not type(None))
-    if origin is list:  # a JSON list of strings, or one bare string
+    if typing.get_origin(ftype) is list:
         try:
-            value = json.loads(raw) if raw.startswith("[") else [raw]
-        except ValueError:
-            value = None
-        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            raise ConfigError(f"{key}={raw!r}: expected a JSON list of strings, e.g. {key}='[\"a\", \"b\"]', or one string")
-        return value
+            return msgspec.json.decode(raw, type=ftype) if raw.startswith("[") else [raw]
+        except msgspec.MsgspecError:
+            raise ConfigError(f"{key}={raw!r}: expected a JSON list of strings, e.g. {key}='[\"a\", \"b\"]', or one string") from None
     try:
-        if ftype is bool:
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        return ftype(raw)
-    except ValueError:
+        return _BOOLEANS[raw.lower()] if ftype is bool else ftype(raw)
+    except (KeyError, ValueError):
         raise ConfigError(f"{key}={raw!r}: expected a value of type {ftype.__name__}") from None
 
 
 def build_sections(overrides: dict) -> dict[str, object]:
-    built: dict[str, object] = {name: _SECTION_CLASSES[name](**values) for name, values in overrides["sections"].items()}
+    classes = _section_classes()
+    built: dict[str, object] = {name: classes[name](**values) for name, values in overrides["sections"].items()}
     built.update(overrides["top"])
     return built
-
-
-def slurm_tasks(environ: typing.Mapping[str, str] = os.environ) -> int | None:
-    """``SLURM_NTASKS`` when this process runs under Slurm (None otherwise); ConfigError when
-    Slurm runs more than one task on a node, since a rank is a node."""
-    if "SLURM_NTASKS" not in environ:
-        return None
-    try:
-        tasks, nodes = int(environ["SLURM_NTASKS"]), int(environ.get("SLURM_NNODES", environ["SLURM_NTASKS"]))
-    except ValueError:
-        raise ConfigError(f"environment SLURM_NTASKS={environ['SLURM_NTASKS']!r} or SLURM_NNODES="
-                          f"{environ.get('SLURM_NNODES')!r} is not an integer") from None
-    if tasks != nodes:
-        raise ConfigError(f"Slurm runs SLURM_NTASKS={tasks} tasks on SLURM_NNODES={nodes} nodes, but every node runs one rank: "
-                          f"start one task per node (srun --ntasks-per-node=1), or give --num-nodes and --master/--worker R")
-    return tasks
-
-
-def resolve_num_nodes(given: int | None, environ: typing.Mapping[str, str] = os.environ) -> int:
-    """``--num-nodes``, else Slurm's task count (one task per node), else 1."""
-    if given is not None:
-        return given
-    tasks = slurm_tasks(environ)
-    return 1 if tasks is None else tasks
-
-
-def resolve_rank(master: bool, worker: int | None, num_nodes: int, environ: typing.Mapping[str, str] = os.environ) -> int:
-    """``--master`` is rank 0, ``--worker R`` is rank R; else ``RANK``, then ``NODE_RANK``,
-    then ``SLURM_PROCID`` (with one Slurm task per node)."""
-    if master and worker is not None:
-        raise ConfigError("--master and --worker are exclusive: give --master on node 0 and --worker R on the others")
-    if master:
-        return 0
-    if worker is not None:
-        if worker == 0:
-            raise ConfigError("--worker 0 is the master's rank: use --master on node 0 and --worker 1..N-1 elsewhere")
-        return worker
-    for var in ("RANK", "NODE_RANK", "SLURM_PROCID"):
-        if var in environ:
-            if var == "SLURM_PROCID":
-                slurm_tasks(environ)
-            try:
-                return int(environ[var])
-            except ValueError:
-                raise ConfigError(f"environment {var}={environ[var]!r} is not an integer rank") from None
-    if num_nodes == 1:
-        return 0
-    raise ConfigError(f"no rank given for a {num_nodes}-node run: pass --master (rank 0) or --worker R, or set RANK "
-                      f"(srun sets SLURM_PROCID)")
-
-
-def parse_weights(text: str | None, num_nodes: int) -> tuple[float, ...] | None:
-    """``--rank-weights``: one number per node, or ``auto`` (None)."""
-    if text is None:
-        if num_nodes > 1:
-            raise ConfigError(f"--rank-weights is required with --num-nodes {num_nodes}: one weight per node, e.g. "
-                              f"\"{','.join(['1'] * num_nodes)}\", or auto (each node by its engines' GPUs)")
-        return (1.0,)
-    if text.strip() == "auto":
-        return None
-    try:
-        return tuple(float(w) for w in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--rank-weights must be comma-separated numbers or auto, got {text!r}") from None

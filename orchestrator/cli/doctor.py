@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from orchestrator import defaults, terminal
-from orchestrator.config import resolve_rank
+from orchestrator.cli.rank import resolve_rank
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, BadInput, ConfigError
 from orchestrator.node import identity
 from orchestrator.node.checks import GIB, Thresholds

@@ -15,8 +15,8 @@ import threading
 import click
 
 from orchestrator import terminal
+from orchestrator.cli.rank import resolve_num_nodes
 from orchestrator.cli.run_options import RUN_OPTIONS, ConfigError, apply, build_config
-from orchestrator.config import resolve_num_nodes
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_FAILED
 
 # When ranks disagree, the exit code that says most about the root cause wins.

@@ -12,7 +12,8 @@ from pathlib import Path
 import click
 
 from orchestrator import records, terminal
-from orchestrator.config import build_sections, parse_overrides, parse_weights
+from orchestrator.cli.rank import parse_weights
+from orchestrator.config import build_sections, parse_overrides
 from orchestrator.errors import EXIT_BAD_INPUT, ConfigError
 from orchestrator.node import gpus, placement
 from orchestrator.protocol import fsio, lease

@@ -7,17 +7,8 @@ from pathlib import Path
 import click
 
 from orchestrator import preflight
-from orchestrator.config import (
-    ENGINES,
-    RolloutSplit,
-    RunConfig,
-    Workload,
-    build_sections,
-    parse_overrides,
-    parse_weights,
-    resolve_num_nodes,
-    resolve_rank,
-)
+from orchestrator.cli.rank import parse_weights, resolve_num_nodes, resolve_rank
+from orchestrator.config import ENGINES, RolloutSplit, RunConfig, Workload, build_sections, parse_overrides
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import RLPhase
 

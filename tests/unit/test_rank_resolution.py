@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator.config import resolve_num_nodes, resolve_rank
+from orchestrator.cli.rank import resolve_num_nodes, resolve_rank
 from orchestrator.errors import ConfigError
 
 SLURM = {"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_NNODES": "3"}

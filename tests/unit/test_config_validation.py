@@ -1,0 +1,169 @@
+"""The run config's one validation path: each field's bounds are msgspec constraints on its
+type, checked by one walk in every section, and the `section.key=value` overrides take their
+keys and types from the same dataclasses. The messages are the ones users and
+tests/system/test_bad_input.py rely on, word for word."""
+
+import dataclasses
+import math
+import typing
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from orchestrator import config
+from orchestrator.errors import ConfigError
+from orchestrator.phase_table import RLPhase
+
+
+def _build(*overrides: str) -> dict:
+    return config.build_sections(config.parse_overrides(overrides))
+
+
+def _error(*overrides: str) -> str:
+    """The message of the ConfigError that building sections from ``overrides`` raises."""
+    with pytest.raises(ConfigError) as raised:
+        _build(*overrides)
+    return str(raised.value)
+
+
+def _run(**fields) -> config.RunConfig:
+    return config.RunConfig(data_path=Path("/data"), log_path=Path("/run"), rl_phase=RLPhase.BOTH, eval_interval=1, rank=0,
+                            workload=config.Workload.REHEARSAL, **fields)
+
+
+BOUNDS = {
+    "coordination seconds": ("coordination.node_timeout_s=0", "coordination.node_timeout_s must be a positive number of seconds, got 0.0"),
+    "coordination optional": ("coordination.master_wait_s=-2", "coordination.master_wait_s must be >= 0 seconds, got -2.0"),
+    "coordination count": ("coordination.min_nodes=0", "coordination.min_nodes must be at least 1, got 0"),
+    "coordination chunk": ("coordination.chunk_tasks=-1", "coordination.chunk_tasks must be >= 0 (0: automatic), got -1"),
+    "deadlines": ("deadlines.train=-5", "deadlines.train must be a positive number of seconds, got -5.0"),
+    "rehearsal pair": ("rehearsal.eval_tasks=0", "rehearsal.tasks and rehearsal.eval_tasks must be at least 1, got 24, 0"),
+    "rehearsal non-negative": ("rehearsal.record_bytes=-1", "rehearsal.record_bytes must be >= 0, got -1"),
+    "rl count": ("rl.samples_per_prompt=0", "rl.samples_per_prompt must be at least 1, got 0"),
+    "rl trainer bound": ("rl.lr=-1", "rl.lr must be > 0, got -1.0"),
+    "rl interval": ("rl.top_p=1.5", "rl.top_p must be in (0, 1], got 1.5"),
+    "rl closed interval": ("rl.max_reward_error_fraction=2", "rl.max_reward_error_fraction must be in [0, 1], got 2.0"),
+    "rl pair": ("rl.eval_temperature=-1", "rl.temperature and rl.eval_temperature must be >= 0"),
+    "rl list": ('rl.stop=["a", ""]', "rl.stop must be non-empty strings, got ['a', '']"),
+    "data": ("data.id_key=", "data.id_key must not be empty"),
+    "train choice": ("train.strategy=zero", "train.strategy='zero': valid strategies are ddp, fsdp"),
+    "train trainer bound": ("train.micro_batch_tokens=-1", "train.micro_batch_tokens must be >= 0 (0: no limit), got -1"),
+    "rollout choice": ("rollout.engine=sglang", "rollout.engine='sglang': valid engines are embedded, vllm"),
+    "rollout port": ("rollout.engine_port=70000", "rollout.engine_port must be a TCP port (0-65535), got 70000"),
+    "rollout timeout": ("rollout.memory_release_timeout_s=0", "rollout.memory_release_timeout_s must be a positive number of seconds"),
+    "rollout interval": ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization must be in (0, 1], got 0.0"),
+    "checkpoint": ("checkpoint.keep_last=0", "checkpoint.keep_last must be at least 1 (the current checkpoint is always kept), got 0"),
+}
+
+
+@pytest.mark.parametrize("override,message", BOUNDS.values(), ids=BOUNDS.keys())
+def test_a_bound_violated_in_any_section_names_the_key_and_the_value(override, message):
+    assert _error(override) == message
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_nodes": 0, "rank_weights": None}, "--num-nodes must be at least 1, got 0"),
+    ({"eval_interval": 0}, "--eval-interval must be at least 1, got 0"),
+    ({"max_iterations": -1}, "--max-iterations must be at least 1, got -1"),
+])
+def test_the_top_level_bounds_name_the_flag(fields, message):
+    base = {"eval_interval": 1, **fields}
+    with pytest.raises(ConfigError) as raised:
+        config.RunConfig(data_path=Path("/data"), log_path=Path("/run"), rl_phase=RLPhase.BOTH, rank=0,
+                         workload=config.Workload.REHEARSAL, **base)
+    assert str(raised.value) == message
+
+
+def _bounded_keys():
+    """``(key, value just past a bound)`` for every numeric bound of every section's fields."""
+    for section, cls in config._section_classes().items():
+        hints = typing.get_type_hints(cls, include_extras=True)
+        for f in dataclasses.fields(cls):
+            meta = config._meta(hints[f.name])
+            if meta is None:
+                continue
+            for past in (meta.ge - 1 if meta.ge is not None else None, meta.gt, meta.le + 1 if meta.le is not None else None, meta.lt):
+                if past is not None:
+                    yield f"{section}.{f.name}", past
+
+
+@pytest.mark.parametrize("key,value", list(_bounded_keys()))
+def test_every_bounded_key_refuses_a_value_past_its_bound_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=rf"\b{key}\b"):
+        _build(f"{key}={value}")
+
+
+@pytest.mark.parametrize("key", ["coordination.node_timeout_s", "deadlines.rollout", "rl.top_p", "rehearsal.work_s"])
+def test_nan_is_outside_every_bound(key):
+    with pytest.raises(ConfigError, match=rf"\b{key}\b"):
+        _build(f"{key}=nan")
+
+
+@pytest.mark.parametrize("override,section,name,value", [
+    ("coordination.chunk_tasks=+5", "coordination", "chunk_tasks", 5),
+    ("rehearsal.record_bytes=1_000", "rehearsal", "record_bytes", 1000),
+    ("rollout.gpu_memory_utilization=.5", "rollout", "gpu_memory_utilization", 0.5),
+    ("coordination.node_timeout_s=30", "coordination", "node_timeout_s", 30.0),
+    ("coordination.master_wait_s=12.5", "coordination", "master_wait_s", 12.5),
+    ("coordination.elastic=yes", "coordination", "elastic", True),
+    ("coordination.work_stealing=Off", "coordination", "work_stealing", False),
+    ("train.keep_alive=0", "train", "keep_alive", False),
+    ("rl.train_on_partial=TRUE", "rl", "train_on_partial", True),
+    ("rollout.engine_args= --enforce-eager ", "rollout", "engine_args", "--enforce-eager"),
+    ('rl.stop=["</answer>", "\\n"]', "rl", "stop", ["</answer>", "\n"]),
+    ("rl.stop=</s>", "rl", "stop", ["</s>"]),
+])
+def test_an_override_of_each_type_converts(override, section, name, value):
+    got = getattr(_build(override)[section], name)
+    assert got == value and type(got) is type(value)
+
+
+def test_the_top_level_override_converts_and_lands_outside_the_sections():
+    parsed = config.parse_overrides(["seed=42"])
+    assert parsed["top"] == {"seed": 42}
+    assert _build("seed=42")["seed"] == 42
+
+
+@pytest.mark.parametrize("override,message", [
+    ("coordination.node_timeout_s=soon", "coordination.node_timeout_s='soon': expected a value of type float"),
+    ("rl.epochs=5.0", "rl.epochs='5.0': expected a value of type int"),
+    ("coordination.elastic=maybe", "coordination.elastic='maybe': expected a value of type bool"),
+    ("seed=x", "seed='x': expected a value of type int"),
+    ("rl.stop=[1, 2]", "rl.stop='[1, 2]': expected a JSON list of strings, e.g. rl.stop='[\"a\", \"b\"]', or one string"),
+])
+def test_a_value_of_the_wrong_type_names_the_key(override, message):
+    assert _error(override) == message
+
+
+def test_an_unknown_key_or_a_missing_value_lists_the_valid_keys():
+    valid = ", ".join(config.valid_override_keys())
+    assert _error("coordination.nope=1") == f"unknown config key 'coordination.nope'; valid keys: {valid}"
+    assert _error("rl.lr") == f"override 'rl.lr' is not key=value; valid keys: {valid}"
+
+
+def test_the_valid_keys_are_the_fields_of_every_section_in_order():
+    keys = config.valid_override_keys()
+    assert keys[:2] == ["seed", "coordination.heartbeat_interval_s"]
+    sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(f.default_factory)]
+    assert sections == ["coordination", "deadlines", "rehearsal", "rl", "data", "train", "rollout", "checkpoint"]
+    expected = ["seed"] + [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(_run(), s))]
+    assert keys == expected
+
+
+def test_rules_between_fields_still_apply_after_the_bounds():
+    with pytest.raises(ConfigError, match="must not exceed poll_max_s"):
+        _build("coordination.poll_min_s=1", "coordination.poll_max_s=0.5")
+    with pytest.raises(ConfigError, match="does not divide rollout.gpus_per_engine=4"):
+        _build("rollout.gpus_per_engine=4", "rollout.pipeline_parallel_size=3")
+    with pytest.raises(ConfigError, match="exceeds --num-nodes 1"):
+        _run(coordination=config.CoordinationConfig(min_nodes=2))
+
+
+def test_the_trainer_types_keep_their_msgspec_bounds():
+    """train_config.TrainConfig decodes with these; the error template a field carries changes nothing there."""
+    for hint, bad, good in [(config.LearningRate, 0.0, 1e-4), (config.Epochs, 0, 1), (config.MicroBatchTokens, -1, 0),
+                            (config.MaxGradNorm, math.nan, 1.0), (config.KLCoef, -0.1, 0.0)]:
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(bad, hint)
+        assert msgspec.convert(good, hint) == good
