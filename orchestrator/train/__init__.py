@@ -2,5 +2,8 @@
 torch.distributed group across nodes and running a GRPO update on the rollouts.
 
 ``grpo`` holds the pure pieces (records, advantages, batching, log-probs, the loss,
-sharding); ``worker`` is the process entry point (``python -m orchestrator.train.worker``).
+sharding); ``worker`` is the process entry point (``python -m orchestrator.train.worker``),
+which ``server`` answers requests for: ``train_config`` (the request), ``rendezvous`` (the
+process group), ``policy`` (the model in memory: load, offload), ``batches`` (the trajectory
+and its log-probs), ``update`` (the optimizer steps) and ``checkpoint_writer``.
 """

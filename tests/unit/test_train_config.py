@@ -1,4 +1,4 @@
-"""The trainer's config (worker.TrainConfig) and the run config's rl.* keys check the same
+"""The trainer's config (train_config.TrainConfig) and the run config's rl.* keys check the same
 bounds (config.py's LearningRate, Epochs, ...): a bad value fails at `orchestrator run`, not in the trainer."""
 
 import logging
@@ -10,7 +10,8 @@ import pytest
 
 from orchestrator import config
 from orchestrator.errors import ConfigError
-from orchestrator.train.worker import BadTrainInput, TrainConfig
+from orchestrator.train.errors import BadTrainInput
+from orchestrator.train.train_config import TrainConfig
 
 GOOD = {
     "iteration": 1,
@@ -86,7 +87,7 @@ def test_paths_must_be_absolute(key):
 
 
 def test_unknown_keys_are_logged_and_ignored(caplog):
-    with caplog.at_level(logging.WARNING, logger="orchestrator.train.worker"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.train.train_config"):
         c = TrainConfig.from_json({**GOOD, "zeta": 1, "alpha": 2})
     assert c == TrainConfig.from_json(GOOD)
     assert "ignoring unknown train config keys: alpha, zeta" in caplog.text

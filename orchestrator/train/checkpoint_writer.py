@@ -1,0 +1,66 @@
+"""The new checkpoint, written into the staging directory ``output`` after the update: with
+ddp worker 0 writes it all, with fsdp every worker its shards and worker 0 the indexes
+(train/sharded.py). ``train_stats.json`` comes last, so it vouches for everything else; the
+final barrier after it is what a ``done`` answer waits for."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from orchestrator.protocol import fsio
+from orchestrator.train import optimizer_state, sharded
+from orchestrator.train.errors import TrainerError
+from orchestrator.train.policy import Policy
+from orchestrator.train.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+STATS_FILE = "train_stats.json"
+
+
+def write(policy: Policy, config: TrainConfig, stats: dict, started: float) -> None:
+    """Worker 0 writes the whole checkpoint (ddp), or every worker its shards (fsdp); then
+    every worker passes the final barrier. ``train_stats.json`` comes last, from worker 0."""
+    rank, world_size, output, device = policy.rdv.rank, policy.rdv.world_size, config.output, policy.device
+    model, optimizer = policy.model, policy.optimizer
+    if rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        # A stats file left by an earlier attempt would vouch for weights being rewritten now.
+        (output / STATS_FILE).unlink(missing_ok=True)
+    if policy.setup.sharded:
+        def barrier() -> None:
+            _barrier(device, "checkpoint shard")
+
+        barrier()  # worker 0 made the directory
+        sharded.save_model(model, output, rank=rank, world_size=world_size, barrier=barrier, parallel=config.parallel_write)
+        optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
+                                     parallel=config.parallel_write)
+        if rank == 0:
+            model.config.save_pretrained(output)
+            if model.can_generate() and model.generation_config is not None:
+                model.generation_config.save_pretrained(output)
+    elif rank == 0:
+        model.save_pretrained(output)
+        optimizer_state.save(optimizer, model, output)
+    if rank == 0:
+        policy.tokenizer.save_pretrained(output)
+        stats["seconds"] = round(time.monotonic() - started, 3)
+        fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
+        log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
+    _barrier(device)
+
+
+def _barrier(device, what: str = "final barrier") -> None:
+    """Every rank has its part of the update done, and rank 0 its checkpoint written; a rank 0
+    that dies on the way makes this fail."""
+    import torch.distributed as dist
+
+    try:
+        if device.type == "cuda":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+    except Exception as e:
+        raise TrainerError(f"{what} failed (a peer died or timed out): {type(e).__name__}: {e}") from None

@@ -1,0 +1,130 @@
+"""The policy a train worker holds in memory: its model, AdamW optimizer, tokenizer and KL
+reference, loaded from a checkpoint or kept from the update it made last (``--serve``),
+and moved to host memory between updates when engines share its GPU (``offload``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.train import optimizer_state, parallel
+from orchestrator.train.errors import BadTrainInput
+from orchestrator.train.rendezvous import Rendezvous
+from orchestrator.train.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What a model in memory was prepared for; another setup loads it again."""
+
+    strategy: str
+    mixed_precision: str
+    activation_checkpointing: bool
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> "Setup":
+        return cls(config.strategy, config.mixed_precision, config.activation_checkpointing)
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
+
+
+def _load_model(path: Path, device, setup: Setup, world_size: int):
+    """The Hugging Face model at ``path``, prepared for ``setup``'s strategy (parallel.py)."""
+    from transformers import AutoModelForCausalLM
+
+    # Eval mode throughout: no dropout, so the first step's ratio is exactly what the
+    # precomputed old log-probs say it is. Gradients (and their reduction) do not depend on it.
+    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).eval()
+    if not setup.sharded:
+        model.to(device)  # FSDP moves each block to the device as it shards it: one whole block on the GPU at a time
+    try:
+        return parallel.prepare(model, strategy=setup.strategy, device=device, world_size=world_size,
+                                mixed_precision=setup.mixed_precision, activation_checkpointing=setup.activation_checkpointing)
+    except ValueError as e:
+        raise BadTrainInput(f"{path}: {e}") from None
+
+
+class Policy:
+    """One train worker's model, optimizer, tokenizer and KL reference, inside a formed
+    process group. Kept across updates by ``--serve``; a one-shot run makes a single update."""
+
+    def __init__(self, rdv: Rendezvous, device):
+        self.rdv = rdv
+        self.device = device
+        self.model = None
+        self.optimizer = None
+        self.tokenizer = None
+        self.setup: Setup | None = None
+        self.pad_id = 0
+        self.holds: int | None = None  # the iteration whose update the model holds (None: loaded, or nothing)
+        self.continued_from: int | None = None
+        self._reference = None  # ((path, setup), model)
+        self.offloaded = False
+
+    def load(self, config: TrainConfig) -> str:
+        """Make the model and optimizer those of ``config.init_checkpoint``; returns how."""
+        import torch
+
+        setup = Setup.of(config)
+        if self.model is not None and self.holds is not None and config.init_iteration == self.holds and setup == self.setup:
+            self._onload()
+            self.continued_from = int(max((s["step"].item() for s in self.optimizer.state.values()), default=0)) or None
+            return "memory"
+        from transformers import AutoTokenizer
+
+        self.model = self.optimizer = None
+        self.tokenizer = AutoTokenizer.from_pretrained(config.init_checkpoint)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.model = _load_model(config.init_checkpoint, self.device, setup, self.rdv.world_size)
+        self.setup = setup
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=0.0)
+        try:
+            self.continued_from = optimizer_state.load(self.optimizer, self.model, config.init_checkpoint)
+        except ValueError as e:
+            raise BadTrainInput(str(e)) from None
+        self.offloaded = False
+        return "checkpoint"
+
+    def reference(self, config: TrainConfig):
+        """The KL reference model, loaded once per path, sharded as the policy is (no gradients,
+        no optimizer, no activation checkpointing)."""
+        if self._reference is None or self._reference[0] != (config.reference_checkpoint, self.setup):
+            setup = Setup(self.setup.strategy, self.setup.mixed_precision, False)
+            model = _load_model(config.reference_checkpoint, self.device, setup, self.rdv.world_size)
+            model.requires_grad_(False)
+            self._reference = ((config.reference_checkpoint, self.setup), model)
+        return self._reference[1]
+
+    def _move(self, device) -> None:
+        for p in self.model.parameters():
+            p.data = p.data.to(device)
+            p.grad = None
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if key != "step":
+                    state[key] = value.to(device)
+
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to host memory; the GPU's cache freed."""
+        import torch
+
+        if self.device.type != "cuda" or self.offloaded:
+            return
+        if self.setup.sharded:
+            log.warning("train.strategy=fsdp keeps its shards on the GPU between updates (offload is for ddp)")
+            return
+        self._move(torch.device("cpu"))
+        if self._reference is not None:
+            self._reference = None  # reloaded next time: keeping it would hold the GPU
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def _onload(self) -> None:
+        if self.offloaded:
+            self._move(self.device)
+            self.offloaded = False

@@ -1,0 +1,101 @@
+"""Where the trainer processes meet: the rendezvous the orchestrator's launch puts in the
+environment, and ``join``, which forms the torch.distributed group there over TCP (never
+``file://``: see SHARED-FS.md)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from orchestrator.train.errors import BadTrainInput, RendezvousFailed
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rendezvous:
+    """This process's place in the group, read from the environment (``from_env``) and checked
+    before anything waits on it, so a bad launch fails at once with exit status 2."""
+
+    addr: str
+    port: int
+    world_size: int
+    rank: int
+    backend: str  # "gloo" | "nccl"
+    timeout_s: float
+    local_rank: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"TRAIN_BACKEND must be gloo or nccl, got {self.backend!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"MASTER_PORT={self.port} is not a port")
+        if not self.timeout_s > 0:
+            raise ValueError(f"TRAIN_TIMEOUT_S must be > 0, got {self.timeout_s}")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"tcp://{host}:{self.port}"
+
+    @classmethod
+    def from_env(cls, env) -> "Rendezvous":
+        """Raises BadTrainInput naming the variable at fault."""
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if not env.get(v)]
+        if missing:
+            raise BadTrainInput(f"environment lacks {', '.join(missing)} (set by the orchestrator's launch)")
+        backend = env.get("TRAIN_BACKEND") or _default_backend()
+        try:
+            return cls(
+                addr=env["MASTER_ADDR"],
+                port=int(env["MASTER_PORT"]),
+                world_size=int(env["WORLD_SIZE"]),
+                rank=int(env["RANK"]),
+                backend=backend,
+                timeout_s=float(env.get("TRAIN_TIMEOUT_S") or DEFAULT_TIMEOUT_S),
+                local_rank=int(env.get("LOCAL_RANK") or 0),
+            )
+        except ValueError as e:
+            raise BadTrainInput(f"bad rendezvous environment: {e}") from None
+
+
+def _default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def join(rdv: Rendezvous):
+    """Form the process group; returns this rank's device. Raises RendezvousFailed."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if rdv.backend == "nccl":
+        device = torch.device("cuda", rdv.local_rank)
+        torch.cuda.set_device(device)
+    started = time.monotonic()
+    log.info("joining rendezvous %s as rank %d of %d (%s, timeout %.0fs)", rdv.url, rdv.rank, rdv.world_size, rdv.backend, rdv.timeout_s)
+    try:
+        dist.init_process_group(
+            rdv.backend,
+            init_method=rdv.url,
+            world_size=rdv.world_size,
+            rank=rdv.rank,
+            timeout=timedelta(seconds=rdv.timeout_s),
+            device_id=device if rdv.backend == "nccl" else None,
+        )
+    except Exception as e:  # torch raises DistStoreError, DistNetworkError, RuntimeError, ...
+        raise RendezvousFailed(
+            f"rendezvous at {rdv.url} (world size {rdv.world_size}) failed after {time.monotonic() - started:.1f}s: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. Check that every trainer rank was launched, that rank 0's host "
+            f"resolves and its port is reachable from this node."
+        ) from None
+    log.info("process group formed in %.1fs", time.monotonic() - started)
+    return device

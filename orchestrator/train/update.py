@@ -1,0 +1,180 @@
+"""One iteration's GRPO update of a train worker's policy: the trajectory read, the policy
+loaded or kept, the log-probs computed once, the optimizer steps as train/plan.py cuts them
+(each the token mean over every worker's part), and the checkpoint written. Returns what
+the ``done`` answer carries: the stats, the seconds of each part and the memory used."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from orchestrator.train import checkpoint_writer, grpo, parallel, plan
+from orchestrator.train.batches import Batches, prepare, read_records
+from orchestrator.train.policy import Policy
+from orchestrator.train.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class _Laps:
+    """Seconds spent in each part of the update, in the order the parts came."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = time.monotonic()
+
+    def __call__(self, part: str) -> None:
+        now = time.monotonic()
+        self.seconds[part] = round(self.seconds.get(part, 0.0) + now - self._mark, 4)
+        self._mark = now
+
+
+def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, dict, dict]:
+    """The GRPO update (train/plan.py says how it is cut up); the checkpoint written (by
+    worker 0, or by every worker's shard with FSDP). Returns (stats, seconds per part,
+    memory); the stats are complete on worker 0. ``started``: when this update began
+    (monotonic)."""
+    import torch
+
+    rdv = policy.rdv
+    lap = _Laps()
+    records = read_records(config.data)
+    source = policy.load(config)
+    torch.manual_seed(config.seed)  # after loading, which may draw from it: memory and checkpoint alike
+    policy.holds = None  # from here until the update is complete, memory holds no known iteration
+    for group in policy.optimizer.param_groups:
+        group["lr"] = config.lr
+    lap("load")
+    batches, lengths = prepare(policy, config, records)
+    steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.micro_batch,
+                             budget=config.micro_batch_tokens, seed=config.seed, epochs=config.epochs)
+    lap("prepare")
+
+    sync = parallel.Sync(policy.model, strategy=config.strategy, device=policy.device)
+    log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if policy.continued_from is None else
+             f"optimizer continued from step {policy.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
+    log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s%s", rdv.rank, len(records), config.epochs, len(steps[0]),
+             config.micro_batch, config.strategy, config.mixed_precision, ", activation checkpointing" if config.activation_checkpointing else "")
+    per_step, memory = _optimizer_steps(policy, config, batches, steps, sync)
+    del sync
+    lap("steps")
+
+    stats = _stats(policy, config, records, lengths, steps, source, per_step)
+    checkpoint_writer.write(policy, config, stats, started)
+    lap("checkpoint")
+    policy.holds = config.iteration
+    if config.offload:
+        policy.offload()
+        lap("offload")
+    memory["peak_rss_bytes"] = _peak_rss_bytes()
+    return stats, lap.seconds, memory
+
+
+def _optimizer_steps(policy: Policy, config: TrainConfig, batches: Batches, steps: list[list[plan.Step]],
+                     sync: parallel.Sync) -> tuple[dict[str, list], dict]:
+    """Every epoch's steps. Returns each step's loss, KL, clip fraction, gradient norm, tokens
+    and micro-batches over all workers, and the bytes the model and optimizer hold after the
+    last step (when the optimizer state is complete)."""
+    rank = policy.rdv.rank
+    autocast = parallel.autocast(policy.device, strategy=config.strategy, mixed_precision=config.mixed_precision)
+    per_step: dict[str, list] = {"loss": [], "kl": [], "clip_fraction": [], "grad_norm": [], "tokens": [], "micro_batches": []}
+    memory: dict = {}
+    for epoch, epoch_steps in enumerate(steps):
+        for number, step in enumerate(epoch_steps):
+            sums, grad_norm = _step(policy, config, batches, step, sync, autocast)
+            if not memory and epoch == len(steps) - 1 and number == len(epoch_steps) - 1:
+                memory = parallel.storage_bytes(policy.model, policy.optimizer)
+            loss, kl, clip_fraction, tokens = _over_all_workers(sums)
+            for key, value in zip(per_step, (loss, kl if config.uses_kl else None, clip_fraction, grad_norm, tokens, len(step.micro_batches))):
+                per_step[key].append(value)
+            if rank == 0:
+                log.info(
+                    "iteration %d epoch %d step %d/%d: loss %.5f%s clip %.3f grad_norm %.3f tokens %d in %d micro-batches",
+                    config.iteration, epoch, number + 1, len(epoch_steps), loss, f" kl {kl:.5f}" if config.uses_kl else "", clip_fraction,
+                    grad_norm, tokens, len(step.micro_batches),
+                )
+    policy.optimizer.zero_grad(set_to_none=True)
+    return per_step, memory
+
+
+def _step(policy: Policy, config: TrainConfig, batches: Batches, step: plan.Step, sync: parallel.Sync, autocast):
+    """One optimizer step: this worker's micro-batches, gradients reduced over the workers at
+    the last, clipped and applied. Returns this worker's sums over its tokens (loss, k3,
+    clipped tokens, tokens) and the gradient norm."""
+    import torch
+
+    device = policy.device
+    policy.optimizer.zero_grad(set_to_none=True)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    normalizer = max(step.tokens, 1) / policy.rdv.world_size
+    for slot, keys in enumerate(step.micro_batches):
+        with sync.micro_batch(last=slot == len(step.micro_batches) - 1):
+            parts = _micro_batch_loss(config, batches, keys, sync, autocast, normalizer, device)
+            (parts.loss if keys else parts.loss * 0.0).backward()
+        if keys:
+            sums += torch.tensor([parts.loss.item() * normalizer, (parts.kl or 0.0) * parts.tokens,
+                                  parts.clip_fraction * parts.tokens, parts.tokens], dtype=torch.float64, device=device)
+    grad_norm = sync.clip_grad_norm(config.max_grad_norm)
+    policy.optimizer.step()
+    return sums, grad_norm
+
+
+def _micro_batch_loss(config: TrainConfig, batches: Batches, keys: list[plan.Key], sync: parallel.Sync, autocast,
+                      normalizer: float, device):
+    """The GRPO loss of one micro-batch under the model being trained; an empty one (a worker
+    with no part in this step) still runs the forward, so every worker joins the reduction."""
+    batch = batches.collate(keys, device)
+    with autocast:
+        new_lp = grpo.completion_logprobs(sync.module, batch)
+    old_lp = batches.lined_up(keys, batches.old) if keys else new_lp.detach()
+    ref_lp = (batches.lined_up(keys, batches.ref) if keys else new_lp.detach()) if batches.ref is not None else None
+    return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=config.clip_eps, kl_coef=config.kl_coef,
+                          ref_logprobs=ref_lp, normalizer=normalizer)
+
+
+def _over_all_workers(sums) -> tuple[float, float, float, int]:
+    """Every worker's sums added up: the step's token means of the loss, k3 and clipping, and its tokens."""
+    import torch.distributed as dist
+
+    dist.all_reduce(sums)
+    total = max(sums[3].item(), 1.0)
+    loss, kl, clip_fraction = (x / total for x in sums[:3].tolist())
+    return loss, kl, clip_fraction, int(sums[3].item())
+
+
+def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], lengths: plan.Lengths, steps: list[list[plan.Step]],
+           source: str, per_step: dict[str, list]) -> dict:
+    """What ``train_stats.json`` says of the update; ``seconds`` is set just before it is written."""
+    samples = [s for r in records for s in r.samples]
+    return {
+        "iteration": config.iteration,
+        "world_size": policy.rdv.world_size,
+        "strategy": config.strategy,
+        "mixed_precision": config.mixed_precision,
+        "activation_checkpointing": config.activation_checkpointing,
+        "records": len(records),
+        "samples": len(samples),
+        "completion_tokens": sum(map(sum, lengths.completions)),
+        "mean_reward": sum(s.reward for s in samples) / len(samples),
+        "zero_advantage_groups": sum(1 for r in records if _all_equal(r)),
+        "records_tokenized_from_text": sum(1 for r in records if r.prompt_token_ids is None),
+        "epochs": config.epochs,
+        "steps_per_epoch": len(steps[0]),
+        "micro_batch": config.micro_batch,
+        "micro_batch_tokens": config.micro_batch_tokens,
+        "optimizer_continued_from_step": policy.continued_from,
+        "policy_from": source,
+        **per_step,
+        "seconds": None,
+    }
+
+
+def _all_equal(record: grpo.Record) -> bool:
+    rewards = [s.reward for s in record.samples]
+    return max(rewards) == min(rewards)
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
