@@ -15,7 +15,7 @@ from rich.text import Text
 from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, BadInput
 from orchestrator.ops.status import snapshot
-from orchestrator.ops.timing import EventReader
+from orchestrator.ops.event_fold import EventReader
 from orchestrator.protocol import child_error
 from orchestrator.protocol.layout import RunLayout
 

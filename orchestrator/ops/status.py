@@ -17,6 +17,7 @@ from orchestrator.data import summary
 from orchestrator.errors import ROOT_CAUSE_KINDS, BadInput
 from orchestrator.node import identity
 from orchestrator.ops import timing
+from orchestrator.ops.event_fold import EventReader
 from orchestrator.phase_table import Phase, RLPhase
 from orchestrator.protocol import fsio
 from orchestrator.protocol import lease as lease_mod
@@ -43,11 +44,11 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
-def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
+def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
     """The run's state now. ``events``: a reader kept from the previous snapshot of the same
     run (``--watch``), so that only what the event logs gained since is read."""
     layout = RunLayout(log_path)
-    events = events if events is not None else timing.EventReader(layout)
+    events = events if events is not None else EventReader(layout)
     current = lease_mod.read_lease(layout)
     if current is None:
         raise BadInput(f"no run found under {log_path} (no control/lease.json): is --log-path right?")
@@ -88,8 +89,8 @@ def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
     last = progress["iteration"] if progress else 0
     if any(r["iteration"] for r in ranks):
         last = max(last, max(r["iteration"] or 0 for r in ranks))
-    digests = events.read()
-    times = timing.iteration_timing(digests)
+    logs = events.read()
+    times = timing.iteration_timing(logs)
     iterations = []
     for i in range(1, last + 1):
         s = summary.read(layout, i)
@@ -113,7 +114,7 @@ def snapshot(log_path: Path, events: timing.EventReader | None = None) -> dict:
         "membership": members.events,
         "barrier": barrier,
         "waiting_for": barrier["waiting_for"] if barrier else [],
-        "eta": eta(timing.phase_durations(digests), ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
+        "eta": eta(timing.phase_durations(logs), ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
         "iterations": iterations,
     }
 

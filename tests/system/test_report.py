@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.data import shards
-from orchestrator.ops import report
+from orchestrator.ops import report, report_html
+from orchestrator.ops.event_fold import rank_segments
+from orchestrator.ops.iteration_rows import train_reward
 from orchestrator.phase_table import PHASE_TABLE, Barrier, Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.events import read_events
@@ -271,19 +273,19 @@ def test_rank_segments_close_a_barrierless_phase_at_the_next_phase_and_keep_open
         _ev("phase", 13.0, iteration=1, phase=3),
         _ev("end", 14.0, state="failed"),            # failed in phase 3's work
     ]
-    segs = report.rank_segments(events)
+    segs = rank_segments(events)
     assert [(s["kind"], s["phase"], s["seconds"], s["complete"]) for s in segs] == [
         ("work", 1, 2.0, True), ("work", 2, 0.5, True), ("wait", 2, 0.5, True), ("work", 3, 1.0, False),
     ]
     # a log cut short (kill -9: no end event) leaves its last segment open at the last event
-    segs = report.rank_segments(events[:3])
+    segs = rank_segments(events[:3])
     assert segs[-1]["kind"] == "wait" and segs[-1]["complete"] is False and segs[-1]["seconds"] == 0.0
 
 
 def test_rank_segments_fall_back_to_wall_time_when_the_monotonic_clock_goes_back():
     events = [_ev("phase", 5.0, mono=100.0, iteration=1, phase=0), _ev("arrive", 7.0, mono=3.0, iteration=1, phase=0),
               _ev("released", 7.5, mono=3.25, iteration=1, phase=0)]
-    assert [s["seconds"] for s in report.rank_segments(events)] == [2.0, 0.25]
+    assert [s["seconds"] for s in rank_segments(events)] == [2.0, 0.25]
 
 
 def test_train_reward_averages_every_sample_of_a_sealed_rl_aggregate(tmp_path):
@@ -291,9 +293,9 @@ def test_train_reward_averages_every_sample_of_a_sealed_rl_aggregate(tmp_path):
     with shards.ShardWriter(path) as w:
         w.append({"task_id": "a", "samples": [{"reward": 1.0}, {"reward": 0.0}, {"reward": 0.5}]})
         w.append({"task_id": "b", "samples": [{"reward": 1.0}]})
-    assert report.train_reward(path) is None  # not sealed yet
+    assert train_reward(path) is None  # not sealed yet
     shards.seal(path)
-    assert report.train_reward(path) == {"mean_reward": 2.5 / 4, "records": 2, "samples": 4}
+    assert train_reward(path) == {"mean_reward": 2.5 / 4, "records": 2, "samples": 4}
 
 
 def test_breakdown_chart_and_tables_show_the_train_and_engine_parts():
@@ -304,7 +306,7 @@ def test_breakdown_chart_and_tables_show_the_train_and_engine_parts():
     }} for i in (1, 2)] + [{"iteration": 3, "timing": None}]
     width, height = struct.unpack(">II", report.breakdown_png({"iterations": rows})[16:24])
     assert 400 <= width <= 2000 and 200 <= height <= 2000
-    tables = report._time_tables(rows)
+    tables = report_html.time_tables(rows)
     assert tables.count("<table") == 2
     parts = tables.split("</table>")[1]
     assert re.findall(r"<th>([^<]+)</th>", parts) == ["iteration", "train.startup", "train.steps", "train.checkpoint", "train.total",

@@ -7,7 +7,8 @@ from pathlib import Path
 from orchestrator import records
 from orchestrator.cli.status import time_line
 from orchestrator.data import summary
-from orchestrator.ops import report, status, timing
+from orchestrator.ops import event_fold as timing
+from orchestrator.ops import report, status
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
