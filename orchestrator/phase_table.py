@@ -29,7 +29,13 @@ class Phase(enum.IntEnum):
 
     @property
     def label(self) -> str:
+        """How files, logs and ``status`` name the phase (``10:train``); in memory it is a ``Phase``."""
         return f"{int(self)}:{self.name.lower()}"
+
+    @classmethod
+    def from_label(cls, label: str | None) -> "Phase | None":
+        """The phase a record's label names (None stays None)."""
+        return None if label is None else cls(int(label.split(":", 1)[0]))
 
     @property
     def spec(self) -> "PhaseSpec":

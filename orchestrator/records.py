@@ -17,13 +17,15 @@ T = TypeVar("T")
 
 
 def to_dict(record: Any) -> dict:
-    """``record`` (a dataclass) as plain JSON values: tuples become lists, enums their values."""
-    return msgspec.to_builtins(record)
+    """``record`` (a dataclass) as plain JSON values: tuples become lists, enums their values,
+    map keys strings (as JSON holds them, so that the checksum a reader computes matches)."""
+    return msgspec.json.decode(msgspec.json.encode(record))
 
 
-def from_dict(data: Any, kind: type[T]) -> T:
-    """The ``kind`` record in ``data``; ``ValueError`` naming the field when it does not fit."""
+def from_dict(data: Any, kind: type[T], *, str_keys: bool = False) -> T:
+    """The ``kind`` record in ``data``; ``ValueError`` naming the field when it does not fit.
+    ``str_keys``: JSON wrote the record's int-keyed maps with string keys; read them back."""
     try:
-        return msgspec.convert(data, kind)
+        return msgspec.convert(data, kind, strict=not str_keys)
     except msgspec.ValidationError as e:
         raise ValueError(f"not a valid {kind.__name__} record: {e}") from None

@@ -19,10 +19,11 @@ from typing import Callable
 
 from orchestrator import records
 from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, FailureKind, OrchestratorError, PeerFailed
+from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import AttemptLayout
 from orchestrator.protocol.liveness import LivenessTracker
-from orchestrator.protocol.membership import Members
+from orchestrator.protocol.schema import Members
 from orchestrator.protocol.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Monitor:
         self.tracker = LivenessTracker(node_timeout_s)
         self.stop_requested: dict | None = None
         self.work_deadline: Deadline | None = None
-        self.where: Callable[[], tuple[int | None, str | None]] = lambda: (None, None)
+        self.where: Callable[[], tuple[int | None, Phase | None]] = lambda: (None, None)
         self.host = hosts.get(rank, "?")
         self.out: frozenset[int] = frozenset()
         """Ranks the run went on without (coordination.elastic): neither their heartbeats nor
@@ -213,7 +214,8 @@ class Monitor:
 
     def _overran(self, deadline: Deadline) -> None:
         iteration, phase = self.where()
-        culprit = Culprit(self.rank, self.host, iteration, phase, FailureKind.DEADLINE, f"the phase's work ran past {deadline.what}")
+        culprit = Culprit(self.rank, self.host, iteration, phase.label if phase is not None else None, FailureKind.DEADLINE,
+                          f"the phase's work ran past {deadline.what}")
         log.error("%s", culprit.describe())
         if self.is_master:
             publish_abort(self.attempt, culprit)

@@ -12,15 +12,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from orchestrator.config import RunConfig
+from orchestrator.node.placement import Placement
 from orchestrator.phase_table import Phase
-from orchestrator.protocol.layout import IterationLayout, RunLayout
-from orchestrator.protocol.waiting import CancelToken
-
-if TYPE_CHECKING:
-    from orchestrator.protocol.coordinator import Coordinator
+from orchestrator.protocol.layout import AttemptLayout, IterationLayout, RunLayout
+from orchestrator.protocol.waiting import Backoff, CancelToken
 
 
 class Workload(Protocol):
@@ -57,6 +55,43 @@ class Workload(Protocol):
         """Stop whatever the workload still runs (the engine)."""
 
 
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """What a phase and its workload see of the run: its attempt, who is in it and where
+    they run, the training round; and the few hooks into the rank they use. Never the
+    coordinator itself."""
+
+    attempt_id: str
+    attempt: AttemptLayout
+    in_run: Callable[[], tuple[Placement, frozenset[int]]]
+    """The placement of the ranks in the run and the ranks it goes on without
+    (coordination.elastic), as the latest barrier released them: a phase's decision, made
+    at its barrier, sees that barrier's."""
+    train_round: int
+    """This iteration's try of training (a step redone without a lost rank is round 1, 2, ...)."""
+    backoff: Backoff
+    lost: Callable[[], frozenset[int]]
+    """Master: the ranks marked out by now, also since the phase started (elastic)."""
+    position: Callable[[], tuple[int | None, Phase | None]]
+    """Where the rank is now (a kept-alive trainer fails in whatever phase the rank is in)."""
+    fault_point: Callable[[str, int, Phase], None]
+    """Where a test's ORCHESTRATOR_FAULT may hold the rank or make it fail."""
+    timing: Callable[..., None]
+    """``timing(part, seconds, **fields)``: how long a part of the phase's work took."""
+    took: Callable[[str, int, int, int], None]
+    """``took(split, chunk, tasks, victim)``: this rank took another rank's chunk."""
+    progress: Callable[[int, int], None]
+    """``progress(done, total)``: what the heartbeat says of the phase's work."""
+
+    @property
+    def placement(self) -> Placement:
+        return self.in_run()[0]
+
+    @property
+    def out(self) -> frozenset[int]:
+        return self.in_run()[1]
+
+
 @dataclass(slots=True)
 class PhaseContext:
     config: RunConfig
@@ -66,7 +101,7 @@ class PhaseContext:
     plan: dict
     cancel: CancelToken
     workload: Workload
-    coordinator: "Coordinator"
+    run: RunView
     log: logging.Logger
 
     @property
@@ -79,7 +114,7 @@ class PhaseContext:
 
     @property
     def attempt_id(self) -> str:
-        return self.coordinator.attempt_id or ""
+        return self.run.attempt_id
 
     @property
     def it(self) -> IterationLayout:
@@ -91,4 +126,8 @@ class PhaseContext:
         return sum(per_rank[: self.rank]), per_rank[self.rank] if self.rank < len(per_rank) else 0
 
     def progress(self, done: int, total: int) -> None:
-        self.coordinator.progress(done, total)
+        self.run.progress(done, total)
+
+    def fault_point(self, action: str) -> None:
+        """A test's fault hook at this phase (``hold-after-batch``, ``hold-in-removal``, ...)."""
+        self.run.fault_point(action, self.iteration, self.phase)

@@ -41,7 +41,7 @@ from orchestrator.protocol.coordinator import Coordinator
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.waiting import CancelToken, Deadline
 from orchestrator.runtime import phases
-from orchestrator.runtime.context import PhaseContext, Workload
+from orchestrator.runtime.context import PhaseContext, RunView, Workload
 
 log = logging.getLogger("orchestrator")
 
@@ -226,8 +226,8 @@ class Rank:
         self.children.stop_all(grace_s=3.0)
 
     def _where(self) -> str:
-        iteration, phase = self.coordinator.where
-        return f"iteration {iteration}, phase {phase}" if iteration is not None else "start-up"
+        iteration, phase = self.coordinator.position()
+        return f"iteration {iteration}, phase {phase.label}" if iteration is not None else "start-up"
 
     def _walk(self, iteration: int, phase: Phase, plan: dict | None) -> None:
         group_start, group_budget = None, 0.0  # phases since the last barrier share its deadline
@@ -292,9 +292,16 @@ class Rank:
             plan=plan,
             cancel=self.cancel,
             workload=self.workload,
-            coordinator=self.coordinator,
+            run=self._view(),
             log=log,
         )
+
+    def _view(self) -> RunView:
+        """The run as this phase's work sees it: data as of now, and the hooks it may call."""
+        c = self.coordinator
+        return RunView(attempt_id=c.attempt_id, attempt=c.attempt, in_run=c.in_run, train_round=c.train_round,
+                       backoff=c.backoff, lost=c.lost, position=c.position, fault_point=c.fault_point, timing=c.timing,
+                       took=c.took, progress=c.progress)
 
 
 LOST_CONNECTION_SETTLE_S = 1.0

@@ -94,7 +94,7 @@ class RehearsalWorkload:
         return {"accuracy": correct / n if n else 0.0, "mean_reward": correct / n if n else 0.0, "samples": n}
 
     def train(self, ctx: PhaseContext, train_config: dict, checkpoint_dir: Path | None) -> None:
-        if ctx.coordinator.placement.train_workers_on(ctx.rank):  # a node without train workers waits at the barrier
+        if ctx.run.placement.train_workers_on(ctx.rank):  # a node without train workers waits at the barrier
             ctx.cancel.sleep(self.r.work_s)
         if checkpoint_dir is not None:
             fsio.write_record(
@@ -103,7 +103,7 @@ class RehearsalWorkload:
             )
 
     def engine_start(self, ctx: PhaseContext) -> None:
-        if self.engine is None and not self.config.debug_mode and ctx.coordinator.placement.engines_on(ctx.rank):
+        if self.engine is None and not self.config.debug_mode and ctx.run.placement.engines_on(ctx.rank):
             # A real child process that idles until stopped: what the protocol needs of an
             # engine here, at the start-up cost of coreutils rather than of an interpreter.
             self.engine = self.children.start(["sleep", "infinity"])

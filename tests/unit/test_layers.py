@@ -80,3 +80,17 @@ def test_there_is_no_import_cycle():
         if module not in done:
             visit(module)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_phases_and_workloads_see_the_run_through_its_view_never_the_coordinator():
+    """runtime/phases/ and workloads/ get ``PhaseContext.run`` (a ``RunView``); a name or an
+    attribute ``coordinator`` there would be a reach past it."""
+    reach = []
+    for folder in (ROOT / "runtime" / "phases", ROOT / "workloads"):
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+                imported = node.module if isinstance(node, ast.ImportFrom) else None
+                if name == "coordinator" or (imported or "").endswith("protocol.coordinator"):
+                    reach.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert not reach, "phases and workloads reach into the coordinator:\n" + "\n".join(reach)

@@ -29,7 +29,7 @@ def wait_for_seals(ctx: PhaseContext, split: str, sources: list[tuple[str, objec
             return shards.sealed(shard)
 
         found[label] = poll(seen, deadline=Deadline.after(timeout, f"the seal of {shard}"), cancel=ctx.cancel,
-                            backoff=ctx.coordinator.backoff,
+                            backoff=ctx.run.backoff,
                             on_timeout=lambda label=label, shard=shard: shards.ShardError(
                                 f"{label}: shard {shard} is missing or does not match its manifest "
                                 f"(waited coordination.node_timeout_s={timeout:g} s)"))

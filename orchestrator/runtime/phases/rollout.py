@@ -19,8 +19,8 @@ from orchestrator.runtime.context import PhaseContext
 
 def weights(ctx: PhaseContext) -> list[float]:
     """Each rank's rollout weight now: a rank the run goes on without has none."""
-    given = placement.rollout_weights(ctx.coordinator.placement, ctx.config.rank_weights)
-    out = ctx.coordinator.out | (ctx.coordinator.monitor.out if ctx.is_master else set())
+    given = placement.rollout_weights(ctx.run.placement, ctx.config.rank_weights)
+    out = ctx.run.out | (ctx.run.lost() if ctx.is_master else frozenset())
     return [0.0 if r in out else w for r, w in enumerate(given)]
 
 
@@ -31,14 +31,14 @@ def ledger(ctx: PhaseContext, split: str) -> work.Ledger:
     adoptions = work.Adoptions.read(ctx.it, split)
     return work.Ledger(ctx.it, split, ctx.rank, work.all_chunks(ctx.it, split, split_plan, adoptions), stealing=steal,
                        settle_s=ctx.config.coordination.node_timeout_s, attempt=ctx.attempt_id,
-                       on_steal=lambda point: ctx.coordinator.fault_point(f"hold-{point}", ctx.iteration, ctx.phase),
+                       on_steal=lambda point: ctx.fault_point(f"hold-{point}"),
                        adoptions=adoptions)
 
 
 def adopt_out(ctx: PhaseContext, split: str) -> int:
     """Master, elastic: hand the unfinished work of the ranks it marked out to the others.
     Returns how many tasks moved."""
-    out = sorted(ctx.coordinator.monitor.out)
+    out = sorted(ctx.run.lost())
     if not out:
         return 0
     ids = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
@@ -96,7 +96,7 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
                         break
                     if chunk.rank != ctx.rank:
                         ctx.log.info("took %s chunk %d (%d tasks) from rank %d", split, chunk.index, chunk.size, chunk.rank)
-                        ctx.coordinator.took(split, chunk.index, chunk.size, chunk.rank)
+                        ctx.run.took(split, chunk.index, chunk.size, chunk.rank)
                     queue.append(chunk)
                 if not queue:
                     if not pending and (not elastic or not claims.open_chunks()):
@@ -117,7 +117,7 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
                     bar.update(done, total)
                     if first_batch:
                         first_batch = False
-                        ctx.coordinator.fault_point("hold-after-batch", ctx.iteration, ctx.phase)
+                        ctx.fault_point("hold-after-batch")
                 if elastic:
                     finished |= {c.index for c in taking}
                     work.note_finished(ctx.it, split, ctx.rank, finished)

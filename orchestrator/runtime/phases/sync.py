@@ -54,4 +54,4 @@ def prune_checkpoints(ctx: PhaseContext) -> None:
     trainer is done with the old one, so older checkpoints beyond ``checkpoint.*`` can go."""
     keys = ctx.config.checkpoint
     retention.prune(ctx.layout, keys.keep_last, keys.keep_every, ctx.log, ranks=ctx.config.num_nodes,
-                    before_delete=lambda _trash: ctx.coordinator.fault_point("hold-in-removal", ctx.iteration, ctx.phase))
+                    before_delete=lambda _trash: ctx.fault_point("hold-in-removal"))

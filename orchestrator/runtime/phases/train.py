@@ -20,7 +20,7 @@ def _train_config(ctx: PhaseContext) -> dict:
         lambda: fsio.read_record(ctx.it.train_config),
         deadline=Deadline.after(ctx.config.coordination.node_timeout_s, f"{ctx.it.train_config}"),
         cancel=ctx.cancel,
-        backoff=ctx.coordinator.backoff,
+        backoff=ctx.run.backoff,
     )
 
 
@@ -30,13 +30,13 @@ def train(ctx: PhaseContext) -> None:
     fsio.refresh_dir(final.parent)  # every rank must see a checkpoint an earlier attempt renamed into place
     if final.is_dir():
         ctx.log.info("checkpoint of iteration %d exists already: not training again", ctx.iteration)
-        if ctx.rank == ctx.coordinator.placement.checkpoint_node:
+        if ctx.rank == ctx.run.placement.checkpoint_node:
             _remove_stagings(ctx)
         return
-    if ctx.rank != ctx.coordinator.placement.checkpoint_node:
+    if ctx.rank != ctx.run.placement.checkpoint_node:
         ctx.workload.train(ctx, cfg, None)
         return
-    staging = ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.coordinator.train_round)
+    staging = ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.run.train_round)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     ctx.workload.train(ctx, cfg, staging)

@@ -59,9 +59,9 @@ def publish_or_read(ctx: PhaseContext) -> dict:
     """The node of train worker 0 (the master on CPU) chooses and publishes the address of
     this iteration's training (and round: a step trained again without a lost rank is a new
     group, coordination.elastic); the others read it."""
-    path = ctx.coordinator.attempt.rendezvous
-    round_ = ctx.coordinator.train_round
-    if ctx.rank == ctx.coordinator.placement.checkpoint_node:
+    path = ctx.run.attempt.rendezvous
+    round_ = ctx.run.train_round
+    if ctx.rank == ctx.run.placement.checkpoint_node:
         record = {"iteration": ctx.iteration, "round": round_, "addr": master_address(), "port": free_port(ctx.config.rl.train_port)}
         fsio.write_record(path, record)
         return record
@@ -72,4 +72,4 @@ def publish_or_read(ctx: PhaseContext) -> dict:
         return r if r is not None and r["iteration"] == ctx.iteration and r.get("round", 0) == round_ else None
 
     return poll(probe, deadline=Deadline.after(ctx.config.coordination.node_timeout_s, str(path)),
-                cancel=ctx.cancel, backoff=ctx.coordinator.backoff)
+                cancel=ctx.cancel, backoff=ctx.run.backoff)

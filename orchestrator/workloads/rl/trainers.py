@@ -28,6 +28,7 @@ from orchestrator import defaults
 from orchestrator.errors import EXIT_BAD_INPUT, ChildFailed
 from orchestrator.node import gpus
 from orchestrator.node.placement import TrainWorker
+from orchestrator.phase_table import Phase
 from orchestrator.node.procs import Children
 from orchestrator.protocol import child_error, fsio
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
@@ -64,8 +65,8 @@ class NodeTrainers:
     def update(self, ctx: PhaseContext, configs: dict[int, dict]) -> dict[int, dict]:
         """One iteration's update by this node's workers (``configs``: each one's train
         config). Returns each worker's ``done`` record (its stats, and seconds per part)."""
-        attempt = ctx.coordinator.attempt
-        placement = ctx.coordinator.placement
+        attempt = ctx.run.attempt
+        placement = ctx.run.placement
         workers = placement.train_workers_on(ctx.rank)
         for w in workers:
             path = attempt.trainer_config(w.rank)
@@ -111,8 +112,8 @@ class NodeTrainers:
         self.children.watch(t.proc, lambda code: ctx.cancel.cancel(self._failed(ctx, t, code)))
 
     def _start(self, ctx: PhaseContext, workers: list[TrainWorker], *, serve: bool) -> list[_Process]:
-        attempt = ctx.coordinator.attempt
-        placement = ctx.coordinator.placement
+        attempt = ctx.run.attempt
+        placement = ctx.run.placement
         rdv = rendezvous.publish_or_read(ctx)
         log.info("training iteration %d: workers %s of %d on this node, rendezvous %s:%d%s", ctx.iteration,
                  ",".join(str(w.rank) for w in workers), len(placement.train_workers), rdv["addr"], rdv["port"],
@@ -145,7 +146,7 @@ class NodeTrainers:
         return started
 
     def _wait(self, ctx: PhaseContext) -> dict[int, dict]:
-        attempt = ctx.coordinator.attempt
+        attempt = ctx.run.attempt
         procs = self.running
 
         def ended():
@@ -168,7 +169,7 @@ class NodeTrainers:
             return result
         t = result[0]
         error = self._failed(ctx, t, t.proc.returncode)
-        if t.proc.returncode != EXIT_BAD_INPUT and len(ctx.coordinator.placement.train_workers) > len(procs) \
+        if t.proc.returncode != EXIT_BAD_INPUT and len(ctx.run.placement.train_workers) > len(procs) \
                 and _lost_a_peer(error):
             c = ctx.config.coordination
             wait = c.node_timeout_s + (defaults.WORKER_GRACE_S if c.elastic else 0.0)
@@ -179,9 +180,9 @@ class NodeTrainers:
 
     def _failed(self, ctx: PhaseContext, t: _Process, code: int) -> TrainerFailed:
         what = f"train worker {t.worker.rank} of rank {ctx.rank} (pid {t.proc.pid}) exited with code {code}"
-        if self.keep_alive and ctx.coordinator.where[1] != "10:train":
+        if self.keep_alive and ctx.run.position()[1] is not Phase.TRAIN:
             what += " between trainings"
-        return TrainerFailed(*child_error.explain(what, ctx.coordinator.attempt.trainer_error(t.worker.rank), t.log_path))
+        return TrainerFailed(*child_error.explain(what, ctx.run.attempt.trainer_error(t.worker.rank), t.log_path))
 
     def stop(self) -> None:
         for t in self.running:

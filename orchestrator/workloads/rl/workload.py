@@ -12,8 +12,8 @@ import json
 import logging
 import queue
 import random
-import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterator
 
@@ -21,11 +21,9 @@ from orchestrator import rewards
 from orchestrator.config import RunConfig
 from orchestrator.data import checkpoints, prompts, retention
 from orchestrator.engine.client import EngineClient
-from orchestrator.errors import OrchestratorError
 from orchestrator.node.procs import Children
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.protocol.waiting import Backoff, Deadline, poll
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
 from orchestrator.workloads.rl.scoring import Scorer
@@ -34,8 +32,7 @@ from orchestrator.workloads.rl.trainers import NodeTrainers
 log = logging.getLogger(__name__)
 
 PROMPTS_PER_REQUEST = 16
-# How often the rollout's consumer looks for a finished batch.
-_BATCH_BACKOFF = Backoff(0.005, 0.1)
+_BATCH_WAIT_S = 0.1  # how often the wait for the next batch looks at the rank's cancel token
 
 
 class RLWorkload:
@@ -95,7 +92,7 @@ class RLWorkload:
 
     def _node_engines(self, ctx: PhaseContext) -> NodeEngines:
         if self.engines is None:
-            specs = ctx.coordinator.placement.engines_on(ctx.rank)
+            specs = ctx.run.placement.engines_on(ctx.rank)
             self.engines = NodeEngines(self.children, specs, self.config.rollout, self.layout, ctx.rank, seed=self.config.seed)
         return self.engines
 
@@ -108,7 +105,7 @@ class RLWorkload:
         shared = sorted(trainer_gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
         if shared:  # kept-alive trainers offloaded their state after training: check that the memory is back
             wait_memory_released(shared, self.config.rollout, ctx.cancel)
-        self.clients = engines.ensure(self.verified_checkpoint(), ctx.cancel, timing=ctx.coordinator.timing)
+        self.clients = engines.ensure(self.verified_checkpoint(), ctx.cancel, timing=ctx.run.timing)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
         """Phase 7: free the GPUs training shares with the engines (colocated); disaggregated
@@ -116,7 +113,7 @@ class RLWorkload:
         on CPU has nothing to free and serves on too."""
         if self.config.debug_mode:
             return
-        placement = ctx.coordinator.placement
+        placement = ctx.run.placement
         if not placement.colocated:
             ctx.log.info("disaggregated placement: the engines keep their GPUs and serve on through training")
             return
@@ -125,7 +122,7 @@ class RLWorkload:
             began = time.monotonic()
             if all(d == "kept" for d in self.engines.release(train_gpus, ctx.cancel)):
                 return  # they serve on: phase 12 moves them to the new checkpoint in place
-            ctx.coordinator.timing("engine.release", time.monotonic() - began)
+            ctx.run.timing("engine.release", time.monotonic() - began)
         self.clients = []
 
     def close(self) -> None:
@@ -139,7 +136,7 @@ class RLWorkload:
     def rollout_slots(self, ctx: PhaseContext) -> int:
         if self.config.debug_mode:
             return 1
-        return max(1, len(ctx.coordinator.placement.engines_on(ctx.rank)))
+        return max(1, len(ctx.run.placement.engines_on(ctx.rank)))
 
     def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
         """Batches of records in completion order; a node's engines share the batches. A
@@ -163,44 +160,30 @@ class RLWorkload:
         yield from self._rollout_parallel(ctx, split, batches, scorer)
 
     def _rollout_parallel(self, ctx: PhaseContext, split: str, batches: list[list[str]], scorer: Scorer) -> Iterator[list[dict]]:
-        todo: queue.SimpleQueue = queue.SimpleQueue()
-        for b in batches:
-            todo.put(b)
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        stop = threading.Event()
+        """Each engine takes the next batch as soon as it is free; batches come back in
+        completion order. A failed batch ends the rollout; the batches not begun are dropped."""
+        free: queue.SimpleQueue[EngineClient] = queue.SimpleQueue()
+        for client in self.clients:
+            free.put(client)
 
-        def serve(client: EngineClient) -> None:
-            while not stop.is_set():
-                try:
-                    batch = todo.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    done.put(self._complete(ctx, split, client, batch, scorer))
-                except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-                    done.put(e)
-                    return
+        def complete(batch: list[str]) -> list[dict]:
+            client = free.get()  # one worker per engine: one is always free here
+            try:
+                return self._complete(ctx, split, client, batch, scorer)
+            finally:
+                free.put(client)
 
-        threads = [threading.Thread(target=serve, args=(c,), name=f"rollout-{i}", daemon=True) for i, c in enumerate(self.clients)]
-        for t in threads:
-            t.start()
+        pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="rollout")
+        pending = {pool.submit(complete, b) for b in batches}
         try:
-            def next_done():
-                try:
-                    return done.get_nowait()
-                except queue.Empty:
-                    if not any(t.is_alive() for t in threads) and done.empty():
-                        raise OrchestratorError("every rollout thread ended with batches left") from None
-                    return None
-
-            for _ in batches:
+            while pending:
                 # The phase's deadline bounds this wait: the monitor cancels the rank when it passes.
-                item = poll(next_done, deadline=Deadline.never(f"{split} rollout batches"), cancel=ctx.cancel, backoff=_BATCH_BACKOFF)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                ctx.cancel.check()
+                finished, pending = wait(pending, timeout=_BATCH_WAIT_S, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    yield future.result()
         finally:
-            stop.set()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _complete(self, ctx: PhaseContext, split: str, client: EngineClient, task_ids: list[str], scorer: Scorer) -> list[dict]:
         train = split == "train"
@@ -274,16 +257,16 @@ class RLWorkload:
         """Run this node's train workers (one per GPU the placement gives it; one on CPU) as
         part of one torch.distributed job; worker 0 writes into ``checkpoint_dir`` (None on
         the other nodes), and with fsdp every worker into the same staging directory."""
-        placement = ctx.coordinator.placement
+        placement = ctx.run.placement
         workers = placement.train_workers_on(ctx.rank)
         if not workers:
             return
         began = time.monotonic()
-        attempt = ctx.coordinator.attempt
+        attempt = ctx.run.attempt
         base = self._trainer_config(ctx, train_config)
         # With fsdp every worker writes its shard into the staging directory that the node of
         # worker 0 made (phase 10); with ddp worker 0 writes it all and the others nothing.
-        staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.coordinator.train_round)
+        staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.run.train_round)
         writes = self.config.train.strategy == "fsdp"
         configs = {w.rank: {**base, "output": str(staging if w.rank == 0 or writes else attempt.trainer_scratch(w.rank)),
                             "offload": placement.colocated and w.gpu is not None and bool(placement.engines_on(ctx.rank))}
@@ -291,8 +274,8 @@ class RLWorkload:
         done = self.trainers.update(ctx, configs)
         for worker, record in sorted(done.items()):
             for part, seconds in record["timing"].items():
-                ctx.coordinator.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"])
-        ctx.coordinator.timing("train.total", time.monotonic() - began)
+                ctx.run.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"])
+        ctx.run.timing("train.total", time.monotonic() - began)
 
     def _trainer_config(self, ctx: PhaseContext, train_config: dict) -> dict:
         current = fsio.read_record(self.layout.current_checkpoint)
