@@ -124,6 +124,13 @@ class Interrupted(OrchestratorError):
         self.signal_name = signal_name
 
 
+class RunFinished(OrchestratorError):
+    """The run has nothing left to walk: a worker that wakes or starts after the others
+    finished ends at once (exit 0) instead of waiting for a master that will not come."""
+
+    exit_code = EXIT_OK
+
+
 class StopRequested(OrchestratorError):
     """`orchestrator stop` asked the run to end at this phase boundary (exit 0)."""
 

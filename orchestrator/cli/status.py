@@ -113,6 +113,13 @@ def view(snap: dict) -> Group:
     timed = [it for it in snap["iterations"] if it.get("complete") and it.get("timing") and it["timing"]["phases"]]
     if timed:
         parts.append(Text(time_line(timed[-1]["iteration"], timed[-1]["timing"])))
+    g = snap.get("gone")
+    if g:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(g["since"])) if g["since"] is not None else "unknown"
+        last = "; ".join(f"rank {r['rank']} ({r['host']}) at iteration {r['iteration']}, phase {r['phase']} ({r['state']})"
+                         for r in g["last"])
+        parts.append(Text(f"no rank alive since {since} ({_duration(g['since_s'])} ago); last seen: {last}. "
+                          f"Re-run the same commands on every node to resume"))
     f = snap["failure"]
     if f:
         parts.append(Text(f"failure: rank {f['rank']} on {f['host']} at iteration {f['iteration']}, phase {f['phase']}: {f['error']}"))

@@ -73,6 +73,7 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
         progress = hb.get("progress") if hb else None
         ranks.append({
             "rank": r,
+            "heartbeat_mtime": mtime,
             "out": r in members.out,
             "host": (hb or join).get("host"),
             "pid": (hb or join).get("pid"),
@@ -100,6 +101,7 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
                                                          "reward_errors", "prompts_too_long")},
                                "timing": times.get(i)})
     barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks, members.out) if not current.released else None
+    gone = None if current.released else all_gone(ranks, now)
     return {
         "log_path": str(log_path),
         "attempt": current.attempt,
@@ -113,9 +115,26 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
         "ranks_out": [{"rank": r, **entry} for r, entry in sorted(members.out.items())],
         "membership": members.events,
         "barrier": barrier,
+        "gone": gone,
         "waiting_for": barrier["waiting_for"] if barrier else [],
         "eta": eta(timing.phase_durations(logs), ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
         "iterations": iterations,
+    }
+
+
+def all_gone(ranks: list[dict], now: float | None) -> dict | None:
+    """When no rank of an unfinished run is alive (all killed, or the last ones failed after
+    the master died): since when (the newest heartbeat, on the file server's clock), and
+    where each rank was last."""
+    if not ranks or any(r["alive"] for r in ranks):
+        return None
+    stamps = [r["heartbeat_mtime"] for r in ranks if r["heartbeat_mtime"] is not None]
+    since = max(stamps) if stamps else None
+    return {
+        "since": since,
+        "since_s": round(max(0.0, now - since), 3) if since is not None and now is not None else None,
+        "last": [{k: r[k] for k in ("rank", "host", "iteration", "phase", "state")} for r in ranks],
+        "next": "re-run the same commands on every node to resume",
     }
 
 

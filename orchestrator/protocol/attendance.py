@@ -23,21 +23,34 @@ from typing import Callable
 
 from orchestrator import defaults, records
 from orchestrator.config import RunConfig
-from orchestrator.errors import BadInput, Culprit, FailureKind, PeerFailed, StopRequested
+from orchestrator.errors import BadInput, Culprit, FailureKind, PeerFailed, RunFinished, StopRequested
 from orchestrator.node import gpus, identity
 from orchestrator.node.placement import Placement
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Phase
-from orchestrator.protocol import faults, fsio, schema, startup
+from orchestrator.protocol import faults, fsio, schedule, schema, startup
 from orchestrator.protocol import lease as lease_mod
 from orchestrator.protocol.api import TERMINAL_STATES, HeartbeatState
 from orchestrator.protocol.events import EventLog
 from orchestrator.protocol.heartbeat import Heartbeat
-from orchestrator.protocol.join import Abandoned, Admit, Enter, MasterJoin, Rejoin, Started, TimedOut, Wait, WorkerJoin, WorkerView, config_mismatch
+from orchestrator.protocol.join import (
+    Abandoned,
+    Admit,
+    Enter,
+    Finished,
+    MasterJoin,
+    Rejoin,
+    Started,
+    TimedOut,
+    Wait,
+    WorkerJoin,
+    WorkerView,
+    config_mismatch,
+)
 from orchestrator.protocol.layout import AttemptLayout, RunLayout
 from orchestrator.protocol.liveness import LivenessTracker
 from orchestrator.protocol.membership import Members
-from orchestrator.protocol.monitor import Monitor, publish_abort, worker_verdict
+from orchestrator.protocol.monitor import Monitor, poll_interval_s, publish_abort, worker_verdict
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
 
 log = logging.getLogger(__name__)
@@ -135,7 +148,7 @@ class Attendance:
         self.monitor = Monitor(
             attempt=self.attempt, rank=self.rank, num_nodes=self.config.num_nodes, cancel=self.cancel,
             heartbeat_interval_s=self.c.heartbeat_interval_s, node_timeout_s=self.c.node_timeout_s,
-            poll_s=min(0.25, self.c.heartbeat_interval_s / 2), hosts=self.hosts,
+            poll_s=poll_interval_s(self.c.heartbeat_interval_s), hosts=self.hosts,
             on_cancel=lambda: self.children.stop_all(grace_s=2.0),
         )
         self.monitor.where = lambda: self.where
@@ -246,6 +259,9 @@ class Attendance:
                 raise PeerFailed(action.culprit)
             if isinstance(action, TimedOut):
                 raise self._no_master()
+            if isinstance(action, Finished):
+                raise RunFinished(f"the run under {self.layout.root} is complete and no master holds it: nothing is left for "
+                                  f"rank {self.rank} (the run completed without it)")
             if isinstance(action, Wait) and action.message and action.message not in said:
                 said.add(action.message)
                 log.info("%s", action.message)
@@ -284,6 +300,8 @@ class Attendance:
             culprit = worker_verdict(fsio.read_record(self.attempt.abort), master, now, self.hosts)  # what a monitor judges
             if culprit is not None:
                 raise PeerFailed(culprit)
+            if beat is not None and beat.get("state") == HeartbeatState.DONE:
+                raise RunFinished(f"the run's master finished the run before rank {self.rank} could rejoin: it completed without it")
             if beat is not None and beat.get("state") in TERMINAL_STATES:
                 raise StopRequested(f"the run's master ended ({beat.get('state')}) before rank {self.rank} could rejoin")
             return None
@@ -301,7 +319,10 @@ class Attendance:
             joined_start = fsio.read_record(self.attempt.start)
         lease = lease_mod.read_lease(self.layout)
         if lease is None or lease.released:
-            return WorkerView(lease, joined_start=joined_start, joined_abort=joined_abort)
+            fsio.refresh_dir(self.layout.control)
+            finished = schedule.finished(schema.read(self.layout.progress, schema.Progress), self.config.rl_phase,
+                                         self.config.max_iterations)
+            return WorkerView(lease, joined_start=joined_start, joined_abort=joined_abort, finished=finished)
         if lease.attempt == self.attempt_id:
             return WorkerView(lease, joined_start, joined_abort, joined_start, joined_abort)
         attempt = self.layout.attempt(lease.attempt)

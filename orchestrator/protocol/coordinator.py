@@ -92,6 +92,7 @@ class Coordinator(Attendance):
         """Where a test's ORCHESTRATOR_FAULT may hold this rank or make it fail."""
         if self.fault is None or not self.fault.at(action, iteration, int(phase)):
             return
+        self.fault = None  # once per process: an attempt started again after it does not hold there again
         if action == "raise":
             raise faults.InjectedFault(f"injected failure in phase {phase.label} of iteration {iteration}")
         log.warning("fault injection: holding at %s", (iteration, phase.label))
@@ -301,6 +302,14 @@ class Coordinator(Attendance):
                 publish_abort(self.attempt, failure.blames())
         except OSError as e:
             log.error("could not write the failure record: %s", e)
+
+    def start_afresh(self, cancel: CancelToken) -> None:
+        """Master whose workers gave up on it: end its attempt (heartbeat failed, lease
+        released) and forget its members, to join a new attempt that they can join too."""
+        self.close(HeartbeatState.FAILED)
+        self.lease = self.monitor = self.heartbeat = self.events = None
+        self.attempt_id, self.cancel, self.hosts = None, cancel, {}
+        self.members, self.out, self.train_round, self._train_released = Members(), frozenset(), 0, None
 
     def close(self, state: HeartbeatState) -> None:
         if self.monitor is not None:

@@ -15,6 +15,9 @@
   6) is durable, before the rest: a rank caught part-way through its rollout.
 - ``raise``: raise an exception inside that phase's work.
 
+Each fires once per process: a rank that starts an attempt again (a master that takes its
+workers back) passes the same point without stopping there again.
+
 Unset in production; the hooks cost one dict lookup per phase.
 """
 

@@ -100,6 +100,13 @@ class WorkerView:
     lease_abort: dict | None = None
     joined_start: dict | None = None
     joined_abort: dict | None = None
+    finished: bool = False
+    """``control/progress.json`` says the run has no phase left under this configuration."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """No master holds the run and it has nothing left to walk: this rank ends (exit 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +160,7 @@ class WorkerJoin:
             return False
         return start.get("nonces", {}).get(str(self.rank), self.nonce) == self.nonce
 
-    def decide(self, view: WorkerView, deadline: Deadline) -> Wait | Enter | Rejoin | Started | Abandoned | TimedOut:
+    def decide(self, view: WorkerView, deadline: Deadline) -> Wait | Enter | Rejoin | Started | Abandoned | TimedOut | Finished:
         if self.joined is not None:
             # The attempt this rank joined, first: its master may start it and even finish it
             # (releasing the lease) between two polls.
@@ -168,8 +175,10 @@ class WorkerJoin:
             return TimedOut()
         return action
 
-    def _follow_lease(self, view: WorkerView) -> Wait | Enter | Started:
+    def _follow_lease(self, view: WorkerView) -> Wait | Enter | Started | Finished:
         lease = view.lease
+        if (lease is None or lease.released) and view.finished:
+            return Finished()
         if lease is None or lease.released:
             return Wait(f"waiting for the master (rank 0) to start an attempt under {self.run}")
         if lease.attempt in self.left:

@@ -29,6 +29,21 @@ from orchestrator.protocol.waiting import CancelToken, Deadline
 log = logging.getLogger(__name__)
 
 
+def poll_interval_s(heartbeat_interval_s: float) -> float:
+    """How often a monitor looks for a verdict (and heartbeats are read every half interval)."""
+    return min(0.25, heartbeat_interval_s / 2)
+
+
+def verdict_bound_s(node_timeout_s: float, heartbeat_interval_s: float) -> float:
+    """The longest, from a rank's death, until every other rank's monitor knows of it. Its
+    last beat was written up to one heartbeat interval before it died (a full interval, not
+    the half at which the master reads them: that half covers a beat seen late); the master
+    calls it dead ``node_timeout_s`` after the last change it saw, at its next poll, and a
+    worker reads the master's abort at its own next poll. A rank that sees the death first
+    (a trainer's lost connection) waits this long for the verdict naming the rank that died."""
+    return node_timeout_s + heartbeat_interval_s + 2 * poll_interval_s(heartbeat_interval_s)
+
+
 def culprit_from_failure(rank: int, failure: dict) -> Culprit:
     return Culprit(
         rank=rank,
@@ -56,15 +71,31 @@ def master_verdict(
     failures: dict[int, dict], tracker: LivenessTracker, now: float, hosts: dict[int, str]
 ) -> Culprit | None:
     """The root cause that ends the attempt, if any: a rank's own failure record first
-    (it knows why), else the first rank whose heartbeat stopped."""
+    (it knows why); then workers that gave up on the master (it was frozen or paused past
+    the node timeout: they judged it dead and left, so nothing is left to wait for); else
+    the first rank whose heartbeat stopped."""
     for rank in sorted(failures):
         f = failures[rank]
         if f.get("kind") in ROOT_CAUSE_KINDS:
             return culprit_from_failure(rank, f)
+    left = abandoned_by(failures)
+    if left:
+        seen = failures[left[0]]["culprit"]
+        return Culprit(0, seen.get("host") or hosts.get(0, "?"), seen.get("iteration"), seen.get("phase"), FailureKind.DEAD,
+                       f"its heartbeat stood still past the node timeout (the master was frozen or paused) and rank(s) "
+                       f"{','.join(map(str, left))} gave up on it")
     dead = tracker.dead(now)
     if dead:
         return culprit_dead(dead[0], tracker, now, hosts)
     return None
+
+
+def abandoned_by(failures: dict[int, dict]) -> list[int]:
+    """The workers whose failure record says they left because the master looked dead."""
+    def gave_up(f: dict) -> bool:
+        culprit = f.get("culprit") or {}
+        return f.get("kind") == FailureKind.PEER and culprit.get("rank") == 0 and culprit.get("kind") == FailureKind.DEAD
+    return sorted(r for r, f in failures.items() if r != 0 and gave_up(f))
 
 
 def worker_verdict(abort: dict | None, tracker: LivenessTracker, now: float, hosts: dict[int, str]) -> Culprit | None:
@@ -207,8 +238,8 @@ class Monitor:
                 culprit = master_verdict(failures, self.tracker, now, self.hosts)
             else:
                 culprit = worker_verdict(fsio.read_record(self.attempt.abort), self.tracker, now, self.hosts)
-        if culprit is not None and self.is_master and culprit.kind is FailureKind.DEAD and self.on_silent is not None \
-                and self.on_silent(culprit):
+        if culprit is not None and self.is_master and culprit.kind is FailureKind.DEAD and culprit.rank != self.rank \
+                and self.on_silent is not None and self.on_silent(culprit):
             return None  # the run goes on without it
         return culprit
 

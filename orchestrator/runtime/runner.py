@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 from orchestrator.config import RunConfig
 from orchestrator.errors import (
@@ -29,47 +29,24 @@ from orchestrator.errors import (
     OrchestratorError,
     PeerFailed,
     Retrain,
+    RunFinished,
     StopRequested,
 )
 from orchestrator.data import work
 from orchestrator.node import placement
 from orchestrator.node.procs import Children
-from orchestrator.phase_table import Barrier, Phase, RLPhase
-from orchestrator.protocol import fsio
+from orchestrator.phase_table import Barrier, Phase
+from orchestrator.protocol import fsio, schema
 from orchestrator.protocol.api import HeartbeatState
 from orchestrator.protocol.coordinator import Coordinator
 from orchestrator.protocol.layout import RunLayout
+from orchestrator.protocol.schedule import finished, first_point, next_point, schedule
+from orchestrator.protocol.schema import Progress
 from orchestrator.protocol.waiting import CancelToken, Deadline
 from orchestrator.runtime import phases
 from orchestrator.runtime.context import PhaseContext, RunView, Workload
 
 log = logging.getLogger("orchestrator")
-
-
-# -- where to start, what to walk (pure) -----------------------------------------------------
-
-def next_point(progress: dict | None) -> tuple[int, Phase]:
-    """The first phase after the last released barrier."""
-    if progress is None:
-        return 1, Phase.SYNC_START
-    iteration, phase = progress["iteration"], Phase(progress["phase"])
-    if phase is Phase.SYNC_END:
-        return iteration + 1, Phase.SYNC_START
-    return iteration, Phase(phase + 1)
-
-
-def schedule(start: tuple[int, Phase], rl_phase: RLPhase, max_iterations: int | None) -> Iterator[tuple[int, Phase]]:
-    """(iteration, phase) pairs to walk from ``start``, skipping phases ``rl_phase`` excludes."""
-    iteration, phase = start
-    while max_iterations is None or iteration <= max_iterations:
-        for p in Phase:
-            if p >= phase and rl_phase.includes(p):
-                yield iteration, p
-        iteration, phase = iteration + 1, Phase.SYNC_START
-
-
-def first_point(start: tuple[int, Phase], rl_phase: RLPhase, max_iterations: int | None) -> tuple[int, Phase] | None:
-    return next(schedule(start, rl_phase, max_iterations), None)
 
 
 # -- the rank ---------------------------------------------------------------------------------
@@ -87,7 +64,7 @@ class Rank:
 
     def _resume_point(self) -> tuple[int, Phase, dict | None]:
         fsio.refresh_dir(self.layout.control)
-        start = next_point(fsio.read_record(self.layout.progress))
+        start = next_point(schema.read(self.layout.progress, Progress))
         first = first_point(start, self.config.rl_phase, self.config.max_iterations)
         if first is None:
             return start[0], start[1], None
@@ -119,32 +96,65 @@ class Rank:
         _install_signal_handlers()
         state = HeartbeatState.FAILED
         try:
+            self._refuse_a_finished_run()
             while True:
                 try:
                     start = self.coordinator.join(self._resume_point, self._adopt_absent)
                     log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
                     self._walk(start.iteration, start.phase, start.plan)
                     break
-                except PeerFailed as e:
-                    if not self._may_wait_for_master(e):
-                        raise
-                    self._leave_for_new_master(e)
                 except Exception as e:  # noqa: BLE001 - whatever the work raised as it was cancelled
-                    if not isinstance(self.cancel.reason, MarkedOut) or isinstance(e, (Interrupted, StopRequested)):
+                    reason = e if isinstance(e, PeerFailed) else self.cancel.reason
+                    if isinstance(e, (Interrupted, StopRequested, RunFinished)):
                         raise
-                    self._leave_to_rejoin(self.cancel.reason)
+                    if isinstance(reason, PeerFailed) and self._abandoned(reason) and self.config.coordination.master_wait > 0:
+                        self._take_them_back(reason)
+                    elif isinstance(e, PeerFailed) and self._may_wait_for_master(e):
+                        self._leave_for_new_master(e)
+                    elif isinstance(reason, MarkedOut):
+                        self._leave_to_rejoin(reason)
+                    else:
+                        raise
             state = HeartbeatState.DONE
             log.info("run complete")
             return EXIT_OK
         except BaseException as e:  # noqa: BLE001 - every ending is classified, recorded and reported
             cause = self._root_cause(e)
-            state = {StopRequested: HeartbeatState.STOPPED, Interrupted: HeartbeatState.INTERRUPTED}.get(type(cause), HeartbeatState.FAILED)
+            state = {StopRequested: HeartbeatState.STOPPED, Interrupted: HeartbeatState.INTERRUPTED,
+                     RunFinished: HeartbeatState.DONE}.get(type(cause), HeartbeatState.FAILED)
             return self._report(cause, e)
         finally:
             _ignore_signals()
             self.cancel.cancel(OrchestratorError("rank is ending"))
             self._stop_children()
             self.coordinator.close(state)
+
+    def _refuse_a_finished_run(self) -> None:
+        """Master: a run with nothing left to walk ends at once; its workers do the same
+        rather than wait for it (protocol/join.py, ``Finished``)."""
+        if not self.config.is_master:
+            return
+        fsio.refresh_dir(self.layout.control)
+        progress = schema.read(self.layout.progress, Progress)
+        if finished(progress, self.config.rl_phase, self.config.max_iterations):
+            raise RunFinished(f"the run under {self.layout.root} is complete (iteration {progress.iteration}, phase "
+                              f"{progress.phase.label} released): nothing is left to do; raise --max-iterations to go on")
+
+    def _abandoned(self, e: PeerFailed) -> bool:
+        """The master's monitor found its workers gave up on it: it was frozen or paused past
+        the node timeout, and they judged it dead (protocol/monitor.py, ``abandoned_by``)."""
+        return self.config.is_master and e.culprit.rank == 0 and e.culprit.kind is FailureKind.DEAD
+
+    def _take_them_back(self, e: PeerFailed) -> None:
+        """Master, with coordination.master_wait_s > 0 (by default with elastic): the workers
+        that gave up on it wait for a new master, so it becomes that master. It ends its
+        attempt (children stopped, lease released) and starts a new one; the run resumes from
+        its last released barrier, as after a restart."""
+        log.warning("%s. Its workers wait up to %.0f s (coordination.master_wait_s) for a new master: this rank starts a new "
+                    "attempt for them to join; the run resumes from its last finished phase", e,
+                    self.config.coordination.master_wait)
+        self.coordinator.record_failure(FailureKind.PEER, str(e), culprit=e.culprit)
+        self.coordinator.start_afresh(self._start_over(e))
 
     def _may_wait_for_master(self, e: PeerFailed) -> bool:
         """A worker whose master died waits for a new one (coordination.master_wait_s > 0; by
@@ -196,10 +206,19 @@ class Rank:
         if isinstance(cause, StopRequested):
             log.warning("%s; re-run the same command to continue", cause)
             return EXIT_OK
+        if isinstance(cause, RunFinished):
+            log.warning("%s", cause)
+            return EXIT_OK
         if isinstance(cause, Interrupted):
             self.coordinator.record_failure(FailureKind.INTERRUPTED, cause.signal_name)
             log.error("interrupted by %s at %s; re-run the same command to resume", cause.signal_name, where)
             return EXIT_INTERRUPTED
+        if isinstance(cause, PeerFailed) and cause.culprit.rank == rank:
+            self.coordinator.record_failure(FailureKind.PEER, str(cause), culprit=cause.culprit)
+            log.error("%s. This rank (%d) was frozen or paused past coordination.node_timeout_s, and the others stopped without "
+                      "it: it stops too. Re-run the same commands on every node; the run resumes from its last finished phase "
+                      "(with coordination.master_wait_s > 0 the workers would have waited for it)", cause, rank)
+            return cause.exit_code
         if isinstance(cause, PeerFailed):
             self.coordinator.record_failure(FailureKind.PEER, str(cause), culprit=cause.culprit)
             log.error("%s. This rank (%d) stops too. Once that is fixed, re-run the same commands on every node; "

@@ -5,6 +5,7 @@ from orchestrator.protocol.join import (
     Abandoned,
     Admit,
     Enter,
+    Finished,
     MasterJoin,
     Rejoin,
     Started,
@@ -94,6 +95,18 @@ def test_worker_that_joined_sees_its_start_even_after_the_lease_moved_on():
     s = start()
     view = WorkerView(lease("a2", 2, released=True), joined_start=s)
     assert w.decide(view, Deadline.after(1, "x", FakeClock())) == Started(s)
+
+
+def test_worker_ends_when_no_master_holds_a_run_that_is_finished():
+    deadline = Deadline.after(30, "the master", FakeClock())
+    w = worker()
+    assert w.decide(WorkerView(None, finished=True), deadline) == Finished()
+    assert w.decide(WorkerView(lease(released=True), finished=True), deadline) == Finished()
+    assert w.decide(WorkerView(lease(), finished=True), deadline) == Enter(lease())  # a live master decides
+    w.joined = "a1"
+    s = start()
+    view = WorkerView(lease("a1", released=True), joined_start=s, finished=True)
+    assert w.decide(view, deadline) == Started(s)  # its own attempt started (and ended) between two polls
 
 
 def test_worker_follows_an_abort_of_its_own_attempt():

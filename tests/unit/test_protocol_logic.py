@@ -6,7 +6,8 @@ from orchestrator.phase_table import PHASE_TABLE, Barrier, Phase, RLPhase, eval_
 from orchestrator.protocol.clock import FakeClock
 from orchestrator.protocol.liveness import LivenessTracker
 from orchestrator.protocol.monitor import master_verdict, worker_verdict
-from orchestrator.runtime.runner import next_point, schedule
+from orchestrator.protocol.schedule import finished, next_point, schedule
+from orchestrator.protocol.schema import Progress
 
 
 def hb(counter, pid=1, state="working", **kw):
@@ -73,8 +74,8 @@ def test_worker_verdict_follows_the_masters_abort_or_its_silence():
 
 @pytest.mark.parametrize("progress,expected", [
     (None, (1, Phase.SYNC_START)),
-    ({"iteration": 3, "phase": 4}, (3, Phase.EVAL_DECIDE)),
-    ({"iteration": 3, "phase": 13}, (4, Phase.SYNC_START)),
+    (Progress(3, Phase.AGGREGATE, "a1"), (3, Phase.EVAL_DECIDE)),
+    (Progress(3, Phase.SYNC_END, "a1"), (4, Phase.SYNC_START)),
 ])
 def test_resume_starts_after_the_last_released_barrier(progress, expected):
     assert next_point(progress) == expected
@@ -88,6 +89,15 @@ def test_schedule_honours_rl_phase_and_max_iterations():
     update = list(schedule((1, Phase.SYNC_START), RLPhase.UPDATE, 1))
     assert update == [(1, p) for p in Phase if p >= Phase.ENGINE_STOP]
     assert list(schedule((4, Phase.SYNC_START), RLPhase.BOTH, 3)) == []
+
+
+def test_a_run_is_finished_when_no_phase_is_left_under_its_configuration():
+    assert not finished(None, RLPhase.BOTH, 3)
+    assert not finished(Progress(3, Phase.PUBLISH, "a1"), RLPhase.BOTH, 3)
+    assert finished(Progress(3, Phase.SYNC_END, "a1"), RLPhase.BOTH, 3)
+    assert not finished(Progress(3, Phase.SYNC_END, "a1"), RLPhase.BOTH, 4)  # the same run, taken further
+    assert not finished(Progress(3, Phase.SYNC_END, "a1"), RLPhase.BOTH, None)
+    assert finished(Progress(3, Phase.EVAL, "a1"), RLPhase.ROLLOUT, 3)  # rollout mode walks no update phase
 
 
 def test_eval_schedule_matches_the_spec():
@@ -162,3 +172,58 @@ def test_a_failure_from_a_reset_or_refused_connection_waits_for_a_dying_child_to
     assert _lost_connection(raised_from(ConnectionRefusedError(111, "Connection refused")))
     assert not _lost_connection(raised_from(urllib.error.URLError(TimeoutError("timed out"))))
     assert not _lost_connection(ValueError("a reward function's bug"))
+
+
+def test_a_master_whose_workers_gave_up_on_it_is_the_root_cause_it_never_waits_for_them():
+    t = LivenessTracker(timeout_s=5)
+    gave_up = {"kind": "peer", "error": "rank 0 died", "culprit": {"rank": 0, "host": "n0", "iteration": 2, "phase": "1:rollout",
+                                                                   "kind": "dead", "error": "no heartbeat for 6.2 s"}}
+    c = master_verdict({1: gave_up, 2: gave_up}, t, 0.0, {})
+    assert (c.rank, c.kind, c.iteration, c.phase, c.host) == (0, "dead", 2, "1:rollout", "n0")
+    assert "rank(s) 1,2 gave up on it" in c.error and "frozen or paused" in c.error
+    # a report of another rank's failure (the abort relayed) is still no root cause
+    other = {**gave_up, "culprit": {**gave_up["culprit"], "rank": 2, "kind": "error"}}
+    assert master_verdict({1: other}, t, 0.0, {}) is None
+    # a rank's own failure comes first
+    own = {"host": "n2", "iteration": 2, "phase": "1:rollout", "kind": "error", "error": "boom"}
+    assert master_verdict({1: gave_up, 2: own}, t, 0.0, {}).rank == 2
+
+
+def _verdict_latency(death: float, reads_from: float, interval: float = 5.0, timeout: float = 20.0) -> float:
+    """Simulated on the fake clock: a peer beats every interval and dies at ``death``; the
+    master reads heartbeats every half interval from ``reads_from`` and judges every poll; a
+    worker reads the abort one poll later. Returns how long after the death every rank knows."""
+    from orchestrator.protocol.monitor import poll_interval_s
+
+    poll_s = poll_interval_s(interval)
+    clock, t = FakeClock(start=0.0), LivenessTracker(timeout_s=timeout)
+    t.watch(1, 0.0)
+    next_read = reads_from
+    while not t.dead(clock.monotonic()):
+        now = clock.monotonic()
+        if now >= next_read:
+            t.observe(1, hb(int(min(now, death) // interval)), now)
+            next_read += interval / 2
+        clock.advance(poll_s)
+    return clock.monotonic() + poll_s - death
+
+
+@pytest.mark.parametrize("death", [20.01, 21.3, 22.49, 24.99])
+@pytest.mark.parametrize("reads_from", [0.0, 0.1, 1.2, 2.4])
+def test_a_rank_that_sees_a_death_first_waits_long_enough_for_the_verdict(death, reads_from):
+    from orchestrator.protocol.monitor import verdict_bound_s
+
+    assert 0 < _verdict_latency(death, reads_from) <= verdict_bound_s(20.0, 5.0)
+
+
+def test_the_node_timeout_alone_is_too_short_a_wait_for_the_verdict():
+    """A death just after a beat, read late: the verdict comes after the node timeout (why a
+    trainer that lost its peer named itself as the root cause)."""
+    assert _verdict_latency(20.01, 2.4) > 20.0
+
+
+def test_the_verdict_bound_is_the_node_timeout_plus_one_interval_and_two_polls():
+    from orchestrator.protocol.monitor import verdict_bound_s
+
+    assert verdict_bound_s(20, 5) == 20 + 5 + 0.5
+    assert verdict_bound_s(3, 0.2) == 3 + 0.2 + 0.2

@@ -31,6 +31,7 @@ from orchestrator.node.placement import TrainWorker
 from orchestrator.phase_table import Phase
 from orchestrator.node.procs import Children
 from orchestrator.protocol import child_error, fsio
+from orchestrator.protocol.monitor import verdict_bound_s
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl import rendezvous
@@ -172,8 +173,9 @@ class NodeTrainers:
         if t.proc.returncode != EXIT_BAD_INPUT and len(ctx.run.placement.train_workers) > len(procs) \
                 and _lost_a_peer(error):
             c = ctx.config.coordination
-            wait = c.node_timeout_s + (defaults.WORKER_GRACE_S if c.elastic else 0.0)
-            log.warning("%s; waiting up to %.0f s (coordination.node_timeout_s%s) for the node that failed first to be named",
+            wait = verdict_bound_s(c.node_timeout_s, c.heartbeat_interval_s) + (defaults.WORKER_GRACE_S if c.elastic else 0.0)
+            log.warning("%s; waiting up to %.0f s (the monitors' verdict on a dead node: coordination.node_timeout_s + "
+                        "heartbeat_interval_s + two polls%s) for the node that failed first to be named",
                         error, wait, f" + {defaults.WORKER_GRACE_S:g} s, elastic" if c.elastic else "")
             ctx.cancel.sleep(wait)  # raises the peer's failure (or, elastic, the retrain) when the monitor learns it
         raise error
