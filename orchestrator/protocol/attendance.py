@@ -49,7 +49,7 @@ from orchestrator.protocol.join import (
 )
 from orchestrator.protocol.layout import AttemptLayout, RunLayout
 from orchestrator.protocol.liveness import LivenessTracker
-from orchestrator.protocol.membership import Members
+from orchestrator.protocol.membership import Members, ranks_text
 from orchestrator.protocol.monitor import Monitor, poll_interval_s, publish_abort, worker_verdict
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
 
@@ -105,6 +105,13 @@ class Attendance:
     def attempt(self) -> AttemptLayout:
         assert self.attempt_id is not None
         return self.layout.attempt(self.attempt_id)
+
+    def finished(self) -> schema.Progress | None:
+        """The last released barrier when the run has no phase left under this configuration
+        (``--rl-phase``, ``--max-iterations``); None while it has."""
+        fsio.refresh_dir(self.layout.control)
+        progress = schema.read(self.layout.progress, schema.Progress)
+        return progress if schedule.finished(progress, self.config.rl_phase, self.config.max_iterations) else None
 
     def join(self, resume: Callable[[], tuple[int, Phase, dict | None]],
              prepare: Callable[[int, Phase, dict | None, Placement], None] = lambda *_: None) -> Entry:
@@ -168,7 +175,7 @@ class Attendance:
         iteration, phase, plan = resume()
         join = MasterJoin(self.attempt_id, self.config.num_nodes, Deadline.after(self.c.join_timeout_s, "ranks to join"))
         if join.missing:
-            log.info("waiting for ranks %s to join (up to %.0f s)", _ranks(join.missing), self.c.join_timeout_s)
+            log.info("waiting for ranks %s to join (up to %.0f s)", ranks_text(join.missing), self.c.join_timeout_s)
 
         def step():
             fsio.refresh_dir(self.attempt.joins)
@@ -216,7 +223,7 @@ class Attendance:
         culprit = Culprit(
             first, self.hosts.get(first, "unknown (never joined this attempt)"), None, None, FailureKind.JOIN,
             f"rank {first} did not join attempt {self.attempt_id} within coordination.join_timeout_s={self.c.join_timeout_s:g} s; "
-            f"missing ranks: {_ranks(missing)}. Start them with the same command (--worker R), then re-run")
+            f"missing ranks: {ranks_text(missing)}. Start them with the same command (--worker R), then re-run")
         publish_abort(self.attempt, culprit)
         return PeerFailed(culprit)
 
@@ -319,10 +326,7 @@ class Attendance:
             joined_start = fsio.read_record(self.attempt.start)
         lease = lease_mod.read_lease(self.layout)
         if lease is None or lease.released:
-            fsio.refresh_dir(self.layout.control)
-            finished = schedule.finished(schema.read(self.layout.progress, schema.Progress), self.config.rl_phase,
-                                         self.config.max_iterations)
-            return WorkerView(lease, joined_start=joined_start, joined_abort=joined_abort, finished=finished)
+            return WorkerView(lease, joined_start=joined_start, joined_abort=joined_abort, finished=self.finished() is not None)
         if lease.attempt == self.attempt_id:
             return WorkerView(lease, joined_start, joined_abort, joined_start, joined_abort)
         attempt = self.layout.attempt(lease.attempt)
@@ -339,7 +343,3 @@ class Attendance:
             return
         if identity.same_host_process_alive(other):
             raise BadInput(f"rank {self.rank} is already running on host {other['host']} (pid {other['pid']}); each rank runs once")
-
-
-def _ranks(ranks) -> str:
-    return ",".join(str(r) for r in sorted(ranks))

@@ -42,6 +42,7 @@ from orchestrator.protocol import lease as lease_mod
 from orchestrator.protocol.api import Event, HeartbeatState
 from orchestrator.protocol.attendance import Attendance, Entry
 from orchestrator.protocol.monitor import publish_abort
+from orchestrator.protocol.membership import ranks_text
 from orchestrator.protocol.schema import Arrival, Members, Point, Progress, Release
 from orchestrator.protocol.waiting import CancelToken, Deadline, poll
 
@@ -144,7 +145,7 @@ class Coordinator(Attendance):
         rule = barrier.MasterBarrier(self.attempt_id, point, self.config.num_nodes, deadline)
 
         def late(missing) -> DeadlineExceeded:
-            return self._deadline(point, f"barrier {point.phase.label} still waits for ranks {_ranks(missing)} after "
+            return self._deadline(point, f"barrier {point.phase.label} still waits for ranks {ranks_text(missing)} after "
                                          f"deadlines.{point.phase.name.lower()}", min(missing))
 
         def probe():
@@ -250,7 +251,7 @@ class Coordinator(Attendance):
                              f"{iteration}, phase {_label(phase)}, and the run went on without it: stopping its work; it rejoins at "
                              f"the next iteration's start")
         if isinstance(news, membership.TrainAgain):
-            return Retrain(f"rank(s) {_ranks(news.lost)} were lost while iteration {iteration} trained: training it again "
+            return Retrain(f"rank(s) {ranks_text(news.lost)} were lost while iteration {iteration} trained: training it again "
                            f"(round {news.round}) from the same checkpoint without them")
         return None
 
@@ -334,7 +335,3 @@ def _label(phase: Phase | None) -> str | None:
 
 def _number(phase: Phase | None) -> int | None:
     return int(phase) if phase is not None else None
-
-
-def _ranks(ranks) -> str:
-    return ",".join(str(r) for r in sorted(ranks))

@@ -30,7 +30,7 @@ from orchestrator.protocol.join import config_mismatch
 from orchestrator.protocol.schema import Members
 
 __all__ = ["Members", "MarkOut", "EndAttempt", "TrainRound", "Dropped", "TrainAgain", "Admission",
-           "on_silent", "train_round", "worker_news", "admissions", "ranks_in"]
+           "on_silent", "train_round", "worker_news", "admissions", "ranks_in", "ranks_text"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +134,11 @@ def admissions(members: Members, joins: dict[int, dict | None], *, attempt: str,
     return Admission(admit, refuse)
 
 
+def ranks_text(ranks) -> str:
+    """Ranks as log lines name them: ``1,2``."""
+    return ",".join(str(r) for r in sorted(ranks))
+
+
 def ranks_in(num_nodes: int, out) -> str:
     """The ranks in the run without ``out``, as log lines name them."""
-    return ",".join(str(r) for r in range(num_nodes) if r not in out)
+    return ranks_text(r for r in range(num_nodes) if r not in out)

@@ -23,6 +23,7 @@ from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import AttemptLayout
 from orchestrator.protocol.liveness import LivenessTracker
+from orchestrator.protocol.membership import ranks_text
 from orchestrator.protocol.schema import Members
 from orchestrator.protocol.waiting import CancelToken, Deadline
 
@@ -83,7 +84,7 @@ def master_verdict(
         seen = failures[left[0]]["culprit"]
         return Culprit(0, seen.get("host") or hosts.get(0, "?"), seen.get("iteration"), seen.get("phase"), FailureKind.DEAD,
                        f"its heartbeat stood still past the node timeout (the master was frozen or paused) and rank(s) "
-                       f"{','.join(map(str, left))} gave up on it")
+                       f"{ranks_text(left)} gave up on it")
     dead = tracker.dead(now)
     if dead:
         return culprit_dead(dead[0], tracker, now, hosts)

@@ -40,7 +40,7 @@ from orchestrator.protocol import fsio, schema
 from orchestrator.protocol.api import HeartbeatState
 from orchestrator.protocol.coordinator import Coordinator
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.protocol.schedule import finished, first_point, next_point, schedule
+from orchestrator.protocol.schedule import first_point, next_point, schedule
 from orchestrator.protocol.schema import Progress
 from orchestrator.protocol.waiting import CancelToken, Deadline
 from orchestrator.runtime import phases
@@ -132,11 +132,8 @@ class Rank:
     def _refuse_a_finished_run(self) -> None:
         """Master: a run with nothing left to walk ends at once; its workers do the same
         rather than wait for it (protocol/join.py, ``Finished``)."""
-        if not self.config.is_master:
-            return
-        fsio.refresh_dir(self.layout.control)
-        progress = schema.read(self.layout.progress, Progress)
-        if finished(progress, self.config.rl_phase, self.config.max_iterations):
+        progress = self.coordinator.finished() if self.config.is_master else None
+        if progress is not None:
             raise RunFinished(f"the run under {self.layout.root} is complete (iteration {progress.iteration}, phase "
                               f"{progress.phase.label} released): nothing is left to do; raise --max-iterations to go on")
 
