@@ -1,6 +1,6 @@
 """Typed run configuration: nested dataclasses, validated on construction.
 
-Flags of ``orchestrator run`` (SPEC section 2) fill the top level; every nested field is a
+Flags of ``orchestrator run`` fill the top level; every nested field is a
 dotted key a user can override on the command line (``coordination.node_timeout_s=30``).
 A field's bounds are msgspec constraints on its type (``Annotated[int, msgspec.Meta(ge=1)]``),
 so the trainer, which decodes with the same types, and the run refuse the same values; one
@@ -27,6 +27,7 @@ from typing import Annotated
 import msgspec
 
 from orchestrator import defaults
+from orchestrator.node import base_model
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import PHASE_TABLE, Phase, RLPhase
 
@@ -156,7 +157,9 @@ class CoordinationConfig:
 
 
 def _deadline_fields() -> list[tuple[str, object, dataclasses.Field]]:
-    return [(p.name.lower(), Seconds, field(default=PHASE_TABLE[p].deadline_s)) for p in Phase]
+    return [(p.name.lower(), Seconds, field(default=PHASE_TABLE[p].deadline_s,
+                                            metadata={"help": f"Seconds phase {p.label} may take: its work and its barrier."}))
+            for p in Phase]
 
 
 DeadlineConfig = dataclasses.make_dataclass(
@@ -409,6 +412,16 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The base model the run starts from (docs/data.md, "Where the model comes from")."""
+
+    path: str = ""
+    """A Hugging Face model directory (a relative path is under --data-path), or a hub id such as
+    Qwen/Qwen2.5-0.5B-Instruct found in the local Hugging Face cache (never downloaded); empty:
+    <data-path>/model."""
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     data_path: Path
     log_path: Path
@@ -428,6 +441,7 @@ class RunConfig:
     coordination: CoordinationConfig = field(default_factory=CoordinationConfig)
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)  # type: ignore[valid-type]
     rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainPlacementConfig = field(default_factory=TrainPlacementConfig)
@@ -473,8 +487,9 @@ class RunConfig:
 
     @property
     def model_path(self) -> Path:
-        """The base model: a Hugging Face directory under --data-path."""
-        return Path(self.data_path) / "model"
+        """The base model's directory on this node: ``model.path`` resolved, checked by the
+        preflight. Raises ConfigError for a hub id the local Hugging Face cache lacks."""
+        return base_model.resolve(self.model.path, Path(self.data_path))
 
     def task_file(self, split: str) -> Path:
         """The task file of ``split`` ("train" or "eval"): ``data.train_file`` or ``data.test_file``."""
@@ -498,6 +513,8 @@ class RunConfig:
             "workload": self.workload.value,
             "seed": self.seed,
             "rehearsal": dataclasses.asdict(self.rehearsal) if self.workload is Workload.REHEARSAL else None,
+            # The files, not only the key: ranks whose model.path resolves to other files are refused at join.
+            "model": base_model.identity(self.model_path) if self.workload is Workload.RL else None,
             "rl": dataclasses.asdict(self.rl) if self.workload is Workload.RL else None,
             "data": dataclasses.asdict(self.data) if self.workload is Workload.RL else None,
             "train": dataclasses.asdict(self.train),
@@ -540,19 +557,89 @@ def valid_override_keys() -> list[str]:
     return list(_override_types())
 
 
+def override_fields() -> dict[str, tuple[type, dataclasses.Field, object]]:
+    """Each key of ``valid_override_keys()``, in its order, with the dataclass that declares
+    it, its field and its type with the constraints (for ``describe_type``): what
+    ``orchestrator config`` describes."""
+    def of(cls: type, names) -> list[tuple[str, tuple[type, dataclasses.Field, object]]]:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        return [(f.name, (cls, f, hints[f.name])) for f in dataclasses.fields(cls) if f.name in names]
+
+    fields = dict(of(RunConfig, _TOP_LEVEL_OVERRIDABLE))
+    for section, cls in _section_classes().items():
+        fields.update((f"{section}.{name}", entry) for name, entry in of(cls, {f.name for f in dataclasses.fields(cls)}))
+    return fields
+
+
+def describe_type(hint) -> str:
+    """A field's type with the constraints the validator checks, as a reader wants them:
+    ``int >= 1``, ``float in (0, 1]``, ``ddp|fsdp``, ``str, non-empty``, ``list[str]``."""
+    meta = _meta(hint)
+    name = _type_name(hint)
+    if meta is None:
+        return name
+    # _one_of's pattern, \A(?:a|b)\Z: its values read better than "str".
+    choices = re.fullmatch(r"\\A\(\?:(.*)\)\\Z", meta.pattern or "")
+    if choices:
+        return "|".join(re.sub(r"\\(.)", r"\1", v) for v in choices.group(1).split("|"))
+    bounds = _bounds(meta)
+    return f"{name} {bounds}" if bounds else f"{name}, non-empty" if meta.min_length == 1 else name
+
+
+def _type_name(hint) -> str:
+    """``float`` for ``Annotated[float, ...] | None``; ``list[str]`` for a list of them."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return _type_name(next(a for a in typing.get_args(hint) if a is not type(None)))
+    if typing.get_origin(hint) is Annotated:
+        return _type_name(typing.get_args(hint)[0])
+    if typing.get_origin(hint) is list:
+        return f"list[{_type_name(typing.get_args(hint)[0])}]"
+    return getattr(hint, "__name__", str(hint))
+
+
+def closest_keys(key: str, n: int = 3) -> list[str]:
+    """Up to ``n`` valid keys a misspelt ``key`` may have meant: the closest whole keys, then
+    the keys whose name (after the section) is close to its name (``lr``: ``rl.lr``)."""
+    import difflib
+
+    keys = valid_override_keys()
+    close = difflib.get_close_matches(key, keys, n=n, cutoff=0.6)
+    by_name: dict[str, list[str]] = {}
+    for k in keys:
+        by_name.setdefault(k.rpartition(".")[2], []).append(k)
+    for name in difflib.get_close_matches(key.rpartition(".")[2], list(by_name), n=n, cutoff=0.75):
+        close += [k for k in by_name[name] if k not in close]
+    return close[:n]
+
+
+def unknown_key_hint(key: str) -> str:
+    """What to say after "unknown config key": the closest keys, else where to find them."""
+    close = closest_keys(key)
+    if close:
+        head, last = close[:-1], close[-1]
+        return f"did you mean {', '.join(head) + ' or ' if head else ''}{last}? (`orchestrator config` lists every key)"
+    section = key.partition(".")[0] if "." in key else None
+    if section in _section_classes():
+        return f"{section} has no such key: `orchestrator config {section}` lists its keys"
+    return (f"keys are SECTION.NAME (or {', '.join(_TOP_LEVEL_OVERRIDABLE)}) with sections {', '.join(_section_classes())}; "
+            f"`orchestrator config` lists every key")
+
+
 def parse_overrides(items: typing.Iterable[str]) -> dict[str, dict[str, object] | object]:
     """Turn ``["coordination.node_timeout_s=30", ...]`` into typed values per section."""
     types_ = _override_types()
-    valid = ", ".join(types_)
     sections: dict[str, dict[str, object]] = {section: {} for section in _section_classes()}
     top: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ConfigError(f"override {item!r} is not key=value; valid keys: {valid}")
+            if item.strip() in types_:
+                raise ConfigError(f"override {item!r} is not key=value: give {item.strip()}=VALUE "
+                                  f"(`orchestrator config {item.strip()}` shows its type and default)")
+            raise ConfigError(f"override {item!r} is not key=value, e.g. rl.lr=1e-5 (`orchestrator config` lists every key)")
         key = key.strip()
         if key not in types_:
-            raise ConfigError(f"unknown config key {key!r}; valid keys: {valid}")
+            raise ConfigError(f"unknown config key {key!r}: {unknown_key_hint(key)}")
         section, _, name = key.rpartition(".")
         (sections[section] if section else top)[name] = _coerce(key, raw, types_[key])
     return {"sections": sections, "top": top}

@@ -1,9 +1,9 @@
 """A run's config against this node: what ``config.py`` cannot check from the values alone.
 
 ``RunConfig`` validates values (ranges, combinations, mapping syntax): the same on every
-node. These checks look at the node itself (the files under ``--data-path``, every row of
-the task files and the length of every prompt, whether the reward module and vLLM import
-here), so a config that passes on one node can fail here on another. Both run before
+node. These checks look at the node itself (the base model ``model.path`` names, the task
+files, every row of them and the length of every prompt, whether the reward module and vLLM
+import here), so a config that passes on one node can fail here on another. Both run before
 anything is written; a failure is a ConfigError (exit 2).
 """
 
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig, Workload
 from orchestrator.data import prompts, shards, tasks
 from orchestrator.errors import ConfigError
+from orchestrator.node import base_model
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
@@ -30,7 +32,17 @@ _TASK_KEYS = {"seed": ("seed",), "workload": ("workload",), "rehearsal.tasks": (
 
 
 def check(config: RunConfig) -> None:
-    """Raise ConfigError naming what this node lacks for ``config``."""
+    """Raise ConfigError naming what this node lacks for ``config``; an OSError on one of the
+    user's paths (a file it cannot read, a directory it cannot list) is one too."""
+    try:
+        _check(config)
+    except OSError as e:
+        raise ConfigError(f"{os_error_line(e)}: this node must read what --data-path and the config name and write --log-path; "
+                          f"fix the path or its permissions") from None
+
+
+def _check(config: RunConfig) -> None:
+    check_log_path(config.log_path)
     check_resume(config)
     try:
         rewards.load(config.rl.reward)
@@ -43,17 +55,21 @@ def check(config: RunConfig) -> None:
             "rollout.engine=vllm but vLLM is not installed in this Python: pip install 'orchestrator[vllm]' "
             "on a GPU node, or run scripts/setup-vllm.sh for vLLM on CPU"
         )
-    needed = (config.model_path / "config.json", config.task_file("train"), config.task_file("eval"))
-    missing = [p for p in needed if not p.is_file()]
+    model = config.model_path  # a hub id the local Hugging Face cache lacks: ConfigError
+    missing = [p for p in (config.task_file("train"), config.task_file("eval")) if not p.is_file()]
+    if not config.model.path and not (model / "config.json").is_file():
+        missing.insert(0, model / "config.json")  # no demo data: the message below says how to make it
+    else:
+        base_model.check(model, config.model.path)
     if missing:
         raise ConfigError(
             f"--data-path {config.data_path} lacks {', '.join(map(str, missing))}: make the demo data with "
             f"`orchestrator demo-data --data-path {config.data_path}`, or add --rehearsal for simulated work"
         )
     task_lists = [tasks.read(tasks.for_split(config, split)) for split in ("train", "eval")]
-    if tasks.needs_chat_template(task_lists, config.data.system_prompt) and not has_chat_template(config.model_path):
+    if tasks.needs_chat_template(task_lists, config.data.system_prompt) and not has_chat_template(model):
         why = "data.system_prompt is set" if config.data.system_prompt else "the prompts are chat messages"
-        raise ConfigError(f"{why}, but the model {config.model_path} has no chat template "
+        raise ConfigError(f"{why}, but the model {model} has no chat template "
                           f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
     for split in ("train", "eval"):
         prompts.measure(config, split)  # every prompt rendered and counted against rl.max_prompt_tokens
@@ -98,3 +114,46 @@ def has_chat_template(model: Path) -> bool:
         return bool(json.loads((model / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def check_log_path(log_path: Path) -> None:
+    """Raise ConfigError unless this node can create and write ``log_path``: it is a
+    directory, or the nearest part of it that exists is a directory this process may write
+    on a filesystem mounted read-write. Nothing is created (:func:`create_log_path` does)."""
+    if log_path.exists():
+        if not log_path.is_dir():
+            raise ConfigError(f"--log-path {log_path} is a file, not a directory: give a directory (it is created when missing)")
+        where = log_path
+    else:
+        where = next(p for p in log_path.parents if p.exists())
+        if not where.is_dir():
+            raise ConfigError(f"--log-path {log_path} cannot be created: {where} is a file, not a directory")
+    why = _unwritable(where)
+    if why:
+        raise ConfigError(f"--log-path {log_path}: {where} {why}: give a directory this node can write, the same shared path on "
+                          f"every node")
+
+
+def create_log_path(log_path: Path) -> None:
+    """Create ``log_path`` (the run's first write), as a ConfigError when the filesystem
+    refuses it: a path check cannot foresee every refusal (``/proc``, a quota, a FUSE mount)."""
+    try:
+        log_path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--log-path {log_path} cannot be created here ({e.strerror}): give a directory this node can "
+                          f"create and write, the same shared path on every node") from None
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why this process cannot create files in ``directory``, or None."""
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:
+        return "is on a filesystem mounted read-only"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable by this user"
+    return None
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError on a user's path: ``PATH: Permission denied``."""
+    what = e.strerror or type(e).__name__
+    return f"{e.filename}: {what}" if e.filename else what

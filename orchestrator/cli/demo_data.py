@@ -17,17 +17,23 @@ def _band(band: tuple[float, float]) -> str:
     return ",".join(map(str, band))
 
 
+def _default(plain: str, chat: str) -> str:
+    """The default as click writes one, and the chat demo's where it differs."""
+    return f"  [default: {plain}]" if plain == chat else f"  [default: {plain}; with --chat, {chat}]"
+
+
 @click.command("demo-data")
 @click.option("--data-path", required=True, type=click.Path(path_type=Path), help="Absolute directory to write the demo into.")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True,
               help="Seeds the tasks, the model and its warm start. `run` has its own seed (the `seed=N` override).")
 @click.option("--accuracy-band", default=None, metavar="LOW,HIGH",
-              help="The warm start stops once greedy accuracy on a validation split of train is in this band. "
-                   f"[default: {_band(DEFAULT_ACCURACY_BAND)}; with --chat, {_band(CHAT_ACCURACY_BAND)}]")
-@click.option("--max-warm-steps", type=int, default=None,
-              help="Give up (exit 1) if the band is not reached within this many warm-start steps. "
-                   f"[default: {DEFAULT_MAX_WARM_STEPS}; with --chat, {CHAT_MAX_WARM_STEPS}]")
-@click.option("--warm-steps", type=int, default=None, help="Exactly this many warm-start steps instead of stopping in the band.")
+              help="The warm start stops once greedy accuracy on a validation split of train is in this band."
+                   + _default(_band(DEFAULT_ACCURACY_BAND), _band(CHAT_ACCURACY_BAND)))
+@click.option("--max-warm-steps", type=int, default=None, metavar="N",
+              help="Give up (exit 1) if the band is not reached within N warm-start steps."
+                   + _default(str(DEFAULT_MAX_WARM_STEPS), str(CHAT_MAX_WARM_STEPS)))
+@click.option("--warm-steps", type=int, default=None, metavar="N",
+              help="Exactly N warm-start steps instead of stopping in the band.")
 @click.option("--chat", is_flag=True, default=False,
               help="The chat demo: the same tasks as chat messages answered in \\boxed{}, a tiny Qwen2-style model with a "
                    "BPE tokenizer and a chat template. Run it with rl.reward=orchestrator.rewards:math.")

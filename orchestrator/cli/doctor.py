@@ -14,7 +14,8 @@ from pathlib import Path
 import click
 
 from orchestrator import defaults, terminal
-from orchestrator.cli.rank import resolve_rank
+from orchestrator.cli.rank import resolve_num_nodes, resolve_rank
+from orchestrator.cli.run_options import NUM_NODES_HELP, RANK_OPTIONS, apply
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, BadInput, ConfigError
 from orchestrator.node import identity
 from orchestrator.node.checks import GIB, Thresholds
@@ -24,18 +25,18 @@ from orchestrator.ops.doctor.session import run as run_session
 
 @click.command()
 @click.option("--log-path", required=True, type=click.Path(path_type=Path),
-              help="Absolute shared path, the same on every node (the run's --log-path); doctor writes under <log-path>/doctor/.")
-@click.option("--num-nodes", type=int, default=1, show_default=True, help="Number of nodes (ranks).")
-@click.option("--master", is_flag=True, help="This node is rank 0.")
-@click.option("--worker", type=int, default=None, metavar="R", help="This node is worker rank R (else env RANK, then NODE_RANK).")
-@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True,
+              help="Absolute shared path, the same on every node (the run's --log-path); doctor writes in its doctor/ directory.")
+@click.option("--num-nodes", type=int, default=None, metavar="N", help=NUM_NODES_HELP)
+@apply(RANK_OPTIONS)
+@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True, metavar="SECONDS",
               help="Seconds to wait for the other ranks (and for each measurement).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: problems, ranks, filesystem.")
-@click.option("--node-timeout", "node_timeout_s", type=float, default=defaults.NODE_TIMEOUT_S, show_default=True,
+@click.option("--node-timeout", "node_timeout_s", type=float, default=defaults.NODE_TIMEOUT_S, show_default=True, metavar="SECONDS",
               help="The run's coordination.node_timeout_s: filesystem latency near a quarter of it is a problem.")
-@click.option("--min-free-gib", type=float, default=10.0, show_default=True, help="Free space the log path needs.")
-@click.option("--max-clock-skew", "max_skew_s", type=float, default=2.0, show_default=True, help="Clock skew (s) reported as a problem.")
-def doctor(log_path: Path, num_nodes: int, master: bool, worker: int | None, timeout_s: float, as_json: bool,
+@click.option("--min-free-gib", type=float, default=10.0, show_default=True, metavar="GIB", help="Free space the log path needs.")
+@click.option("--max-clock-skew", "max_skew_s", type=float, default=2.0, show_default=True, metavar="SECONDS",
+              help="Clock skew between nodes reported as a problem.")
+def doctor(log_path: Path, num_nodes: int | None, master: bool, worker: int | None, timeout_s: float, as_json: bool,
            node_timeout_s: float, min_free_gib: float, max_skew_s: float) -> None:
     """Compare every node's facts (versions, NCCL/Gloo environment, interfaces and MTUs, GPUs,
     fabric manager, free space) and measure the shared filesystem between nodes.
@@ -47,6 +48,7 @@ def doctor(log_path: Path, num_nodes: int, master: bool, worker: int | None, tim
     try:
         if not log_path.is_absolute():
             raise ConfigError(f"--log-path must be absolute (the same shared path on every node), got {log_path}")
+        num_nodes = resolve_num_nodes(num_nodes)
         if num_nodes < 1:
             raise ConfigError(f"--num-nodes must be at least 1, got {num_nodes}")
         if timeout_s <= 0 or node_timeout_s <= 0:

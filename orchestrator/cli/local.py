@@ -14,7 +14,7 @@ import threading
 
 import click
 
-from orchestrator import terminal
+from orchestrator import preflight, terminal
 from orchestrator.cli.rank import resolve_num_nodes
 from orchestrator.cli.run_options import RUN_OPTIONS, ConfigError, apply, build_config
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_FAILED
@@ -62,7 +62,7 @@ def rank_argv(argv: list[str], rank: int) -> list[str]:
 @click.pass_context
 def local(click_ctx: click.Context, **params) -> None:
     """Start --num-nodes ranks of one run on this machine. With no --rank-weights, auto: each
-    node by its engines' GPUs (on CPU, the same)."""
+    node by its engines' GPUs (on CPU, the same). KEY=VALUE arguments as for `run`."""
     try:
         n = params["num_nodes"] = resolve_num_nodes(params["num_nodes"])
     except ConfigError as e:
@@ -71,7 +71,8 @@ def local(click_ctx: click.Context, **params) -> None:
         params["rank_weights"] = "auto"
     try:
         for rank in range(n):
-            build_config(params, rank=rank)
+            config = build_config(params, rank=rank)
+        preflight.create_log_path(config.log_path)
     except ConfigError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     argv = _run_argv(params, click_ctx.command.params)

@@ -13,6 +13,7 @@ import click
 
 from orchestrator import records, terminal
 from orchestrator.cli.rank import parse_weights
+from orchestrator.cli.run_options import WEIGHTS_METAVAR
 from orchestrator.config import build_sections, parse_overrides
 from orchestrator.errors import EXIT_BAD_INPUT, ConfigError
 from orchestrator.node import gpus, placement
@@ -21,18 +22,20 @@ from orchestrator.protocol.layout import RunLayout
 
 
 @click.command()
-@click.option("--num-nodes", type=int, default=None, help="Nodes in the cluster (default 1, or the run's with --log-path).")
+@click.option("--num-nodes", type=int, default=None, metavar="N",
+              help="Nodes in the cluster.  [default: the run's with --log-path, else 1]")
 @click.option("--gpus-per-node", default=None, metavar="N|N0,N1,...",
-              help="GPUs on each node, or one count per node (8,4,4); default: what this node detects.")
-@click.option("--rank-weights", default="auto", show_default=True, help="Rollout weight per node, as for `run`, or auto.")
+              help="GPUs on each node, or one count per node (8,4,4).  [default: what this node detects]")
+@click.option("--rank-weights", default="auto", show_default=True, metavar=WEIGHTS_METAVAR,
+              help="Rollout weight per node, as for `run`, or auto.")
 @click.option("--log-path", type=click.Path(path_type=Path), default=None, help="Use the GPU counts the nodes of this run reported.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema: docs/placement.md).")
 @click.argument("overrides", nargs=-1)
 def plan(num_nodes: int | None, gpus_per_node: str | None, rank_weights: str, log_path: Path | None, as_json: bool,
          overrides: tuple[str, ...]) -> None:
     """Show where train workers and engines go, and each node's share of the rollout.
-    KEY=VALUE arguments as for `run`, e.g. train.device_mapping=0-7
-    rollout.device_mapping=0-7 rollout.gpus_per_engine=2."""
+    KEY=VALUE arguments as for `run` (`orchestrator config` lists them), e.g.
+    train.device_mapping=0-7 rollout.device_mapping=0-7 rollout.gpus_per_engine=2."""
     try:
         sections = build_sections(parse_overrides(overrides))
         train = sections.get("train")

@@ -16,7 +16,7 @@ from orchestrator.ops import report as report_mod
 @click.command()
 @click.option("--log-path", required=True, type=click.Path(path_type=Path), help="The run's --log-path.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Directory for the charts, report.json and index.html (default: <log-path>/report).")
+              help="Directory for the charts, report.json and index.html.  [default: LOG_PATH/report]")
 def report(log_path: Path, out: Path | None) -> None:
     """Write charts and an HTML page of a run (finished or in progress); it only reads the run."""
     if not log_path.is_absolute():

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from orchestrator import terminal
+from orchestrator import preflight, terminal
 from orchestrator.cli.run_options import RANK_OPTIONS, RUN_OPTIONS, ConfigError, apply, build_config
 from orchestrator.errors import EXIT_BAD_INPUT
 from orchestrator.node import identity
@@ -16,9 +16,11 @@ from orchestrator.protocol import faults
 @click.command(context_settings={"ignore_unknown_options": False})
 @apply(RUN_OPTIONS + RANK_OPTIONS)
 def run(**params) -> None:
-    """Run one rank. Extra KEY=VALUE arguments override dotted config keys."""
+    """Run one rank. Extra KEY=VALUE arguments override dotted config keys (`orchestrator
+    config` lists them)."""
     try:
         config = build_config(params)
+        preflight.create_log_path(config.log_path)
     except ConfigError as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     try:

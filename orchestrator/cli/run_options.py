@@ -1,4 +1,4 @@
-"""The flags of `orchestrator run` (SPEC section 2), shared with `orchestrator local`."""
+"""The flags of `orchestrator run`, shared with `orchestrator local`."""
 
 from __future__ import annotations
 
@@ -12,18 +12,27 @@ from orchestrator.config import ENGINES, RolloutSplit, RunConfig, Workload, buil
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import RLPhase
 
+# Help texts other commands share: a computed default is written as click writes a fixed one.
+NUM_NODES_HELP = "Number of nodes (ranks).  [default: SLURM_NTASKS under Slurm, else 1]"
+WEIGHTS_METAVAR = "W,W,...|auto"
+
 RUN_OPTIONS = [
-    click.option("--data-path", required=True, help="Absolute path of read-only inputs (task files, base model)."),
-    click.option("--log-path", required=True, help="Absolute shared path the run writes to; the same on every node."),
+    click.option("--data-path", required=True, type=click.Path(path_type=Path),
+                 help="Absolute path of read-only inputs (task files, base model)."),
+    click.option("--log-path", required=True, type=click.Path(path_type=Path),
+                 help="Absolute shared path the run writes to; the same on every node."),
     click.option("--rl-phase", required=True, type=click.Choice([p.value for p in RLPhase]), help="rollout: phases 0-6; update: 7-13; both: 0-13."),
-    click.option("--eval-interval", type=int, default=None, help="Evaluate on iterations 1, 1+N, ... (required with both)."),
+    click.option("--eval-interval", type=int, default=None, metavar="N",
+                 help="Evaluate on iterations 1, 1+N, 1+2N, ... (required with --rl-phase both)."),
     click.option("--rollout-split", type=click.Choice([s.value for s in RolloutSplit]), default=None, help="Required with --rl-phase rollout."),
-    click.option("--num-nodes", type=int, default=None, help="Number of nodes (ranks). Default: SLURM_NTASKS under Slurm, else 1."),
-    click.option("--rank-weights", default=None, help='One positive weight per node, e.g. "2,1,1"; tasks split by largest remainder.'),
-    click.option("--max-iterations", type=int, default=None, help="Stop after this iteration (default: unbounded)."),
+    click.option("--num-nodes", type=int, default=None, metavar="N", help=NUM_NODES_HELP),
+    click.option("--rank-weights", default=None, metavar=WEIGHTS_METAVAR,
+                 help='One weight per node, e.g. "2,1,1" (tasks split by largest remainder; 0 for a node without '
+                      "engines), or auto: by the GPUs of each node's engines."),
+    click.option("--max-iterations", type=int, default=None, metavar="N", help="Stop after iteration N.  [default: unbounded]"),
     click.option("--rehearsal", is_flag=True, help="Walk the full protocol with simulated work: no GPU or model needed."),
     click.option("--engine", type=click.Choice(ENGINES), default=None,
-                 help="Inference engine (default embedded; same as rollout.engine=...). vllm needs the vllm extra."),
+                 help="Inference engine, the same as rollout.engine=...; vllm needs the vllm extra.  [default: embedded]"),
     click.option("--debug-mode", is_flag=True, help="Do not start or stop the inference engine; use one already running."),
     click.option("--resume", is_flag=True, help="Accepted for compatibility: resuming is automatic."),
     click.argument("overrides", nargs=-1),

@@ -60,17 +60,18 @@ def limit(config: RunConfig) -> int | None:
     """``rl.max_prompt_tokens``, or by default what the context leaves beside ``rl.max_tokens``.
 
     Raises ConfigError when the two together pass the model's context length."""
-    rl, context = config.rl, context_length(config.model_path)
+    rl, model = config.rl, config.model_path
+    context = context_length(model)
     if rl.max_prompt_tokens == 0:
         if context is None:
             return None
         if context <= rl.max_tokens:
             raise ConfigError(f"rl.max_tokens={rl.max_tokens} leaves no room for a prompt in the model's context "
-                              f"length of {context} tokens ({config.model_path / 'config.json'})")
+                              f"length of {context} tokens ({model / 'config.json'})")
         return context - rl.max_tokens
     if context is not None and rl.max_prompt_tokens + rl.max_tokens > context:
         raise ConfigError(f"rl.max_prompt_tokens={rl.max_prompt_tokens} plus rl.max_tokens={rl.max_tokens} is more than "
-                          f"the model's context length of {context} tokens ({config.model_path / 'config.json'}): lower one")
+                          f"the model's context length of {context} tokens ({model / 'config.json'}): lower one")
     return rl.max_prompt_tokens
 
 

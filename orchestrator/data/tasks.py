@@ -5,8 +5,10 @@ number, 1 for the first row, when the file has no such column), ``prompt`` (the
 ``data.prompt_key`` column: a string, sent as is, or a list of chat messages
 ``[{"role": ..., "content": ...}]``), ``answer`` (the ``data.answer_key`` column; a number
 becomes its string) and every other column of the row under its own name, for the reward
-function. A bad row is a :class:`ConfigError` naming the file, the row and the key (exit 2,
-raised by the preflight before anything is written).
+function. A dotted key reaches into a column that holds an object (a Parquet struct, a JSON
+object, or a string of JSON holding one): ``reward_model.ground_truth`` in verl's files. A
+column literally named with the dots wins. A bad row is a :class:`ConfigError` naming the
+file, the row and the key (exit 2, raised by the preflight before anything is written).
 """
 
 from __future__ import annotations
@@ -99,19 +101,59 @@ def _parquet_rows(path: Path) -> list[dict]:
         raise ConfigError(f"{path}: not a readable Parquet file: {type(e).__name__}: {e}") from None
 
 
+class _NotFound(Exception):
+    """A key names nothing in a row; the message says where the lookup stopped."""
+
+
+def _lookup(row: dict, key: str, option: str) -> object:
+    """The value ``key`` names in ``row``: the column of that name, else, for a dotted key,
+    the longest leading part that names a column and the rest field by field into the objects
+    it holds. Raises _NotFound saying where it stopped; ``option`` is the config key it names."""
+    if key in row:
+        return row[key]
+    parts = key.split(".")
+    start = next((i for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in row), None)
+    if start is None:
+        also = f", nor a column {parts[0]!r} to look into" if len(parts) > 1 else ""
+        raise _NotFound(f"no column {key!r}{also} ({option}); the row has {', '.join(map(repr, row))}")
+    at = ".".join(parts[:start])
+    value = row[at]
+    for part in parts[start:]:
+        obj = _object(value)
+        if obj is None:
+            raise _NotFound(f"{at!r} is {str(value)[:100]!r}, not an object with a field {part!r} ({option}={key!r})")
+        if part not in obj:
+            raise _NotFound(f"{at!r} has no field {part!r} ({option}={key!r}); it has {', '.join(map(repr, obj)) or 'none'}")
+        value, at = obj[part], f"{at}.{part}"
+    return value
+
+
+def _object(value: object) -> dict | None:
+    """``value`` as an object to look into: a dict (a Parquet struct, a JSON object), or a
+    string of JSON holding one; else None."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
 def _task_id(row: dict, row_number: int, source: TaskSource, where: str) -> str:
-    if source.id_key not in row:
+    try:
+        value = _lookup(row, source.id_key, "data.id_key")
+    except _NotFound:
         return str(row_number)
-    value = row[source.id_key]
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
         raise ConfigError(f"{where}: column {source.id_key!r} must be a non-empty string or an integer, got {value!r}")
     return str(value)
 
 
 def _prompt(row: dict, source: TaskSource, where: str) -> str | list[dict]:
-    if source.prompt_key not in row:
-        raise ConfigError(f"{where}: no column {source.prompt_key!r} (data.prompt_key); the row has {', '.join(map(repr, row))}")
-    value = row[source.prompt_key]
+    try:
+        value = _lookup(row, source.prompt_key, "data.prompt_key")
+    except _NotFound as e:
+        raise ConfigError(f"{where}: {e}") from None
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(_is_message(m) for m in value):
@@ -125,9 +167,10 @@ def _is_message(m: object) -> bool:
 
 
 def _answer(row: dict, source: TaskSource, where: str) -> str:
-    if source.answer_key not in row:
-        raise ConfigError(f"{where}: no column {source.answer_key!r} (data.answer_key); the row has {', '.join(map(repr, row))}")
-    value = row[source.answer_key]
+    try:
+        value = _lookup(row, source.answer_key, "data.answer_key")
+    except _NotFound as e:
+        raise ConfigError(f"{where}: {e}") from None
     if isinstance(value, str):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -44,7 +44,7 @@ CASES = {
     "rollout without split": ({"--rl-phase": "rollout", "--eval-interval": None}, ["--master"], "--rl-phase rollout needs --rollout-split"),
     "relative log path": ({"--log-path": "relative/run"}, ["--master"], "--log-path must be an absolute path"),
     "relative data path": ({"--data-path": "data"}, ["--master"], "--data-path must be an absolute path"),
-    "unknown override key": ({}, ["--master", "coordination.nope=1"], "unknown config key 'coordination.nope'; valid keys: seed, coordination.heartbeat_interval_s"),
+    "unknown override key": ({}, ["--master", "coordination.nope=1"], "unknown config key 'coordination.nope': did you mean coordination.min_nodes"),
     "override of the wrong type": ({}, ["--master", "coordination.node_timeout_s=soon"], "expected a value of type float"),
     "learning rate the trainer would refuse": ({}, ["--master", "rl.lr=-1"], "rl.lr must be > 0, got -1.0"),
     "no checkpoint kept": ({}, ["--master", "checkpoint.keep_last=0"], "checkpoint.keep_last must be at least 1"),
@@ -129,6 +129,7 @@ def test_bad_task_rows_exit_2_naming_file_row_and_key(tmp_path, rows, extra, mes
     (data / "model").mkdir(parents=True)
     (data / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
     demo_tokenizer.save(data / "model")  # "1+1=" is 5 tokens: <s> and one per character
+    (data / "model" / "model.safetensors").write_bytes(b"")  # the rows are checked after the model has its files
     (data / "tasks").mkdir()
     (data / "tasks" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (data / "tasks" / "test.jsonl").write_text(json.dumps(GOOD) + "\n")

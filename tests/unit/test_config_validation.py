@@ -136,17 +136,35 @@ def test_a_value_of_the_wrong_type_names_the_key(override, message):
     assert _error(override) == message
 
 
-def test_an_unknown_key_or_a_missing_value_lists_the_valid_keys():
-    valid = ", ".join(config.valid_override_keys())
-    assert _error("coordination.nope=1") == f"unknown config key 'coordination.nope'; valid keys: {valid}"
-    assert _error("rl.lr") == f"override 'rl.lr' is not key=value; valid keys: {valid}"
+def test_an_unknown_key_names_the_closest_keys_and_the_config_command():
+    assert _error("rl.lrr=1") == "unknown config key 'rl.lrr': did you mean rl.lr or rl.reward? (`orchestrator config` lists every key)"
+    assert _error("coordination.nope=1") == ("unknown config key 'coordination.nope': did you mean coordination.min_nodes, "
+                                             "coordination.elastic or coordination.node_timeout_s? (`orchestrator config` lists every key)")
+
+
+def test_a_key_without_its_section_is_found_by_its_name():
+    assert _error("lr=1e-5") == "unknown config key 'lr': did you mean rl.lr? (`orchestrator config` lists every key)"
+    assert "did you mean rl.temperature or rl.eval_temperature?" in _error("temperature=0")
+
+
+def test_an_unknown_key_with_nothing_close_points_to_its_section_or_to_every_key():
+    assert _error("rl.learning_rate=1") == "unknown config key 'rl.learning_rate': rl has no such key: `orchestrator config rl` lists its keys"
+    message = _error("nosuch.thing=1")
+    assert message.startswith("unknown config key 'nosuch.thing': keys are SECTION.NAME (or seed) with sections coordination, ")
+    assert message.endswith("; `orchestrator config` lists every key")
+
+
+def test_a_missing_value_says_how_to_give_one_without_listing_every_key():
+    assert _error("rl.lr") == ("override 'rl.lr' is not key=value: give rl.lr=VALUE "
+                               "(`orchestrator config rl.lr` shows its type and default)")
+    assert _error("--lr") == "override '--lr' is not key=value, e.g. rl.lr=1e-5 (`orchestrator config` lists every key)"
 
 
 def test_the_valid_keys_are_the_fields_of_every_section_in_order():
     keys = config.valid_override_keys()
     assert keys[:2] == ["seed", "coordination.heartbeat_interval_s"]
     sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(f.default_factory)]
-    assert sections == ["coordination", "deadlines", "rehearsal", "rl", "data", "train", "rollout", "checkpoint"]
+    assert sections == ["coordination", "deadlines", "rehearsal", "model", "rl", "data", "train", "rollout", "checkpoint"]
     expected = ["seed"] + [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(_run(), s))]
     assert keys == expected
 

@@ -48,6 +48,62 @@ def test_parquet(tmp_path):
     assert [(t["id"], t["prompt"], t["answer"]) for t in got] == [("1", "1+1=", "2"), ("2", "2+2=", "4")]
 
 
+def _verl_rows(n):
+    """Rows as verl's GSM8K preprocessing writes them."""
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i}+1? Let's think step by step"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+             "extra_info": {"split": "train", "index": i, "answer": f"{i} plus 1 #### {i + 1}", "question": f"{i}+1?"}}
+            for i in range(n)]
+
+
+def test_dotted_keys_reach_into_the_struct_columns_of_verls_parquet(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows(3)), path)
+    got = tasks.read(tasks.TaskSource(path, answer_key="reward_model.ground_truth", id_key="extra_info.index"))
+    assert [(t["id"], t["answer"]) for t in got] == [("0", "1"), ("1", "2"), ("2", "3")]
+    assert got[1]["prompt"] == [{"role": "user", "content": "1+1? Let's think step by step"}]
+    assert got[1]["reward_model"] == {"style": "rule", "ground_truth": "2"} and got[1]["data_source"] == "openai/gsm8k"
+
+
+def test_dotted_keys_reach_into_json_objects_and_strings_of_json(tmp_path):
+    rows = [{"q": "1+1=", "meta": {"gold": {"value": 2}}, "info": json.dumps({"uid": "a"})},
+            {"q": "2+2=", "meta": {"gold": {"value": "4"}}, "info": json.dumps({"uid": "b"})}]
+    got = tasks.read(tasks.TaskSource(jsonl(tmp_path / "t.jsonl", rows), prompt_key="q", answer_key="meta.gold.value", id_key="info.uid"))
+    assert [(t["id"], t["prompt"], t["answer"]) for t in got] == [("a", "1+1=", "2"), ("b", "2+2=", "4")]
+
+
+def test_a_column_named_with_the_dots_wins_over_reaching_into_one(tmp_path):
+    rows = [{"prompt": "x", "reward_model.ground_truth": "literal", "reward_model": {"ground_truth": "nested"},
+             "a.b": {"c": "under a dotted column"}}]
+    f = jsonl(tmp_path / "t.jsonl", rows)
+    assert tasks.read(tasks.TaskSource(f, answer_key="reward_model.ground_truth"))[0]["answer"] == "literal"
+    assert tasks.read(tasks.TaskSource(f, answer_key="a.b.c"))[0]["answer"] == "under a dotted column"
+
+
+def test_a_dotted_id_key_a_row_lacks_numbers_the_rows(tmp_path):
+    f = jsonl(tmp_path / "t.jsonl", [{"prompt": "x", "answer": "1", "extra_info": {"split": "train"}}, {"prompt": "y", "answer": "2"}])
+    assert [t["id"] for t in tasks.read(tasks.TaskSource(f, id_key="extra_info.index"))] == ["1", "2"]
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prompt": "x"}, r"t.jsonl, row 1: no column 'reward_model.ground_truth', nor a column 'reward_model' to look into "
+                      r"\(data.answer_key\); the row has 'prompt'"),
+    ({"prompt": "x", "reward_model": {"style": "rule"}},
+     r"t.jsonl, row 1: 'reward_model' has no field 'ground_truth' \(data.answer_key='reward_model.ground_truth'\); it has 'style'"),
+    ({"prompt": "x", "reward_model": "rule"},
+     r"row 1: 'reward_model' is 'rule', not an object with a field 'ground_truth' \(data.answer_key='reward_model.ground_truth'\)"),
+    ({"prompt": "x", "reward_model": "{not json"}, r"row 1: 'reward_model' is '{not json', not an object"),
+    ({"prompt": "x", "reward_model": {"ground_truth": {"a": 1}}},
+     r"row 1: column 'reward_model.ground_truth' must be a string or a number"),
+])
+def test_a_bad_nested_path_names_file_row_key_and_where_it_stopped(tmp_path, row, message):
+    with pytest.raises(ConfigError, match=message):
+        tasks.read(tasks.TaskSource(jsonl(tmp_path / "t.jsonl", [row]), answer_key="reward_model.ground_truth"))
+
+
 @pytest.mark.parametrize("rows,message", [
     ([{"id": "a", "answer": "1"}], r"t.jsonl, row 1: no column 'prompt' \(data.prompt_key\)"),
     ([{"id": "a", "prompt": "x"}], r"row 1: no column 'answer'"),
