@@ -65,38 +65,49 @@ def _snapshot(log_path: Path, events: EventReader) -> dict:
         terminal.abort(str(e), EXIT_BAD_INPUT)
 
 
+RANK_COLUMNS = ["rank", "host", "pid", "alive", "state", "iter", "phase", "for", "progress", "rate", "heartbeat", "note"]
+RANK_COLUMNS_LEFT_OUT_FIRST = ["pid", "host", "heartbeat", "note", "for"]
+"""What a narrow terminal loses first: the host and pid are in the lines under the table
+(barrier, failure) and in --json; `alive` sums up the heartbeat's age; the note repeats the
+barrier line. The rest (rank, alive, state, iter, phase, progress, rate) is always shown whole."""
+ITERATION_COLUMNS = ["iter", "tasks/rank", "done/rank", "taken from", "trajectories", "eval", "accuracy", "complete"]
+ITERATION_COLUMNS_LEFT_OUT_FIRST = ["taken from", "done/rank", "tasks/rank"]
+ELSEWHERE = "--json shows them"
+
+
 def view(snap: dict) -> Group:
     """The status screen as one rich renderable."""
     m = snap["master"]
-    parts: list = [Text(f"run {snap['log_path']}  attempt {snap['attempt']}  master {m['host']} pid {m['pid']}"
+    line = terminal.line
+    parts: list = [line(f"run {snap['log_path']}  attempt {snap['attempt']}  master {m['host']} pid {m['pid']}"
                         f"{' (finished)' if m['released'] else ''}  rl-phase {snap['rl_phase']}  nodes {snap['num_nodes']}")]
+    parts += [line(f"note: {n}") for n in snap.get("notes", [])]
     waiting = {w["rank"] for w in snap["waiting_for"]}
     rows = []
     for r in snap["ranks"]:
         p = r["progress"]
         rows.append([
             r["rank"], r["host"], r["pid"], "yes" if r["alive"] else "no", r["state"], r["iteration"], r["phase"],
-            _duration(r["in_phase_s"]), f"{p['done']}/{p['total']}" if p else "", f"{r['rate']:.1f}/s" if r["rate"] else "",
+            _duration(r["in_phase_s"]), f"{p['done']}/{p['total']}" if p else "", _rate(r["rate"]),
             "" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f}s",
             "out of the run" if r.get("out") else "<- barrier waits" if r["rank"] in waiting else "",
         ])
-    parts.append(terminal.table(None, ["rank", "host", "pid", "alive", "state", "iter", "phase", "for", "progress", "rate",
-                                       "heartbeat", ""], rows))
+    parts.append(terminal.FittedTable(RANK_COLUMNS, rows, RANK_COLUMNS_LEFT_OUT_FIRST, elsewhere=ELSEWHERE))
     b = snap["barrier"]
     if b and b["waiting_for"]:
         who = ", ".join(f"rank {w['rank']} ({w['host']}, at {w['at']}, {w['state']})" for w in b["waiting_for"])
-        parts.append(Text(f"barrier {b['label']} of iteration {b['iteration']}: {len(b['arrived'])} arrived, waits for {who} "
+        parts.append(line(f"barrier {b['label']} of iteration {b['iteration']}: {len(b['arrived'])} arrived, waits for {who} "
                           f"for {_duration(b['waiting_for'][0]['waited_s'])}"))
     for o in snap.get("ranks_out", []):
-        parts.append(Text(f"out: rank {o['rank']} ({o['host']}) since iteration {o['iteration']}, phase {o['phase']} ({o['reason']}); "
+        parts.append(line(f"out: rank {o['rank']} ({o['host']}) since iteration {o['iteration']}, phase {o['phase']} ({o['reason']}); "
                           f"the run goes on without it. Start the same command on that node to rejoin at the next iteration"))
     back = [e for e in snap.get("membership", []) if e["event"] == "rejoined"]
     if back:
-        parts.append(Text("rejoined: " + ", ".join(f"rank {e['rank']} at iteration {e['iteration']}" for e in back)))
+        parts.append(line("rejoined: " + ", ".join(f"rank {e['rank']} at iteration {e['iteration']}" for e in back)))
     e = snap["eta"]
     if e:
         late = " (overdue)" if e["elapsed_s"] > e["typical_s"] else ""
-        parts.append(Text(f"eta: phase {e['phase']} usually takes {_duration(e['typical_s'])}, this one {_duration(e['elapsed_s'])} "
+        parts.append(line(f"eta: phase {e['phase']} usually takes {_duration(e['typical_s'])}, this one {_duration(e['elapsed_s'])} "
                           f"so far{late}; iteration {e['iteration']} ends in about {_duration(e['iteration_remaining_s'])}"))
     its = []
     for it in snap["iterations"]:
@@ -108,27 +119,26 @@ def view(snap: dict) -> Group:
             "yes" if it.get("complete") else "",
         ])
     if its:
-        parts.append(terminal.table(None, ["iter", "tasks/rank", "done/rank", "taken from", "trajectories", "eval", "accuracy",
-                                            "complete"], its))
+        parts.append(terminal.FittedTable(ITERATION_COLUMNS, its, ITERATION_COLUMNS_LEFT_OUT_FIRST, elsewhere=ELSEWHERE))
     timed = [it for it in snap["iterations"] if it.get("complete") and it.get("timing") and it["timing"]["phases"]]
     if timed:
-        parts.append(Text(time_line(timed[-1]["iteration"], timed[-1]["timing"])))
+        parts.append(line(time_line(timed[-1]["iteration"], timed[-1]["timing"])))
     g = snap.get("gone")
     if g:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(g["since"])) if g["since"] is not None else "unknown"
         last = "; ".join(f"rank {r['rank']} ({r['host']}) at iteration {r['iteration']}, phase {r['phase']} ({r['state']})"
                          for r in g["last"])
-        parts.append(Text(f"no rank alive since {since} ({_duration(g['since_s'])} ago); last seen: {last}. "
+        parts.append(line(f"no rank alive since {since} ({_duration(g['since_s'])} ago); last seen: {last}. "
                           f"Re-run the same commands on every node to resume"))
     f = snap["failure"]
     if f:
-        parts.append(Text(f"failure: rank {f['rank']} on {f['host']} at iteration {f['iteration']}, phase {f['phase']}: {f['error']}"))
+        parts.append(line(f"failure: rank {f['rank']} on {f['host']} at iteration {f['iteration']}, phase {f['phase']}: {f['error']}"))
         child = f.get("child")
         if child:
             parts.append(Text(f"raised in the {child['program']} (pid {child.get('pid')} on {child.get('host')}); its traceback ends:\n"
                               + textwrap.indent(child_error.traceback_tail(child, 6), "    ")))
         if not any(r["alive"] for r in snap["ranks"]):
-            parts.append(Text(f"to recover: fix what the failure names, then re-run the same commands on every node (the run "
+            parts.append(line(f"to recover: fix what the failure names, then re-run the same commands on every node (the run "
                               f"resumes from its last finished phase); `orchestrator recover --log-path {snap['log_path']}` "
                               f"shows what survived"))
     return Group(*parts)
@@ -153,6 +163,12 @@ def time_line(iteration: int, timing: dict) -> str:
         shown.append(f"other {_duration(rest)}")
     line = f"last iteration {iteration} took {_duration(timing['total_s'])}: {', '.join(shown)}"
     return line + (f"; engines (slowest): {', '.join(engine)}" if engine else "")
+
+
+def _rate(tasks_per_s: float | None) -> str:
+    if not tasks_per_s:
+        return ""
+    return f"{tasks_per_s:.0f}/s" if tasks_per_s >= 100 else f"{tasks_per_s:.1f}/s" if tasks_per_s >= 1 else f"{tasks_per_s:.2g}/s"
 
 
 def _duration(seconds: float | None) -> str:

@@ -70,7 +70,8 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
         alive = bool(hb) and state not in TERMINAL_STATES and age is not None and age < node_timeout
         # Time in the phase on the rank's clock, plus the heartbeat's age while it still runs.
         in_phase = round(hb["in_phase_s"] + (age or 0.0 if alive else 0.0), 3) if hb and hb.get("in_phase_s") is not None else None
-        progress = hb.get("progress") if hb else None
+        beat = hb.get("progress") if hb else None
+        progress = {"done": beat["done"], "total": beat["total"]} if beat else None
         ranks.append({
             "rank": r,
             "heartbeat_mtime": mtime,
@@ -82,7 +83,7 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
             "iteration": hb.get("iteration") if hb else None,
             "phase": hb.get("phase") if hb else None,
             "progress": progress,
-            "rate": round(progress["done"] / in_phase, 3) if progress and in_phase else None,
+            "rate": beat.get("rate") if beat else None,
             "in_phase_s": in_phase,
             "heartbeat_age_s": age,
         })
@@ -118,6 +119,7 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
         "gone": gone,
         "waiting_for": barrier["waiting_for"] if barrier else [],
         "eta": eta(timing.phase_durations(logs), ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
+        "notes": (fsio.read_record(attempt.notes) or {}).get("notes", []),
         "iterations": iterations,
     }
 

@@ -9,6 +9,7 @@
     attempts/<A>/abort.json                   master: why the attempt ended (root cause)
     attempts/<A>/stop.json                    `orchestrator stop`: graceful stop request
     attempts/<A>/members.json                 master: ranks the run went on without, and those that rejoined (elastic)
+    attempts/<A>/notes.json                   master: what the run does other than the config asked (fewer tasks), shown by `status`
     attempts/<A>/joins/r<R>.json              rank R: joined this attempt (host, pid, fingerprint)
     attempts/<A>/heartbeats/r<R>.json         rank R: liveness counter, where it is
     attempts/<A>/arrivals/r<R>.json           rank R: latest barrier it arrived at
@@ -227,6 +228,12 @@ class AttemptLayout:
     def members(self) -> Path:
         """The master's record of ranks out of the run and back in (protocol/membership.py)."""
         return self.root / "members.json"
+
+    @property
+    def notes(self) -> Path:
+        """The master's notes on how the attempt reads its configuration (a train split with
+        fewer tasks than rl.train_tasks asks), said once in its log and shown by `status`."""
+        return self.root / "notes.json"
 
     # One directory per kind of file, each holding one file per rank: a poll that reads N
     # names refreshes one directory first (NFS revalidates a directory's entries, negative

@@ -34,6 +34,11 @@ class Workload(Protocol):
     def prompts_too_long(self, split: str) -> int:
         """How many ``split`` tasks the run leaves out for a prompt over rl.max_prompt_tokens."""
 
+    def notes(self) -> list[str]:
+        """Where the run does other than its configuration asks (a task file with fewer tasks
+        than an iteration asks for), one sentence each: the master logs them once and writes
+        them where ``status`` shows them."""
+
     def rollout_slots(self, ctx: PhaseContext) -> int:
         """How many chunks this rank works on at once (one per engine)."""
 

@@ -2,7 +2,7 @@
 
 It knows nothing of what a phase does: it asks ``phase_table`` who acts and which barrier
 ends the phase, calls ``phases.WORK`` and ``phases.DECIDE``, and turns every way a rank can
-end into an exit code and a failure record (SPEC section 2):
+end into an exit code and a failure record:
 
     0 done or stopped on request   2 bad input   3 another rank failed or died
     130 SIGINT/SIGTERM             1 anything else
@@ -61,6 +61,7 @@ class Rank:
         self.children = Children()
         self.coordinator = Coordinator(config, self.cancel, self.children)
         self.workload = make_workload(config, self.children)
+        self._noted = False  # the workload's notes are logged once, however many attempts follow
 
     def _resume_point(self) -> tuple[int, Phase, dict | None]:
         fsio.refresh_dir(self.layout.control)
@@ -101,6 +102,7 @@ class Rank:
                 try:
                     start = self.coordinator.join(self._resume_point, self._adopt_absent)
                     log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
+                    self._publish_notes()
                     self._walk(start.iteration, start.phase, start.plan)
                     break
                 except Exception as e:  # noqa: BLE001 - whatever the work raised as it was cancelled
@@ -128,6 +130,20 @@ class Rank:
             self.cancel.cancel(OrchestratorError("rank is ending"))
             self._stop_children()
             self.coordinator.close(state)
+
+    def _publish_notes(self) -> None:
+        """Master: say once in its log, and in every attempt's notes for `status`, where the
+        run does other than its configuration asks (the workload's notes)."""
+        if not self.config.is_master:
+            return
+        notes = self.workload.notes()
+        if not notes:
+            return
+        if not self._noted:
+            for note in notes:
+                log.warning("%s", note)
+            self._noted = True
+        fsio.write_record(self.coordinator.attempt.notes, {"notes": notes})
 
     def _refuse_a_finished_run(self) -> None:
         """Master: a run with nothing left to walk ends at once; its workers do the same

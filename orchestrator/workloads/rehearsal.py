@@ -49,6 +49,9 @@ class RehearsalWorkload:
     def prompts_too_long(self, split: str) -> int:
         return 0
 
+    def notes(self) -> list[str]:
+        return []
+
     def task_ids(self, split: str, iteration: int) -> list[str]:
         return [f"{split}-{iteration:06d}-{k:06d}" for k in range(self.tasks_per_iteration(split))]
 

@@ -35,6 +35,17 @@ PROMPTS_PER_REQUEST = 16
 _BATCH_WAIT_S = 0.1  # how often the wait for the next batch looks at the rank's cancel token
 
 
+def shortfall(split: str, wanted: int, path: Path, held: int, usable: int) -> str | None:
+    """The note for a task file with fewer usable tasks than an iteration asks for (``held``
+    in the file, ``usable`` of them with a prompt that fits), else None."""
+    if wanted <= usable:
+        return None
+    key = "rl.train_tasks" if split == "train" else "rl.eval_tasks"
+    fits = f", {usable} of them with a prompt short enough" if usable < held else ""
+    uses = f"each iteration samples all {usable}" if split == "train" else f"each evaluation uses all {usable}"
+    return f"{key}={wanted} but {path} holds {held} tasks{fits}: {uses}"
+
+
 class RLWorkload:
     min_chunk_tasks = PROMPTS_PER_REQUEST
 
@@ -61,11 +72,17 @@ class RLWorkload:
     # -- tasks -------------------------------------------------------------------------------
 
     def tasks_per_iteration(self, split: str) -> int:
-        wanted = self.rl.train_tasks if split == "train" else self.rl.eval_tasks
-        return min(wanted, len(self.tasks[split]))
+        return min(self._wanted(split), len(self.tasks[split]))  # fewer than asked: notes() says so
 
     def prompts_too_long(self, split: str) -> int:
         return self.prompts[split].skipped
+
+    def notes(self) -> list[str]:
+        return [n for split in ("train", "eval") if (n := shortfall(split, self._wanted(split), self.config.task_file(split),
+                                                                   self.prompts[split].total, len(self.tasks[split])))]
+
+    def _wanted(self, split: str) -> int:
+        return self.rl.train_tasks if split == "train" else self.rl.eval_tasks
 
     def task_ids(self, split: str, iteration: int) -> list[str]:
         ids = [t["id"] for t in self.tasks[split]]
