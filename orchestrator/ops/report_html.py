@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import time
 
+from orchestrator.ops.charts import WAIT_SCALE_MIN_S
 from orchestrator.ops.timing import part_sort_key
 
 REPORT_JSON = "report.json"
@@ -91,6 +92,8 @@ caption {{ text-align: left; color: #666; font-size: 0.9em; }}
 </table>
 <p class="note">The numbers are also in <a href="{REPORT_JSON}">{REPORT_JSON}</a>.</p>
 <h2>Reward and evaluation</h2>
+<p class="note">Left: the eval metrics per evaluated iteration; with a 0/1 reward the mean reward (wide dashed, hollow
+diamonds) equals the accuracy (solid, filled circles) and runs under it. Right: the mean reward of the train samples.</p>
 <img src="{e(charts['curves'])}" alt="eval metrics and train mean reward per iteration">
 <h2>Where each iteration's time went</h2>
 <p class="note">Left: the master's seconds in each phase, work and barrier wait together. Right: inside the train phase
@@ -100,9 +103,12 @@ and the engine phases (rollout, eval, engine stop, engine restart), the slowest 
 {tables}
 <h2>Per-rank phase timeline</h2>
 <p class="note">Full bars: a phase's work; thin pale bars: waiting at the phase's barrier; hatched: the master's decision.
+A dotted line marks where each iteration starts (labelled it N on the top axis), a dashed one where each attempt starts.
 Rows are placed by each rank's wall clock.</p>
 <img src="{e(charts['timeline'])}" alt="per-rank phase timeline">
 <h2>Barrier wait per phase and rank</h2>
+<p class="note">Total seconds each rank waited at each phase's barrier. Colours run from white (no wait) to the longest
+total, but to no less than {WAIT_SCALE_MIN_S:g} s, so waits of milliseconds stay pale.</p>
 <img src="{e(charts['barrier_wait'])}" alt="barrier wait per phase and rank">
 </body>
 </html>

@@ -17,16 +17,17 @@ def timeline(logs: list[RankLog]) -> dict:
     """Every rank's segments over every attempt (``logs``: :meth:`EventReader.read` with
     ``timeline=True``), with times relative to the run's first event.
 
-    Returns ``{origin_t, attempts: [{attempt, start_s, end_s, ranks}], segments: [...],
-    steals: [...], membership: [...]}``; each segment is ``{attempt, rank, kind, iteration,
-    phase, label, start_s, end_s, seconds, complete}``, ordered by attempt, rank and time;
+    Returns ``{origin_t, attempts: [{attempt, start_s, end_s, ranks}], iterations: [...],
+    segments: [...], steals: [...], membership: [...]}``; each segment is ``{attempt, rank,
+    kind, iteration, phase, label, start_s, end_s, seconds, complete}``, ordered by attempt,
+    rank and time; ``iterations`` are the iterations' starts (:func:`iteration_starts`);
     each steal is ``{attempt, rank, victim, split, chunk, tasks, iteration, at_s}`` (work
     stealing); each membership change ``{attempt, event, rank, iteration, at_s}`` (``out`` or
     ``rejoined``, coordination.elastic), as the master recorded it.
     """
     placed = [log for log in logs if log.first_t is not None]
     if not placed:
-        return {"origin_t": None, "attempts": [], "segments": [], "steals": [], "membership": []}
+        return {"origin_t": None, "attempts": [], "iterations": [], "segments": [], "steals": [], "membership": []}
     origin = min(log.first_t for log in placed)
     by_attempt: dict[str, list[RankLog]] = {}
     for log in logs:
@@ -45,7 +46,21 @@ def timeline(logs: list[RankLog]) -> dict:
                       "phase": s["phase"], "label": phase_label(s["phase"]), "start_s": s["t_start"] - origin,
                       "end_s": s["t_end"] - origin, "seconds": s["seconds"], "complete": s["complete"]}
                      for s in log.segments()]
-    return {"origin_t": origin, "attempts": attempts, "segments": segments, "steals": steals, "membership": membership}
+    return {"origin_t": origin, "attempts": attempts, "iterations": iteration_starts(segments), "segments": segments,
+            "steals": steals, "membership": membership}
+
+
+def iteration_starts(segments: Iterable[dict]) -> list[dict]:
+    """Where each iteration starts on the timeline: ``{attempt, iteration, start_s}``, the
+    earliest segment of the iteration over every rank of the attempt, in time order. An
+    iteration that a later attempt ran again (after a failure) starts once per attempt."""
+    first: dict[tuple[str, int], float] = {}
+    for s in segments:
+        if isinstance(s["iteration"], int):
+            key = (s["attempt"], s["iteration"])
+            first[key] = min(first.get(key, s["start_s"]), s["start_s"])
+    starts = [{"attempt": a, "iteration": i, "start_s": t} for (a, i), t in first.items()]
+    return sorted(starts, key=lambda x: (x["start_s"], x["iteration"]))
 
 
 def _at(item: dict, origin: float, **where) -> dict:
