@@ -11,7 +11,7 @@ warm      the defaults: ``train.keep_alive=true`` (one trainer process for the r
           on through training and reloads each new checkpoint in place)
 restart   ``train.keep_alive=false rollout.weight_update=restart``: a trainer process per
           iteration that loads the checkpoint, and the engine stopped in phase 7 and started
-          again on the new checkpoint in phase 12 (the behaviour before issue 15)
+          again on the new checkpoint in phase 12 (the restart mode)
 
 For each, the seconds of every iteration (the master's phases, from ``status --json``'s
 ``iterations[].timing``), their mean over iterations 2..N (iteration 1 starts the processes

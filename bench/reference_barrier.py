@@ -1,6 +1,6 @@
 """The reference design's barrier, reproduced faithfully, as a baseline for ours.
 
-The reference (SPEC.md section 1, seeds/001: flags under ``/logs/multinode_flags/``, "barriers
+The reference (the multi-node design this project replaces: flags under ``/logs/multinode_flags/``, "barriers
 poll with `ls` every 2-5 s") has each rank touch its flag file, then list the flag directory
 and count the phase's flags until all N are there, sleeping between looks:
 

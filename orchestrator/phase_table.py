@@ -111,5 +111,5 @@ assert set(PHASE_TABLE) == set(Phase), "every phase needs a row"
 
 
 def eval_due(iteration: int, eval_interval: int) -> bool:
-    """Evaluation runs on iterations 1, 1+N, 1+2N, ... (SPEC section 2)."""
+    """Evaluation runs on iterations 1, 1+N, 1+2N, ...."""
     return (iteration - 1) % eval_interval == 0

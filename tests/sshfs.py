@@ -1,7 +1,7 @@
 """Several sshfs clients of one directory on this machine, without an sshd.
 
 Each mount is its own FUSE client with its own attribute, entry and listing caches (sshfs
-defaults: 20 s), like nodes on NFS (SHARED-FS.md, "Measured on this kind of machine").
+defaults: 20 s), like nodes on NFS (docs/shared-filesystems.md, "Measured on the test machine").
 The recipe: a script that only does ``exec /usr/lib/openssh/sftp-server`` stands in for
 ssh, and ``sshfs -o ssh_command=<script> localhost:<export> <mountpoint>`` mounts with
 default options otherwise. ``-f`` keeps each sshfs in the foreground so that this module

@@ -4,7 +4,7 @@ Every control file is a JSON object ``{"sha256": <hex>, "body": {...}}`` whose c
 covers the canonical serialisation of the body. A reader that finds the file missing,
 half-written, cut to an older length (sshfs), or stale-handled (NFS ``ESTALE``) gets
 ``None``: "not there yet". Writers publish with a unique temp name in the same directory,
-fsync, then ``os.replace`` (SHARED-FS.md, "Atomicity").
+fsync, then ``os.replace`` (docs/shared-filesystems.md, "Atomicity").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A heartbeat is a counter a rank rewrites every ``heartbeat_interval_s``. A reader calls a
 rank dead when the counter has not changed for ``node_timeout_s`` on the *reader's own*
-monotonic clock: no file mtime, no comparison of two machines' clocks (SHARED-FS.md,
+monotonic clock: no file mtime, no comparison of two machines' clocks (docs/shared-filesystems.md,
 "Liveness"). The tracker is pure bookkeeping over (observation, time) pairs so tests drive
 it with a fake clock.
 """

@@ -1,6 +1,6 @@
 """Where the trainer processes meet: the rendezvous the orchestrator's launch puts in the
 environment, and ``join``, which forms the torch.distributed group there over TCP (never
-``file://``: see SHARED-FS.md)."""
+``file://``: see docs/shared-filesystems.md)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     python -m orchestrator.train.worker --serve                 one update per request, until stdin ends
 
 The processes form a torch.distributed group over a TCP rendezvous (never ``file://``: see
-SHARED-FS.md), run a GRPO update of the init checkpoint with DDP or FSDP2 (train/parallel.py),
+docs/shared-filesystems.md), run a GRPO update of the init checkpoint with DDP or FSDP2 (train/parallel.py),
 cut into steps and micro-batches as train/plan.py says, and write the new checkpoint.
 
 ``--serve`` (``train.keep_alive``, the default) forms the group once and keeps the model, the

@@ -217,7 +217,7 @@ def test_delayed_visibility_of_sync_files_slows_the_run_but_it_completes(fs_clus
 
 def test_delayed_visibility_of_work_products_completes(fs_cluster, record_property):
     """Every new file, work products included, is invisible to other mounts for half the
-    node timeout. SHARED-FS: a peer's new file can look absent for up to a minute; the master
+    node timeout. docs/shared-filesystems.md: a peer's new file can look absent for up to a minute; the master
     waits for a rank's new seal up to one node timeout, so the run completes (slower)."""
     delay = 0.5 * NODE_TIMEOUT_S
     c = fs_cluster([{"glob": "run/**", "delay_new_s": delay}] * N)

@@ -1,7 +1,7 @@
 """The training rendezvous address, published by the master on the shared filesystem.
 
 The node that hosts train worker 0 publishes it (the master, unless the placement puts
-worker 0 elsewhere). Not a ``file://`` store (it failed 4 of 14 runs across sshfs mounts, SHARED-FS.md): the
+worker 0 elsewhere). Not a ``file://`` store (it failed 4 of 14 runs across sshfs mounts, docs/shared-filesystems.md): the
 master picks an address and a free port, writes them into the attempt's rendezvous file
 (per attempt, so a crashed attempt's address is never used), and every rank's trainer
 connects over TCP.
