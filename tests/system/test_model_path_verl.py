@@ -10,20 +10,11 @@ import pytest
 
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
+from tests.system.test_rl_loop import SMALL as RL_SMALL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SMALL = [
-    "rl.train_tasks=8",
-    "rl.samples_per_prompt=4",
-    "rl.eval_tasks=8",
-    "rl.eval_samples=2",
-    "rl.epochs=1",
-    "rl.micro_batch=4",
-    "coordination.heartbeat_interval_s=0.5",
-    "coordination.node_timeout_s=10",
-    "coordination.join_timeout_s=60",
-]
+SMALL = [*RL_SMALL, "rl.eval_tasks=8"]
 
 
 def _verl_parquet(demo_rows: list[dict], split: str, path) -> dict[str, str]:
