@@ -6,12 +6,23 @@ Semantics follow vLLM's defaults, because the rollout must not care which engine
   temperature and top-p), which is what the RL loss compares against;
 - the EOS token, and the token that completes a stop string, are in ``token_ids`` (with
   their logprobs) but not in the text; a stop string ends its sample and is cut from the text;
-- a request with a seed draws from its own ``torch.Generator``, so the same request with the
-  same seed gives the same output.
+- a request with a seed draws from its own ``torch.Generator``, for its own rows in their
+  order, so the same request with the same seed gives the same output whichever requests
+  share the batch with it (up to the last float bits of the logits, which batch shapes move);
+  requests without a seed draw from one generator the sampler seeds from the OS.
 
-All samples of all prompts run as one batch, left-padded: prompt ``j``'s samples are rows
-``j*n .. j*n+n-1``. Each prompt is prefilled once and its cache rows repeated ``n`` times;
-rows that finish leave the batch so the rest decode without them.
+Every tensor runs on the model's device (``Sampler.device``: the server's ``--device``),
+generators included: a CUDA model samples with CUDA generators, so a seed gives other
+samples there than on the CPU, and the same ones again on the same device.
+
+Continuous batching, as vLLM does it: a :class:`Batch` holds the rows (sequences) of every
+running request, left-padded to one width. :meth:`Sampler.prefill` runs newly arrived
+requests' prompts and :meth:`Batch.join` adds their rows to the running ones;
+:meth:`Sampler.step` samples one token for every row, lets the rows that ended leave (their
+cache rows dropped) and runs the others one position further. Within a request, prompt
+``j``'s samples are rows ``j*n .. j*n+n-1``: each prompt is prefilled once and its cache rows
+repeated ``n`` times. Each request's settings (temperature, top-p, max_tokens, stop strings,
+logprobs, n) apply to its own rows.
 """
 
 from __future__ import annotations
@@ -30,8 +41,16 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 _SEED_MODULUS = 2**64  # torch generators take 64-bit seeds; vLLM accepts signed ones too
 
 
-class PromptTooLong(ValueError):
+class PromptRejected(ValueError):
+    """A prompt the model cannot be asked to continue; the message says which and why."""
+
+
+class PromptTooLong(PromptRejected):
     """The prompt plus ``max_tokens`` would run past the model's context length."""
+
+
+class EmptyPrompt(PromptRejected):
+    """The prompt has no token (a tokenizer without BOS, an empty string): nothing to continue."""
 
 
 class FinishReason(str, enum.Enum):
@@ -95,14 +114,17 @@ class Generation:
     prompt_token_ids: list[list[int]]
     samples: list[list[Sample]]
     """``samples[j][i]``: sample ``i`` of prompt ``j``."""
+    peak_batch_requests: int = 1
+    """The most requests, this one included, that had rows in one decoding step with it."""
 
 
 class _Row:
-    """What one batch row has produced so far."""
+    """What one sequence has produced so far."""
 
-    __slots__ = ("token_ids", "logprobs", "top", "finish_reason", "stop_reason", "text")
+    __slots__ = ("request", "token_ids", "logprobs", "top", "finish_reason", "stop_reason", "text")
 
-    def __init__(self) -> None:
+    def __init__(self, request: Request) -> None:
+        self.request = request
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
@@ -111,12 +133,137 @@ class _Row:
         self.text: str | None = None
 
 
+class Request:
+    """One request's sequences as they run: ``rows[j*n + i]`` is sample ``i`` of prompt ``j``."""
+
+    def __init__(self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.generator = generator
+        """Its own generator when it has a seed; None: the sampler's shared one."""
+        self.rows = [_Row(self) for _ in range(len(prompt_ids) * params.n)]
+        self.running = len(self.rows)
+        """Rows not ended yet."""
+        self.peak_batch_requests = 0
+        """The most requests, this one included, with rows in one of its steps."""
+        self.generation: Generation | None = None
+        """Set by the step in which its last row ends."""
+
+
+class Batch:
+    """The running rows of every admitted request, left-padded to one width.
+
+    Between two steps, with B rows and W cache columns: ``mask`` (B, W) is 1 where a row has
+    a token in the cache and 0 on its left padding; ``next_pos`` (B, 1) is the position of
+    each row's next token; ``logits`` (B, V) that token's distribution, not sampled yet. A
+    request's rows are contiguous and in their order: rows join at the end and leave without
+    reordering the others.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[_Row] = []
+        self.cache = None  # a transformers DynamicCache: keys and values (B, heads, W, head_dim)
+        self.mask: torch.Tensor | None = None
+        self.next_pos: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def clear(self) -> None:
+        self.rows, self.cache, self.mask, self.next_pos, self.logits = [], None, None, None, None
+
+    @property
+    def width(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    def join(self, other: Batch) -> None:
+        """Append ``other``'s rows; the narrower of the two is left-padded with masked columns."""
+        import torch
+
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.next_pos, self.logits = (
+                other.rows, other.cache, other.mask, other.next_pos, other.logits)
+            return
+        width = max(self.width, other.width)
+        with torch.inference_mode():  # the caches' tensors are inference tensors
+            for mine, theirs in zip(_layers(self.cache), _layers(other.cache), strict=True):
+                mine.keys = torch.cat([_pad_left(mine.keys, width, -2), _pad_left(theirs.keys, width, -2)])
+                mine.values = torch.cat([_pad_left(mine.values, width, -2), _pad_left(theirs.values, width, -2)])
+            self.mask = torch.cat([_pad_left(self.mask, width, -1), _pad_left(other.mask, width, -1)])
+            self.next_pos = torch.cat([self.next_pos, other.next_pos])
+            self.logits = torch.cat([self.logits, other.logits])
+        self.rows = self.rows + other.rows
+
+    def keep(self, indices: list[int]) -> None:
+        """Only the rows at ``indices`` (increasing) stay. Leading columns that every remaining
+        row has masked are cropped, so that padding does not grow as requests come and go."""
+        import torch
+
+        if not indices:
+            self.clear()
+            return
+        index = torch.tensor(indices, device=self.mask.device)
+        with torch.inference_mode():
+            self.cache.batch_select_indices(index)
+            self.mask, self.next_pos, self.logits = self.mask[index], self.next_pos[index], self.logits[index]
+            used = self.mask.any(dim=0)
+            first = int(used.int().argmax()) if bool(used.any()) else 0
+            if first:
+                for layer in _layers(self.cache):
+                    layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+                self.mask = self.mask[:, first:]
+        self.rows = [self.rows[b] for b in indices]
+
+
+def _layers(cache) -> list:
+    """The cache's layers, whose keys and values are (batch, heads, columns, head_dim)."""
+    layers = cache.layers
+    # Sliding-window layers keep only their last columns: padding them on the left would be wrong.
+    assert not any(layer.is_sliding for layer in layers), "the sampler refuses sliding-window models"
+    return layers
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``t`` with zeros before its columns along ``dim``, up to ``width``."""
+    import torch
+
+    missing = width - t.shape[dim]
+    if not missing:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _spans(rows: list[_Row]) -> list[tuple[Request, int, int]]:
+    """(request, first row, row after its last) for each request with rows in ``rows``."""
+    spans = []
+    start = 0
+    for b in range(1, len(rows) + 1):
+        if b == len(rows) or rows[b].request is not rows[start].request:
+            spans.append((rows[start].request, start, b))
+            start = b
+    return spans
+
+
 class Sampler:
-    """Generates from one model; not thread-safe (the server runs one request at a time)."""
+    """Generates from one model. Not thread-safe: one thread owns it, its model and its
+    tokenizer (the server's scheduler; HF fast tokenizers must not be used from two threads)."""
 
     def __init__(self, model, tokenizer) -> None:
+        import torch
+
+        kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise ValueError(
+                f"{type(model).__name__} has {', '.join(sorted(kinds))} layers: the embedded engine left-pads the caches "
+                f"of requests to batch them, which full-attention layers only allow; serve this model with vLLM"
+            )
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.device: torch.device = model.device
+        """Where the model's parameters are: every tensor the sampler makes goes there."""
         self.max_model_len: int = model.config.max_position_embeddings
         eos = model.generation_config.eos_token_id
         if eos is None:
@@ -125,6 +272,8 @@ class Sampler:
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else min(self.eos_ids, default=0)
         self._token_strings: dict[int, str] = {}
+        self._shared = torch.Generator(device=self.device)
+        self._shared.seed()
 
     def token_string(self, token_id: int) -> str:
         """How vLLM names a token in logprobs: the token decoded on its own, specials kept."""
@@ -136,106 +285,161 @@ class Sampler:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> Generation:
-        """Raises PromptTooLong when a prompt plus ``max_tokens`` exceeds the context length."""
+    def request(self, prompts: list[str], params: SamplingParams) -> Request:
+        """``prompts`` encoded, ready to join a batch. Raises PromptTooLong when a prompt plus
+        ``max_tokens`` exceeds the context length, EmptyPrompt when a prompt has no token,
+        ValueError when there is no prompt."""
         import torch
 
         if not prompts:
             raise ValueError("no prompts")
         prompt_ids = [self.encode(p) for p in prompts]
         for j, ids in enumerate(prompt_ids):
+            if not ids:
+                raise EmptyPrompt(f"prompt {j} has no token: the model needs at least one to continue")
             if len(ids) + params.max_tokens > self.max_model_len:
                 raise PromptTooLong(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                     f"{len(ids) + params.max_tokens} tokens ({len(ids)} in prompt {j}, {params.max_tokens} in the "
                     f"completion). Please reduce the length of the prompt or max_tokens."
                 )
-        generator = torch.Generator()
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed % _SEED_MODULUS)
-        with torch.inference_mode():
-            rows = self._decode(prompt_ids, params, generator)
-        n = params.n
-        samples = [[self._finish(rows[j * n + i], params) for i in range(n)] for j in range(len(prompts))]
-        return Generation(prompt_ids, samples)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed % _SEED_MODULUS)
+        return Request(prompt_ids, params, generator)
 
-    def _decode(self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[_Row]:
+    def generate(self, prompts: list[str], params: SamplingParams) -> Generation:
+        """One request on a batch of its own. Raises as :meth:`request` does."""
+        request = self.request(prompts, params)
+        batch = Batch()
+        batch.join(self.prefill([request]))
+        while request.generation is None:
+            self.step(batch)
+        return request.generation
+
+    def prefill(self, requests: list[Request]) -> Batch:
+        """A batch of ``requests``' rows: their prompts run in one forward pass, left-padded,
+        each prompt's cache rows repeated for its request's ``n``."""
         import torch
 
+        prompt_ids = [ids for r in requests for ids in r.prompt_ids]
         width = max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
         for j, ids in enumerate(prompt_ids):
-            input_ids[j, width - len(ids) :] = torch.tensor(ids)
+            input_ids[j, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             mask[j, width - len(ids) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)  # filled on the host: one copy, not one per prompt
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-        )
-        cache = out.past_key_values
-        n = params.n
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
-        next_pos = positions[:, -1:].repeat_interleave(n, dim=0) + 1
-
-        rows = [_Row() for _ in range(len(prompt_ids) * n)]
-        active = list(range(len(rows)))  # batch position -> row
-        top_k = params.logprobs or 0
-        for step in range(params.max_tokens):
-            logits = logits.float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            tokens = self._choose(logits, params, generator)
-            chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-            top = logprobs.topk(top_k, dim=-1) if top_k else None
-            token_list = tokens.tolist()
-            keep = []
-            for b, r in enumerate(active):
-                row = rows[r]
-                row.token_ids.append(token_list[b])
-                row.logprobs.append(chosen[b])
-                if top is not None:
-                    row.top.append(list(zip(top.indices[b].tolist(), top.values[b].tolist())))
-                if not self._ended(row, params, last_step=step == params.max_tokens - 1):
-                    keep.append(b)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep)
-                cache.batch_select_indices(index)
-                tokens, mask, next_pos = tokens[index], mask[index], next_pos[index]
-                active = [active[b] for b in keep]
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
+        batch = Batch()
+        batch.rows = [row for r in requests for row in r.rows]
+        with torch.inference_mode():
             out = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
+                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
             )
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
-        return rows
+            batch.cache, batch.mask = out.past_key_values, mask
+            batch.next_pos, batch.logits = positions[:, -1:] + 1, out.logits[:, -1, :]
+            if len(batch.rows) > len(prompt_ids):
+                repeats = torch.tensor([r.params.n for r in requests for _ in r.prompt_ids], device=self.device)
+                index = torch.arange(len(prompt_ids), device=self.device).repeat_interleave(repeats)
+                batch.cache.batch_select_indices(index)
+                batch.mask, batch.next_pos, batch.logits = mask[index], batch.next_pos[index], batch.logits[index]
+        return batch
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    def step(self, batch: Batch) -> list[Request]:
+        """Sample the next token of every row of ``batch``; rows that end leave it and the
+        others run one position further. Returns the requests whose last row ended, with
+        their ``generation`` (texts decoded here, on the thread that owns the tokenizer)."""
         import torch
 
-        if params.temperature == 0:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1:
+        with torch.inference_mode():
+            return self._step(batch)
+
+    def _step(self, batch: Batch) -> list[Request]:
+        import torch
+
+        rows = batch.rows
+        spans = _spans(rows)
+        logits = batch.logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = self._choose(logits, spans)
+        token_list = tokens.tolist()
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        top_k = min(max(r.params.logprobs or 0 for r, _, _ in spans), logprobs.shape[-1])
+        if top_k:
+            top = logprobs.topk(top_k, dim=-1)
+            top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        keep: list[int] = []
+        finished: list[Request] = []
+        for request, start, stop in spans:
+            params = request.params
+            request.peak_batch_requests = max(request.peak_batch_requests, len(spans))
+            k = params.logprobs or 0
+            for b in range(start, stop):
+                row = rows[b]
+                row.token_ids.append(token_list[b])
+                row.logprobs.append(chosen[b])
+                if k:
+                    row.top.append(list(zip(top_ids[b][:k], top_values[b][:k])))
+                if self._ended(row, params):
+                    request.running -= 1
+                else:
+                    keep.append(b)
+            if not request.running:
+                request.generation = self._generation(request)
+                finished.append(request)
+        if len(keep) < len(rows):
+            batch.keep(keep)
+            tokens = tokens[keep]
+        if keep:
+            batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(keep), 1))], dim=-1)
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=batch.mask,
+                position_ids=batch.next_pos,
+                past_key_values=batch.cache,
+                use_cache=True,
+            )
+            batch.logits = out.logits[:, -1, :]
+            batch.next_pos = batch.next_pos + 1
+        return finished
+
+    def _choose(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
+        """Each row's next token. Greedy rows take the most likely one; the others race
+        exponential noise as vLLM does (argmax of probs / q, q ~ Exp(1) per vocabulary entry,
+        which samples from probs), each request drawing its rows' noise, in row order, from
+        its own generator or else the shared one."""
+        import torch
+
+        tokens = logits.argmax(dim=-1)
+        sampled = [(r, start, stop) for r, start, stop in spans if r.params.temperature > 0]
+        if not sampled:
+            return tokens
+        device = logits.device
+        counts = torch.tensor([stop - start for _, start, stop in sampled], device=device)
+        if len(sampled) == len(spans):
+            index = slice(None)  # every row: no gather
+        else:
+            index = torch.cat([torch.arange(start, stop, device=device) for _, start, stop in sampled])
+        temperature = torch.tensor([r.params.temperature for r, _, _ in sampled], device=device).repeat_interleave(counts)
+        probs = torch.softmax(logits[index] / temperature[:, None], dim=-1)
+        top_p = torch.tensor([r.params.top_p for r, _, _ in sampled], device=device).repeat_interleave(counts)
+        if bool((top_p < 1).any()):
             sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
             # Drop a token once the more likely ones already hold top_p of the mass; the most
-            # likely token always stays.
-            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
+            # likely token always stays. Rows with top_p 1 keep every token, rounding or not.
+            limit = torch.where(top_p < 1, top_p, torch.inf)[:, None]
+            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= limit
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        noise = torch.empty_like(probs)
+        at = 0
+        for r, start, stop in sampled:
+            noise[at : at + stop - start].exponential_(generator=self._shared if r.generator is None else r.generator)
+            at += stop - start
+        tokens[index] = (probs / noise).argmax(dim=-1)
+        return tokens
 
-    def _ended(self, row: _Row, params: SamplingParams, *, last_step: bool) -> bool:
+    def _ended(self, row: _Row, params: SamplingParams) -> bool:
         """Record why ``row`` ends after its newest token, if it does."""
         if row.token_ids[-1] in self.eos_ids:
             row.finish_reason = FinishReason.STOP
@@ -248,10 +452,17 @@ class Sampler:
                 at, stop = min(found)
                 row.text, row.finish_reason, row.stop_reason = text[:at], FinishReason.STOP, stop
                 return True
-        if last_step:
+        if len(row.token_ids) == params.max_tokens:
             row.finish_reason = FinishReason.LENGTH
             return True
         return False
+
+    def _generation(self, request: Request) -> Generation:
+        n = request.params.n
+        samples = [
+            [self._finish(request.rows[j * n + i], request.params) for i in range(n)] for j in range(len(request.prompt_ids))
+        ]
+        return Generation(request.prompt_ids, samples, request.peak_batch_requests)
 
     def _finish(self, row: _Row, params: SamplingParams) -> Sample:
         assert row.finish_reason is not None, "every row ends by max_tokens at the latest"

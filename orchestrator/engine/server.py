@@ -3,47 +3,75 @@ OpenAI-compatible HTTP API that the rollout uses, so that the rollout talks to i
 it talks to vLLM.
 
     python -m orchestrator.engine.server --model DIR --port P [--host 127.0.0.1] [--served-model-name NAME]
+        [--max-num-seqs N] [--device cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16]
 
-The model is loaded first (``orchestrator.demo.model.load``, safetensors only); then the port
-is bound and one line ``listening on http://HOST:PORT`` is logged (``--port 0`` lets the OS
-pick the port, and that line says which). From then on ``GET /health`` answers 200.
+The model is loaded first (``orchestrator.demo.model.load``, safetensors only) and put on
+``--device`` in ``--dtype`` (default: the CPU, and ``auto``: the checkpoint's own dtype,
+float32 for the demo's); the sampler makes every tensor there, its generators included. A
+``--device`` this torch cannot use ends the process with status 2. Then the port is bound
+and one line ``listening on http://HOST:PORT`` is logged (``--port 0`` lets the OS pick the
+port, and that line says which). From then on ``GET /health`` answers 200.
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (non-streaming). A
-request that cannot be served as asked gets a 400 rather than a silent approximation: unknown
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (non-streaming),
+and ``GET /stats`` (this engine's own: the scheduler's counters, ``scheduler.Stats``). A request
+that cannot be served as asked gets a 400 rather than a silent approximation: unknown
 fields, ``stream``, ``echo`` and token-id prompts included. SIGTERM or SIGINT stops the
-server and the process exits 0. One log line per request goes to stderr.
+server and the process exits 0. One log line per request goes to stderr; a completion's
+line also gives ``batch_requests``: the most requests that decoded in one step with it,
+itself included.
+
+Requests are batched together as vLLM batches them (``orchestrator/engine/scheduler.py``):
+the sequences of a request that arrives while others decode join the running batch at the
+next step, up to ``--max-num-seqs`` sequences, and each request is answered as soon as its
+own sequences have ended.
 
 ``POST /reload`` with ``{"model": DIR, "served_model_name": NAME}`` moves the running server
 to another checkpoint of the same architecture, in place (the counterpart of vLLM's
-``reload_weights``): DIR's safetensors are copied into the loaded model between two
-generations, and from then on the server answers to NAME only, so that a client still
-asking for the old name gets a 404 instead of the new policy's samples. A checkpoint that
-does not fit (another architecture, missing tensors) is a 400 and the old one serves on.
+``reload_weights``): the requests queued before it finish on the old weights, new ones wait
+while the batch drains, DIR's safetensors are copied into the loaded model, and from then on
+the server answers to NAME only, so that a client still asking for the old name gets a 404
+instead of the new policy's samples. A checkpoint that does not fit (another architecture,
+missing tensors) is a 400 and the old one serves on.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import logging
+import os
+import random
+import re
 import signal
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from orchestrator.data import checkpoints, shards
-from orchestrator.engine.sampling import Generation, PromptTooLong, Sampler, SamplingParams
+from orchestrator.engine.sampling import Generation, PromptRejected, Sampler, SamplingParams
+from orchestrator.engine.scheduler import EngineStopped, Scheduler
+from orchestrator.errors import EXIT_BAD_INPUT
 from orchestrator.protocol import child_error, fsio
 
 log = logging.getLogger("orchestrator.engine.server")
 
 _LOGPROB_FLOOR = -9999.0  # what vLLM sends instead of -inf, which JSON cannot carry
 _MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_NUM_SEQS = 4096
+"""Above what a rollout keeps in flight, so that the client decides how much work a step gets."""
+_SCHEDULER_STOP_S = 2.0  # how long a stop waits for the step in progress
+DTYPES = ("auto", "float32", "bfloat16")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class DeviceUnavailable(Exception):
+    """``--device`` names a GPU that this torch cannot use; the message says why."""
 
 
 class RequestRejected(Exception):
@@ -133,15 +161,29 @@ def parse_completion_request(body, served_model_name: str) -> CompletionRequest:
     return CompletionRequest(prompts, params, bool(return_token_ids))
 
 
-def completion_response(request: CompletionRequest, generation: Generation, sampler: Sampler, model_name: str) -> dict:
-    """The OpenAI ``text_completion`` object, shaped as vLLM shapes it."""
+def token_strings(request: CompletionRequest, generation: Generation, sampler: Sampler) -> dict[int, str]:
+    """How vLLM names each token the response's logprobs mention (none when not asked): the
+    tokenizer's work of :func:`completion_response`, for the thread that owns the tokenizer."""
+    if request.params.logprobs is None:
+        return {}
+    ids = {t for samples in generation.samples for sample in samples for t in sample.token_ids}
+    if request.params.logprobs:
+        ids.update(alt for samples in generation.samples for sample in samples
+                   for alternatives in sample.top_logprobs for alt, _ in alternatives)
+    return {t: sampler.token_string(t) for t in ids}
+
+
+def completion_response(request: CompletionRequest, generation: Generation, token_string: dict[int, str],
+                        model_name: str) -> dict:
+    """The OpenAI ``text_completion`` object, shaped as vLLM shapes it; ``token_string`` names
+    the tokens its logprobs mention (:func:`token_strings`)."""
     choices = []
     completion_tokens = 0
     for j, samples in enumerate(generation.samples):
         for sample in samples:
             logprobs = None
             if request.params.logprobs is not None:
-                tokens = [sampler.token_string(t) for t in sample.token_ids]
+                tokens = [token_string[t] for t in sample.token_ids]
                 offsets, at = [], 0
                 for token in tokens:
                     offsets.append(at)
@@ -149,9 +191,9 @@ def completion_response(request: CompletionRequest, generation: Generation, samp
                 top = []
                 for t, lp, alternatives in zip(sample.token_ids, sample.token_logprobs, sample.top_logprobs):
                     # As vLLM does: the sampled token first, then the k most likely.
-                    step = {sampler.token_string(t): max(lp, _LOGPROB_FLOOR)}
+                    step = {token_string[t]: max(lp, _LOGPROB_FLOOR)}
                     for alt, alt_lp in alternatives:
-                        step.setdefault(sampler.token_string(alt), max(alt_lp, _LOGPROB_FLOOR))
+                        step.setdefault(token_string[alt], max(alt_lp, _LOGPROB_FLOOR))
                     top.append(step)
                 logprobs = {
                     "tokens": tokens,
@@ -174,7 +216,7 @@ def completion_response(request: CompletionRequest, generation: Generation, samp
             completion_tokens += len(sample.token_ids)
     prompt_tokens = sum(len(ids) for ids in generation.prompt_token_ids)  # once per prompt, not per sample
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
+        "id": f"cmpl-{random.getrandbits(128):032x}",  # as uuid4().hex, without a system call per response
         "object": "text_completion",
         "created": int(time.time()),
         "model": model_name,
@@ -193,14 +235,35 @@ def error_body(message: str, status: HTTPStatus, kind: str) -> dict:
 
 class EngineHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # an in-flight request does not hold up shutdown
+    request_queue_size = 1024  # the listen backlog: a rollout opens hundreds of connections at once (the default 5 resets them)
 
-    def __init__(self, address: tuple[str, int], sampler: Sampler, model_name: str, model_dir: str):
+    def __init__(self, address: tuple[str, int], scheduler: Scheduler, model_name: str, model_dir: str):
         super().__init__(address, _Handler)
-        self.sampler = sampler
+        self.scheduler = scheduler
+        self.sampler = scheduler.sampler
         self.model_name = model_name
+        """Written on the scheduler thread only (by a reload, between two steps)."""
         self.model_dir = model_dir
         self.created = int(time.time())
-        self.generate_lock = threading.Lock()  # one generation at a time
+
+
+class _CompletionJob:
+    """A completion request as the scheduler runs it (scheduler.Job): both methods run on the
+    scheduler thread, which owns the model and the tokenizer. They do as little as they can,
+    since every step waits for them: the handler thread builds the response."""
+
+    def __init__(self, server: EngineHTTPServer, body: dict, request: CompletionRequest):
+        self.server, self.body, self.request = server, body, request
+        self.prompts, self.params = request.prompts, request.params
+        self.model_name = server.model_name
+
+    def admit(self) -> None:
+        # Checked again: a reload may have renamed the policy while this request was queued.
+        parse_completion_request(self.body, self.server.model_name)
+        self.model_name = self.server.model_name
+
+    def finish(self, generation: Generation) -> tuple[Generation, dict[int, str]]:
+        return generation, token_strings(self.request, generation, self.server.sampler)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -217,6 +280,7 @@ class _Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         routes = {
             "/health": ("GET", self._health),
+            "/stats": ("GET", self._stats),
             "/v1/models": ("GET", self._models),
             "/v1/completions": ("POST", self._completions),
             "/reload": ("POST", self._reload),
@@ -255,6 +319,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _health(self):
         return HTTPStatus.OK, None, ""
 
+    def _stats(self):
+        return HTTPStatus.OK, dataclasses.asdict(self.server.scheduler.stats()), ""
+
     def _models(self):
         card = {
             "id": self.server.model_name,
@@ -284,13 +351,19 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict) or set(body) != _RELOAD_FIELDS or not all(isinstance(v, str) and v for v in body.values()):
             raise RequestRejected(f"a reload takes exactly {', '.join(sorted(_RELOAD_FIELDS))}, both non-empty strings")
         directory = Path(body["model"])
+        server = self.server
+
+        def swap() -> None:  # on the scheduler thread, the batch empty: no request sees two sets of weights
+            load_weights(server.sampler.model, directory)
+            server.model_name, server.model_dir = body["served_model_name"], str(directory)
+
         started = time.monotonic()
-        with self.server.generate_lock:  # between two generations: no request sees two sets of weights
-            try:
-                load_weights(self.server.sampler.model, directory)
-            except (OSError, ValueError) as e:
-                raise RequestRejected(f"cannot reload {directory}: {e}") from e
-            self.server.model_name, self.server.model_dir = body["served_model_name"], str(directory)
+        try:
+            server.scheduler.between_steps(swap).result()
+        except (OSError, ValueError) as e:
+            raise RequestRejected(f"cannot reload {directory}: {e}") from e
+        except EngineStopped as e:
+            raise RequestRejected(str(e), HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError") from e
         seconds = time.monotonic() - started
         log.info("reloaded %s in place in %.2fs as %r (model.safetensors sha256 %s)", directory, seconds, body["served_model_name"],
                  _weights_sha256(directory))
@@ -299,20 +372,18 @@ class _Handler(BaseHTTPRequestHandler):
     def _completions(self):
         body = self._json_body()
         request = parse_completion_request(body, self.server.model_name)
-        # The response decodes token strings: HF fast tokenizers must not be used from two
-        # threads at once, so that happens under the lock too.
-        with self.server.generate_lock:
-            # Checked again under the lock: a reload may have renamed the policy while this waited.
-            parse_completion_request(body, self.server.model_name)
-            try:
-                generation = self.server.sampler.generate(request.prompts, request.params)
-            except PromptTooLong as e:
-                raise RequestRejected(str(e)) from e
-            response = completion_response(request, generation, self.server.sampler, self.server.model_name)
+        job = _CompletionJob(self.server, body, request)
+        try:
+            generation, strings = self.server.scheduler.submit(job).result()
+        except PromptRejected as e:
+            raise RequestRejected(str(e)) from e
+        except EngineStopped as e:
+            raise RequestRejected(str(e), HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError") from e
+        response = completion_response(request, generation, strings, job.model_name)
         p = request.params
         detail = (
             f"prompts={len(request.prompts)} n={p.n} max_tokens={p.max_tokens} "
-            f"completion_tokens={response['usage']['completion_tokens']}"
+            f"completion_tokens={response['usage']['completion_tokens']} batch_requests={generation.peak_batch_requests}"
         )
         return HTTPStatus.OK, response, detail
 
@@ -349,7 +420,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port-file", type=Path, help="once listening, write the port there (useful with --port 0)")
     parser.add_argument("--served-model-name", help="model name in the API (default: the --model argument)")
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help="most sequences (prompts x n) decoding at once, over all requests; a larger request "
+                             "runs alone (default: %(default)s)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs and every tensor the sampler makes: cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="the model's dtype; auto: the checkpoint's own, as loaded (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.max_num_seqs < 1:
+        parser.error(f"--max-num-seqs must be at least 1, got {args.max_num_seqs}")
+    if not _DEVICE.fullmatch(args.device):
+        parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if not (args.model / "config.json").is_file():
         # Otherwise transformers reads the path as a Hub repo id and says something confusing.
         parser.error(f"--model {args.model}: no config.json there; expected a Hugging Face model directory")
@@ -359,6 +441,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _publish_port(path: Path, port: int) -> None:
     """Write the bound port atomically, so a reader sees no file or the whole number."""
     fsio.atomic_write_bytes(path, f"{port}\n".encode(), durable=False)  # rewritten at every start
+
+
+def place(model, device: str, dtype: str):
+    """``model`` moved to ``device`` in ``dtype`` (one of DTYPES; auto: the dtype it was
+    loaded in, its checkpoint's). Raises DeviceUnavailable when ``device`` is a GPU this
+    torch cannot use."""
+    import torch
+
+    target = torch.device(device)
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailable(
+                f"--device {device}: torch {torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU-only build'}) sees no "
+                f"GPU; run with --device cpu, or install a CUDA build of torch on a machine with one")
+        if target.index is not None and target.index >= torch.cuda.device_count():
+            raise DeviceUnavailable(f"--device {device}: this machine has {torch.cuda.device_count()} visible GPU(s), "
+                                    f"numbered from 0 (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    return model.to(device=target, dtype=None if dtype == "auto" else getattr(torch, dtype))
 
 
 def load_weights(model, directory: Path) -> None:
@@ -406,33 +506,48 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _install_signal_handlers()  # before the slow imports, so that a stop during loading is clean too
     server: EngineHTTPServer | None = None
+    scheduler: Scheduler | None = None
     serving = False
     try:
         from orchestrator.demo.model import load
 
         started = time.monotonic()
         model, tokenizer = load(args.model)
-        sampler = Sampler(model, tokenizer)
+        sampler = Sampler(place(model, args.device, args.dtype), tokenizer)
+        # The model, torch and transformers leave some 400k objects for the cyclic collector to
+        # walk in every full collection (0.2 s each, in the middle of a step); frozen, it skips them.
+        gc.collect()
+        gc.freeze()
         log.info(
-            "loaded %s in %.1fs (context length %d; model.safetensors sha256 %s)",
-            args.model, time.monotonic() - started, sampler.max_model_len, _weights_sha256(args.model),
+            "loaded %s in %.1fs on %s in %s (context length %d; model.safetensors sha256 %s)",
+            args.model, time.monotonic() - started, sampler.device, str(model.dtype).removeprefix("torch."), sampler.max_model_len,
+            _weights_sha256(args.model),
         )
         name = args.served_model_name or str(args.model)
-        server = EngineHTTPServer((args.host, args.port), sampler, name, str(args.model))
+        scheduler = Scheduler(sampler, max_num_seqs=args.max_num_seqs)
+        scheduler.start()
+        server = EngineHTTPServer((args.host, args.port), scheduler, name, str(args.model))
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
         serving = True
         host, port = server.server_address[:2]
-        log.info("listening on http://%s:%d serving model %r", host, port, name)
+        log.info("listening on http://%s:%d serving model %r (up to %d sequences at once)", host, port, name,
+                 args.max_num_seqs)
         if args.port_file is not None:
             _publish_port(args.port_file, port)
         threading.Event().wait()
     except _Stopped as e:
         log.info("%s: shutting down", e)
+    except DeviceUnavailable as e:  # a launch mistake, not a crash: no traceback
+        log.error("%s", e)
+        child_error.write(e, program="engine", exit_code=EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     except Exception as e:
         log.exception("engine failed: %s: %s", type(e).__name__, e)
         child_error.write(e, program="engine", exit_code=1)
         return 1
     finally:
+        if scheduler is not None:
+            scheduler.stop(_SCHEDULER_STOP_S)  # requests in flight are answered 503
         if serving:
             server.shutdown()  # waits for serve_forever, so only once it runs
         if server is not None:

@@ -471,3 +471,138 @@ def test_reload_serves_the_new_weights_under_a_new_name_only_and_refuses_a_misfi
         assert again["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
     finally:
         e.kill()
+
+
+# --- batching across requests ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def endless_model_dir(model_dir, tmp_path_factory) -> Path:
+    """The module's model with no EOS id: every sample runs to max_tokens, so that a request
+    stays in the batch for a known number of steps."""
+    import shutil
+
+    directory = tmp_path_factory.mktemp("endless") / "model"
+    shutil.copytree(model_dir, directory)
+    config = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": []}))
+    return directory
+
+
+def _stats(engine: Engine) -> dict:
+    status, raw = _http(engine.url + "/stats")
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def _wait_for(engine: Engine, what: str, condition) -> None:
+    deadline = time.monotonic() + 30
+    while not condition(_stats(engine)):
+        assert time.monotonic() < deadline, f"the engine never had {what}: {_stats(engine)}"
+        time.sleep(0.005)
+
+
+# A request that keeps the batch busy: 4 prompts x 8 samples x 56 tokens (the context is 64).
+LONG = dict(prompt=PROMPTS[:4], n=8, temperature=1.0, max_tokens=56, seed=11, logprobs=0, return_token_ids=True)
+SMALL = [
+    dict(prompt=[PROMPTS[0]], n=1, temperature=0, max_tokens=20, logprobs=1, return_token_ids=True),
+    dict(prompt=PROMPTS[1:3], n=2, temperature=1.0, max_tokens=12, seed=5, logprobs=0, return_token_ids=True),
+    dict(prompt=[PROMPTS[3]], n=3, temperature=0.7, top_p=0.8, max_tokens=7, seed=6, logprobs=2, return_token_ids=True),
+    dict(prompt=PROMPTS[2:], n=1, temperature=1.0, max_tokens=30, seed=7, return_token_ids=True),
+    dict(prompt=[PROMPTS[4]], n=4, temperature=0, max_tokens=3, return_token_ids=True),
+    dict(prompt=PROMPTS, n=2, temperature=1.2, max_tokens=16, seed=2**64 - 1, logprobs=0, return_token_ids=True),
+]
+
+
+def _assert_same_answer(got: dict, want: dict) -> None:
+    assert len(got["choices"]) == len(want["choices"])
+    for g, w in zip(got["choices"], want["choices"]):
+        assert (g["text"], g["token_ids"], g["finish_reason"]) == (w["text"], w["token_ids"], w["finish_reason"])
+        if w["logprobs"] is not None:
+            # Batch shapes may move the last float bits of the logits, never the tokens drawn.
+            assert g["logprobs"]["token_logprobs"] == pytest.approx(w["logprobs"]["token_logprobs"], abs=1e-5)
+            assert [list(t) for t in g["logprobs"]["top_logprobs"]] == [list(t) for t in w["logprobs"]["top_logprobs"]]
+    assert got["usage"] == want["usage"]
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_join_the_running_batch_and_each_gets_what_it_gets_alone(endless_model_dir, tmp_path):
+    """Greedy and seeded requests, sent while a long one decodes, all at once: each answer is
+    the one the same request gets alone, and the server batched them with the long one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    e = Engine(endless_model_dir, tmp_path / "engine.log")
+    try:
+        alone = [_complete(e, **body) for body in [LONG, *SMALL]]
+        before = _stats(e)
+        with ThreadPoolExecutor(len(SMALL) + 1) as pool:
+            long = pool.submit(_complete, e, **LONG)
+            _wait_for(e, "the long request decoding", lambda s: s["running_requests"] >= 1)
+            small = [pool.submit(_complete, e, **body) for body in SMALL]
+            answers = [long.result(), *(f.result() for f in small)]
+        after = _stats(e)
+        deadline = time.monotonic() + 5  # each line is written just after its response is sent
+        while len(lines := re.findall(r"POST /v1/completions 200 .* batch_requests=(\d+)", e.log())) < 2 * len(answers):
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.02)
+    finally:
+        e.kill()
+    for got, want in zip(answers, alone):
+        _assert_same_answer(got, want)
+    assert after["joined_running"] - before["joined_running"] >= 1, (before, after)
+    assert after["peak_requests"] >= 2
+    assert max(int(n) for n in lines[len(alone):]) >= 2, lines
+
+
+@pytest.mark.timeout(120)
+def test_a_reload_waits_for_the_requests_admitted_before_it_and_refuses_the_old_name_after(endless_model_dir, tmp_path):
+    """A request running when /reload arrives finishes on the old weights; one queued behind
+    the reload under the old name is refused with a 404; later ones get the new weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.demo import model
+
+    other = tmp_path / "other"
+    model.save(model.create(1), other)
+    e = Engine(endless_model_dir, tmp_path / "engine.log")
+    try:
+        on_old_weights = _complete(e, **LONG)
+        client = EngineClient(e.url, timeout_s=60, model=MODEL_NAME)
+        with ThreadPoolExecutor(3) as pool:
+            running = pool.submit(_complete, e, **LONG)
+            _wait_for(e, "the long request decoding", lambda s: s["running_requests"] >= 1)
+            reload = pool.submit(client.reload, str(other), "policy-2")
+            _wait_for(e, "the reload queued", lambda s: s["waiting"] >= 1)
+            late = pool.submit(_http, e.url + "/v1/completions", "POST", {"model": MODEL_NAME, **SMALL[0]})
+            reload.result()
+            # Every token of it on the old weights: a reload mid-request would change its logprobs.
+            _assert_same_answer(running.result(), on_old_weights)
+            status, raw = late.result()
+        assert status == 404 and "does not exist" in json.loads(raw)["error"]["message"], raw
+        on_new_weights = json.loads(_http(e.url + "/v1/completions", "POST", {"model": "policy-2", **LONG})[1])
+        assert on_new_weights["choices"][0]["token_ids"] != on_old_weights["choices"][0]["token_ids"]
+    finally:
+        e.kill()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_with_a_request_decoding_exits_0_and_answers_it(endless_model_dir, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    e = Engine(endless_model_dir, tmp_path / "engine.log")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_http, e.url + "/v1/completions", "POST",
+                                  {"model": MODEL_NAME, **LONG, "prompt": PROMPTS * 20, "n": 16})
+            _wait_for(e, "the request decoding", lambda s: s["running_requests"] >= 1)
+            os.kill(e.proc.pid, signal.SIGTERM)
+            assert e.proc.wait(timeout=5) == 0, e.log()[-3000:]
+            try:
+                status, raw = running.result(timeout=10)
+            except (urllib.error.URLError, ConnectionError):
+                pass  # the process may exit before the answer is written: the client sees the connection drop
+            else:
+                assert status == 503 and "shutting down" in json.loads(raw)["error"]["message"], raw
+        assert "SIGTERM received: shutting down" in e.log()
+    finally:
+        e.kill()
