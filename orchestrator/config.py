@@ -368,6 +368,11 @@ class RolloutConfig:
     engine_url: str = "http://127.0.0.1:8000"
     """With --debug-mode: the engine already running, used as it is."""
     engine_start_timeout_s: _Timeout = 300.0
+    max_inflight: Annotated[int, _limit("{key} must be >= 0 (0: the engine's default), got {value}", ge=0)] = 0
+    """Sequences (prompts x samples) a rank keeps in flight on each engine, in small requests
+    (one prompt each to vLLM, four to the embedded engine), so that the engine's continuous
+    batching always has work and no completion waits for another request's longest one.
+    0: the engine's default (1024)."""
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     """vLLM: fraction of each GPU's memory the engine may take."""
     max_model_len: NonNegativeInt = 0

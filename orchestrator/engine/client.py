@@ -1,18 +1,19 @@
 """The rollout's client for an inference engine: the embedded one or a real vLLM server,
-which speak the same OpenAI-compatible HTTP API. Stdlib only.
+which speak the same OpenAI-compatible HTTP API, over httpx.
 
 ``base_url`` is the server's root (``http://host:port``), not its ``/v1``: ``/health`` lives
-at the root on both servers.
+at the root on both servers. :meth:`EngineClient.complete` sends one request and waits for
+it; :meth:`EngineClient.acomplete` sends one on an ``httpx.AsyncClient`` of the caller's, so
+that many requests can be in flight at once (``workloads/rl/inflight.py``).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import httpx
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
@@ -82,22 +83,24 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._model = model
+        self._http = httpx.Client(timeout=timeout_s)  # pooled and thread-safe; its sockets close with it
+
+    def close(self) -> None:
+        self._http.close()
 
     def _request(self, method: str, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> bytes:
         url = self.base_url + path
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
-                return response.read()
-        except urllib.error.HTTPError as e:
-            with e:
-                raise EngineHTTPError(f"{method} {url}", e.code, _server_message(e.read())) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out
-            reason = e.reason if isinstance(e, urllib.error.URLError) else repr(e)
-            raise EngineUnavailable(f"cannot reach the engine at {method} {url}: {reason}") from e
+            response = self._http.request(method, url, json=body, timeout=timeout_s or self.timeout_s)
+        except httpx.HTTPError as e:  # refused, reset, timed out
+            raise EngineUnavailable(f"cannot reach the engine at {method} {url}: {e!r}") from e
+        return self._checked(method, url, response)
+
+    @staticmethod
+    def _checked(method: str, url: str, response: httpx.Response) -> bytes:
+        if response.is_error:
+            raise EngineHTTPError(f"{method} {url}", response.status_code, _server_message(response.content))
+        return response.content
 
     def _json(self, method: str, path: str, body: dict | None = None) -> dict:
         raw = self._request(method, path, body)
@@ -185,6 +188,33 @@ class EngineClient:
         prompts = list(prompts)
         if not prompts:
             return []
+        body = self._completion_body(prompts, n, temperature, top_p, max_tokens, stop, seed, logprobs, return_token_ids)
+        return self._completions(self._json("POST", "/v1/completions", body), len(prompts), n, return_token_ids)
+
+    async def acomplete(self, http: httpx.AsyncClient, prompts: Sequence[str], *, n: int = 1, temperature: float = 1.0,
+                        top_p: float = 1.0, max_tokens: int = 16, stop: Sequence[str] | None = None, seed: int | None = None,
+                        logprobs: int | None = None, return_token_ids: bool = False) -> list[list[Completion]]:
+        """:meth:`complete` on ``http``, an AsyncClient of the caller's event loop (its pool
+        and timeouts are the caller's); the same errors. The served name must be known
+        (``model=`` or an earlier :meth:`model`): this sends nothing else."""
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        body = self._completion_body(prompts, n, temperature, top_p, max_tokens, stop, seed, logprobs, return_token_ids)
+        url = f"{self.base_url}/v1/completions"
+        try:
+            response = await http.post(url, json=body)
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"cannot reach the engine at POST {url}: {e!r}") from e
+        raw = self._checked("POST", url, response)
+        try:
+            answer = json.loads(raw)
+        except ValueError as e:
+            raise EngineError(f"POST {url} answered with invalid JSON: {raw[:200]!r}") from e
+        return self._completions(answer, len(prompts), n, return_token_ids)
+
+    def _completion_body(self, prompts: list[str], n, temperature, top_p, max_tokens, stop, seed, logprobs,
+                         return_token_ids: bool) -> dict:
         body: dict = {
             "model": self.model(),
             "prompt": prompts,
@@ -198,19 +228,22 @@ class EngineClient:
         }
         if return_token_ids:
             body["return_token_ids"] = True  # only when asked: older vLLM ignores it with a warning
-        response = self._json("POST", "/v1/completions", body)
+        return body
+
+    def _completions(self, response: dict, count: int, n: int, return_token_ids: bool) -> list[list[Completion]]:
+        """``n`` completions of each of ``count`` prompts out of a /v1/completions answer."""
         try:
             choices = sorted(response["choices"], key=lambda c: c["index"])
             completions = [self._completion(c, return_token_ids) for c in choices]
         except (KeyError, TypeError) as e:
             raise EngineError(f"{self.base_url}/v1/completions answered an unexpected shape: {e!r}") from e
-        if [c["index"] for c in choices] != list(range(len(prompts) * n)):
+        if [c["index"] for c in choices] != list(range(count * n)):
             raise EngineError(
                 f"{self.base_url}/v1/completions answered choices {[c['index'] for c in choices]} "
-                f"for {len(prompts)} prompt(s) x n={n}"
+                f"for {count} prompt(s) x n={n}"
             )
         # vLLM numbers choices prompt-major: index = prompt_index * n + sample_index.
-        return [completions[j * n : (j + 1) * n] for j in range(len(prompts))]
+        return [completions[j * n : (j + 1) * n] for j in range(count)]
 
     def _completion(self, choice: dict, return_token_ids: bool) -> Completion:
         logprobs = choice.get("logprobs")

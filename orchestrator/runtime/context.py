@@ -21,6 +21,52 @@ from orchestrator.protocol.layout import AttemptLayout, IterationLayout, RunLayo
 from orchestrator.protocol.waiting import Backoff, CancelToken
 
 
+class RolloutPipe(Protocol):
+    """A rollout in progress: the phase claims chunks of tasks while the pipe ``wants_more``,
+    ``submit``s their tasks, and makes each batch ``next_batch`` returns durable before it
+    counts it. ``outstanding``: tasks submitted whose records have not come back."""
+
+    outstanding: int
+
+    def wants_more(self) -> bool: ...
+
+    def submit(self, task_ids: list[str]) -> None: ...
+
+    def next_batch(self, timeout_s: float) -> list[dict]:
+        """Scored records, one per task (with its ``task_id``), or [] when none came within ``timeout_s``."""
+
+    def close(self) -> None: ...
+
+
+class SerialPipe:
+    """A pipe over a generator of record batches (``rollout(task_ids)``), one chunk at a time."""
+
+    def __init__(self, rollout: Callable[[list[str]], Iterator[list[dict]]]):
+        self._rollout = rollout
+        self._batches: Iterator[list[dict]] | None = None
+        self.outstanding = 0
+
+    def wants_more(self) -> bool:
+        return self._batches is None
+
+    def submit(self, task_ids: list[str]) -> None:
+        self._batches = self._rollout(task_ids)
+        self.outstanding = len(task_ids)
+
+    def next_batch(self, timeout_s: float) -> list[dict]:
+        batch = next(self._batches, None) if self._batches is not None else None
+        if batch is None:
+            self._batches, self.outstanding = None, 0
+            return []
+        self.outstanding -= len(batch)
+        if self.outstanding <= 0:
+            self._batches = None
+        return batch
+
+    def close(self) -> None:
+        self._batches = None
+
+
 class Workload(Protocol):
     min_chunk_tasks: int
     """The smallest chunk of tasks worth handing out (what one engine request carries)."""
@@ -39,12 +85,8 @@ class Workload(Protocol):
         than an iteration asks for), one sentence each: the master logs them once and writes
         them where ``status`` shows them."""
 
-    def rollout_slots(self, ctx: PhaseContext) -> int:
-        """How many chunks this rank works on at once (one per engine)."""
-
-    def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
-        """Batches of scored records, one record per task (with its ``task_id``). Each batch
-        is made durable and counted before the next is asked for; checks ``ctx.cancel``."""
+    def rollout_pipe(self, ctx: PhaseContext, split: str) -> RolloutPipe:
+        """Where this rank's ``split`` rollout sends its tasks and takes back their records."""
 
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
         """Eval metrics (at least ``accuracy``) from the iteration's merged eval records."""

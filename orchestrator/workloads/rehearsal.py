@@ -19,7 +19,7 @@ from typing import Iterator
 from orchestrator.config import RunConfig
 from orchestrator.node.procs import Children
 from orchestrator.protocol import fsio
-from orchestrator.runtime.context import PhaseContext
+from orchestrator.runtime.context import PhaseContext, SerialPipe
 
 _GOLDEN = (5**0.5 - 1) / 2
 BATCH_S = 0.1
@@ -55,8 +55,8 @@ class RehearsalWorkload:
     def task_ids(self, split: str, iteration: int) -> list[str]:
         return [f"{split}-{iteration:06d}-{k:06d}" for k in range(self.tasks_per_iteration(split))]
 
-    def rollout_slots(self, ctx: PhaseContext) -> int:
-        return 1
+    def rollout_pipe(self, ctx: PhaseContext, split: str) -> SerialPipe:
+        return SerialPipe(lambda task_ids: self.rollout(ctx, split, task_ids))
 
     def task_seconds(self, ctx: PhaseContext, split: str) -> float:
         """Simulated seconds per task on this rank."""

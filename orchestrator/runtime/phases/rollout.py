@@ -10,11 +10,15 @@ already holds and finishes the chunks it had claimed. A sealed shard is never re
 
 from __future__ import annotations
 
+import contextlib
+
 from orchestrator import terminal
 from orchestrator.data import shards, work
 from orchestrator.node import placement
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
+
+_BATCH_WAIT_S = 0.1  # how often the wait for the next batch looks at the rank's cancel token
 
 
 def weights(ctx: PhaseContext) -> list[float]:
@@ -75,52 +79,75 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
     ids = ctx.workload.task_ids(split, ctx.iteration)
     elastic = ctx.config.coordination.elastic
     claims = ledger(ctx, split)
-    slots = max(1, ctx.workload.rollout_slots(ctx))
     moved = work.task_chunks(claims.chunks)  # a task of an adopted rank's chunk may be another chunk's now
     finished = work.finished_chunks(ctx.it, split, ctx.rank) if elastic else set()
-    with shards.ShardWriter(path) as writer:
+    with shards.ShardWriter(path) as writer, contextlib.closing(ctx.workload.rollout_pipe(ctx, split)) as pipe:
         queue = claims.owned()
         done = len(writer.task_ids)
         if done:
             ctx.log.info("resuming %s shard: %d tasks already there, %d chunk(s) claimed", split, done, len(queue))
         ctx.progress(done, count)
         first_batch = True
+        unfinished: dict[int, set[str]] = {}  # chunk -> its submitted tasks not yet durable
         with terminal.progress(f"iteration {ctx.iteration} {split} rollout", count, done) as bar:
             while True:
                 pending = False
                 if elastic and _refresh(ctx, split, claims):
                     moved = work.task_chunks(claims.chunks)
-                while len(queue) < slots:
-                    chunk, pending = claims.take()
-                    if chunk is None:
-                        break
-                    if chunk.rank != ctx.rank:
-                        ctx.log.info("took %s chunk %d (%d tasks) from rank %d", split, chunk.index, chunk.size, chunk.rank)
-                        ctx.run.took(split, chunk.index, chunk.size, chunk.rank)
-                    queue.append(chunk)
-                if not queue:
+                while pipe.wants_more():  # claimed only when the engines can take it: the rest stays free to steal
+                    if queue:
+                        chunk = queue.pop(0)
+                    else:
+                        chunk, pending = claims.take()
+                        if chunk is None:
+                            break
+                        if chunk.rank != ctx.rank:
+                            ctx.log.info("took %s chunk %d (%d tasks) from rank %d", split, chunk.index, chunk.size, chunk.rank)
+                            ctx.run.took(split, chunk.index, chunk.size, chunk.rank)
+                    todo = [ids[t] for t in chunk.tasks if moved[t] == chunk.index and ids[t] not in writer.task_ids]
+                    if todo:
+                        unfinished[chunk.index] = set(todo)
+                        pipe.submit(todo)
+                    else:
+                        finished.add(chunk.index)
+                if not pipe.outstanding:
                     if not pending and (not elastic or not claims.open_chunks()):
                         break
                     # A claim is settling (see whether it is void), or (elastic) others still work:
                     # a rank marked out meanwhile leaves chunks for this one.
                     ctx.cancel.sleep(ctx.config.coordination.poll_max_s)
                     continue
-                taking, queue = queue[:slots], queue[slots:]
-                todo = [ids[t] for c in taking for t in c.tasks if moved[t] == c.index and ids[t] not in writer.task_ids]
+                # The phase's deadline bounds this wait: the monitor cancels the rank when it passes.
+                ctx.cancel.check()
+                batch = pipe.next_batch(_BATCH_WAIT_S)
+                if not batch:
+                    continue
+                for record in batch:
+                    writer.append(record)
+                writer.flush()  # each batch is durable before it is counted: progress shown is progress kept
+                done += len(batch)
                 total = claims.expected()
-                for batch in ctx.workload.rollout(ctx, split, todo):
-                    for record in batch:
-                        writer.append(record)
-                    writer.flush()  # each batch is durable before it is counted: progress shown is progress kept
-                    done += len(batch)
-                    ctx.progress(done, total)
-                    bar.update(done, total)
-                    if first_batch:
-                        first_batch = False
-                        ctx.fault_point("hold-after-batch")
+                ctx.progress(done, total)
+                bar.update(done, total)
+                if first_batch:
+                    first_batch = False
+                    ctx.fault_point("hold-after-batch")
                 if elastic:
-                    finished |= {c.index for c in taking}
+                    finished |= _settled(unfinished, batch)
                     work.note_finished(ctx.it, split, ctx.rank, finished)
+        if elastic:
+            work.note_finished(ctx.it, split, ctx.rank, finished)  # chunks found with nothing left to do
+
+
+def _settled(unfinished: dict[int, set[str]], batch: list[dict]) -> set[int]:
+    """The chunks whose last submitted task ``batch`` made durable (removed from ``unfinished``)."""
+    for record in batch:
+        for tasks in unfinished.values():
+            tasks.discard(record["task_id"])
+    settled = {chunk for chunk, tasks in unfinished.items() if not tasks}
+    for chunk in settled:
+        del unfinished[chunk]
+    return settled
 
 
 def seal_shard(ctx: PhaseContext, split: str) -> dict:

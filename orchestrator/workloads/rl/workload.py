@@ -8,14 +8,13 @@ job. Records are JSON (see docs/demo.md and the trainer's contract in train/work
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import logging
-import queue
 import random
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Iterator
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig
@@ -26,13 +25,23 @@ from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
+from orchestrator.workloads.rl.inflight import Inflight
+from orchestrator.workloads.rl.rollout_pipe import RLRolloutPipe
 from orchestrator.workloads.rl.scoring import Scorer
 from orchestrator.workloads.rl.trainers import NodeTrainers
 
 log = logging.getLogger(__name__)
 
-PROMPTS_PER_REQUEST = 16
-_BATCH_WAIT_S = 0.1  # how often the wait for the next batch looks at the rank's cancel token
+MIN_CHUNK_TASKS = 16
+"""The smallest chunk of tasks a rank claims: fewer claim files than one per task, and small
+enough that a rank which finishes early still finds work to steal."""
+DEFAULT_MAX_INFLIGHT = {"embedded": 1024, "vllm": 1024}
+"""Sequences in flight per engine when rollout.max_inflight is 0: what each engine batches well."""
+PROMPTS_PER_REQUEST = {"embedded": 4, "vllm": 1}
+"""Prompts per engine request: vLLM schedules each sequence on its own, so one prompt's samples
+a request; the embedded engine's HTTP server costs about 1 ms a request of CPU on both sides,
+which on a CPU node is worth a few prompts a request."""
+_REQUEST_TIMEOUT_S = 600.0
 
 
 def shortfall(split: str, wanted: int, path: Path, held: int, usable: int) -> str | None:
@@ -47,7 +56,7 @@ def shortfall(split: str, wanted: int, path: Path, held: int, usable: int) -> st
 
 
 class RLWorkload:
-    min_chunk_tasks = PROMPTS_PER_REQUEST
+    min_chunk_tasks = MIN_CHUNK_TASKS
 
     def __init__(self, config: RunConfig, children: Children):
         self.config = config
@@ -150,74 +159,31 @@ class RLWorkload:
 
     # -- rollout and eval ----------------------------------------------------------------------
 
-    def rollout_slots(self, ctx: PhaseContext) -> int:
-        if self.config.debug_mode:
-            return 1
-        return max(1, len(ctx.run.placement.engines_on(ctx.rank)))
-
-    def rollout(self, ctx: PhaseContext, split: str, task_ids: list[str]) -> Iterator[list[dict]]:
-        """Batches of records in completion order; a node's engines share the batches. A
-        batch whose reward failures pass rl.max_reward_error_fraction fails the rank unwritten."""
-        scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
-        for batch in self._batches(ctx, split, task_ids, scorer):
-            scorer.check(batch)
-            yield batch
-
-    def _batches(self, ctx: PhaseContext, split: str, task_ids: list[str], scorer: Scorer) -> Iterator[list[dict]]:
-        if not task_ids:
-            return
+    def rollout_pipe(self, ctx: PhaseContext, split: str) -> RLRolloutPipe:
+        """The rollout's requests in flight on this node's engines (``rollout.max_inflight``
+        sequences on each), answered as scored records in durable batches."""
         if not self.clients:
             self.engine_start(ctx)
-        batches = [task_ids[i : i + PROMPTS_PER_REQUEST] for i in range(0, len(task_ids), PROMPTS_PER_REQUEST)]
-        if len(self.clients) == 1:
-            for batch in batches:
-                ctx.cancel.check()
-                yield self._complete(ctx, split, self.clients[0], batch, scorer)
-            return
-        yield from self._rollout_parallel(ctx, split, batches, scorer)
-
-    def _rollout_parallel(self, ctx: PhaseContext, split: str, batches: list[list[str]], scorer: Scorer) -> Iterator[list[dict]]:
-        """Each engine takes the next batch as soon as it is free; batches come back in
-        completion order. A failed batch ends the rollout; the batches not begun are dropped."""
-        free: queue.SimpleQueue[EngineClient] = queue.SimpleQueue()
-        for client in self.clients:
-            free.put(client)
-
-        def complete(batch: list[str]) -> list[dict]:
-            client = free.get()  # one worker per engine: one is always free here
-            try:
-                return self._complete(ctx, split, client, batch, scorer)
-            finally:
-                free.put(client)
-
-        pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="rollout")
-        pending = {pool.submit(complete, b) for b in batches}
-        try:
-            while pending:
-                # The phase's deadline bounds this wait: the monitor cancels the rank when it passes.
-                ctx.cancel.check()
-                finished, pending = wait(pending, timeout=_BATCH_WAIT_S, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    yield future.result()
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _complete(self, ctx: PhaseContext, split: str, client: EngineClient, task_ids: list[str], scorer: Scorer) -> list[dict]:
         train = split == "train"
-        n = self.rl.samples_per_prompt if train else self.rl.eval_samples
-        temperature = self.rl.temperature if train else self.rl.eval_temperature
+        sampling = {"n": self.rl.samples_per_prompt if train else self.rl.eval_samples,
+                    "temperature": self.rl.temperature if train else self.rl.eval_temperature,
+                    "top_p": self.rl.top_p, "max_tokens": self.rl.max_tokens, "stop": self.rl.stop, "logprobs": 0,
+                    "return_token_ids": True}
+        for client in self.clients:
+            client.model()  # the served name, asked once here: the requests in flight send nothing else
+        inflight = Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
+        scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
         policy = str(self.checkpoint())
-        batch = [self.by_id[split][t] for t in task_ids]
-        seed = random.Random(f"{self.config.seed}:{split}:{ctx.iteration}:{batch[0]['id']}").randrange(2**31)
-        began = time.monotonic()
-        texts = [self.prompts[split].texts[t["id"]] for t in batch]
-        groups = client.complete(texts, n=n, temperature=temperature, top_p=self.rl.top_p, max_tokens=self.rl.max_tokens,
-                                 stop=self.rl.stop, seed=seed, logprobs=0, return_token_ids=True)
-        seconds = (time.monotonic() - began) / len(batch)
-        return [self._record(ctx, split, task, text, group, policy, seconds, scorer) for task, text, group in zip(batch, texts, groups)]
+        return RLRolloutPipe(ctx, split, inflight, scorer, self.prompts[split].texts, self.by_id[split],
+                             functools.partial(self._record, policy=policy),
+                             prompts_per_request=PROMPTS_PER_REQUEST[self.config.rollout.engine])
 
-    def _record(self, ctx: PhaseContext, split: str, task: dict, prompt: str, group, policy: str, seconds: float,
-                scorer: Scorer) -> dict:
+    def max_inflight(self) -> int:
+        """Sequences in flight per engine: ``rollout.max_inflight``, or the engine's default."""
+        return self.config.rollout.max_inflight or DEFAULT_MAX_INFLIGHT[self.config.rollout.engine]
+
+    def _record(self, ctx: PhaseContext, split: str, task: dict, prompt: str, group, seconds: float, scorer: Scorer, *,
+                policy: str, sent_at: float) -> dict:
         """One task's trajectory record. The trainer trains on the token ids the engine sampled
         (``prompt_token_ids``, each sample's ``token_ids``), never on the text re-tokenized."""
         samples = []
@@ -239,11 +205,14 @@ class RLWorkload:
             "prompt_token_ids": group[0].prompt_token_ids,
             "answer": task["answer"],
             "seconds": seconds,
+            "sent_at": sent_at,
             "samples": samples,
         }
 
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
-        rewards_all, best, lengths, tokens, seconds = [], [], [], 0, 0.0
+        rewards_all, best, lengths = [], [], []
+        tokens: dict[int, int] = collections.Counter()  # per rank
+        spans: dict[int, list[float]] = {}  # per rank: first request sent, last answered
         with open(eval_records, "rb") as f:
             for line in f:
                 rec = json.loads(line)
@@ -253,8 +222,10 @@ class RLWorkload:
                 for s in rec["samples"]:
                     n_tok = len(s["logprobs"]) if s.get("logprobs") is not None else len(s["text"])
                     lengths.append(n_tok)
-                    tokens += n_tok
-                seconds += rec.get("seconds", 0.0)
+                    tokens[rec["rank"]] += n_tok
+                sent = rec.get("sent_at", 0.0)
+                span = spans.setdefault(rec["rank"], [sent, sent])
+                span[0], span[1] = min(span[0], sent), max(span[1], sent + rec.get("seconds", 0.0))
         if not rewards_all:
             return {"accuracy": 0.0, "mean_reward": 0.0, "pass_at_k": 0.0, "response_length": 0.0, "tokens_per_s": 0.0}
         mean = sum(rewards_all) / len(rewards_all)
@@ -264,7 +235,8 @@ class RLWorkload:
             "pass_at_k": sum(1.0 for b in best if b >= 1.0) / len(best),
             "k": self.rl.eval_samples,
             "response_length": sum(lengths) / len(lengths),
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            # Requests overlap: each rank's tokens over its span, added up over the ranks.
+            "tokens_per_s": sum(tokens[r] / (end - start) for r, (start, end) in spans.items() if end > start),
             "tasks": len(best),
         }
 

@@ -1,0 +1,188 @@
+"""Many requests in flight per engine, the way inference engines want to be fed.
+
+An engine schedules by continuous batching: it wants every sequence it can fit, and refills
+a slot the moment a sequence ends. So the rollout sends small requests (one prompt's samples
+each) and keeps up to ``max_sequences`` sequences (prompts x samples) outstanding on every
+engine: a request leaves as soon as one ends, and no completion waits for another request's
+longest one. The requests go out from one asyncio event loop in a thread of its own, over one
+pooled ``httpx.AsyncClient`` per engine; the caller's thread submits work and takes the
+answers as they come (:meth:`Inflight.answers`), in completion order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import httpx
+
+from orchestrator.engine.client import Completion, EngineClient
+
+_CLOSE_WAIT_S = 10.0  # how long close() waits for the loop's thread to end
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    task_ids: list[str]
+    prompts: list[str]
+    seed: int
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    request: Request
+    groups: list[list[Completion]]
+    """``groups[j]``: the samples of ``request.prompts[j]``."""
+    seconds: float
+    """The request's wall time, sent to answered."""
+    sent_at: float
+    """When it was sent (``time.time()``)."""
+
+
+@dataclass(slots=True)
+class _Engine:
+    client: EngineClient
+    http: httpx.AsyncClient
+    sequences: int = 0
+    """Sequences of this engine's requests in flight now."""
+
+
+@dataclass(slots=True)
+class Stats:
+    peak_sequences: list[int] = field(default_factory=list)
+    """Per engine, the most sequences it had in flight at once."""
+    requests: int = 0
+
+
+class Inflight:
+    """Sends :class:`Request`s to ``clients`` with up to ``max_sequences`` sequences in flight
+    on each engine (a request larger than that goes alone). ``sampling`` is the keyword
+    arguments of :meth:`EngineClient.acomplete` (``n`` among them) shared by every request."""
+
+    def __init__(self, clients: Sequence[EngineClient], *, max_sequences: int, sampling: dict, timeout_s: float):
+        if not clients:
+            raise ValueError("no engines")
+        self.max_sequences = max_sequences
+        self.samples = int(sampling.get("n", 1))
+        self._sampling = sampling
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # the budget bounds them
+        self._engines = [_Engine(c, httpx.AsyncClient(timeout=timeout_s, limits=limits)) for c in clients]
+        self.stats = Stats(peak_sequences=[0] * len(clients))
+        self._waiting: collections.deque[Request] = collections.deque()  # the loop's, not yet sent
+        self._answers: queue.SimpleQueue[Answer | BaseException] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0  # sequences submitted and not yet sent (guarded by _lock)
+        self._failed = False
+        self._loop = asyncio.new_event_loop()
+        self._stopping = asyncio.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-inflight", daemon=True)
+        self._thread.start()
+
+    # -- the caller's thread ---------------------------------------------------------------
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        with self._lock:
+            self._queued += sum(r.size for r in requests) * self.samples
+        self._loop.call_soon_threadsafe(self._enqueue, list(requests))
+
+    @property
+    def queued_sequences(self) -> int:
+        """Sequences submitted and not yet sent to an engine."""
+        with self._lock:
+            return self._queued
+
+    @property
+    def capacity(self) -> int:
+        """Sequences all engines together take in flight."""
+        return self.max_sequences * len(self._engines)
+
+    def answers(self, timeout_s: float) -> list[Answer]:
+        """The answers that came since the last call, waiting up to ``timeout_s`` for the
+        first; raises the first request's failure (the rest are then left unsent)."""
+        got: list[Answer] = []
+        try:
+            item = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            return got
+        while True:
+            if isinstance(item, BaseException):
+                raise item
+            got.append(item)
+            try:
+                item = self._answers.get_nowait()
+            except queue.Empty:
+                return got
+
+    def close(self) -> None:
+        """Stop sending; requests in flight are abandoned (their answers are never taken)."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop)
+            self._thread.join(timeout=_CLOSE_WAIT_S)
+
+    # -- the loop's thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        try:
+            await self._stopping.wait()
+        finally:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for e in self._engines:
+                await e.http.aclose()
+
+    def _stop(self) -> None:
+        self._stopping.set()
+
+    def _enqueue(self, requests: list[Request]) -> None:
+        self._waiting.extend(requests)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Send waiting requests while some engine has room: the least loaded one first."""
+        while self._waiting and not self._failed:
+            request = self._waiting[0]
+            sequences = request.size * self.samples
+            engine = min(self._engines, key=lambda e: e.sequences)
+            if engine.sequences and engine.sequences + sequences > self.max_sequences:
+                return
+            self._waiting.popleft()
+            with self._lock:
+                self._queued -= sequences
+            engine.sequences += sequences
+            i = self._engines.index(engine)
+            self.stats.peak_sequences[i] = max(self.stats.peak_sequences[i], engine.sequences)
+            self.stats.requests += 1
+            self._loop.create_task(self._send(engine, request, sequences))
+
+    async def _send(self, engine: _Engine, request: Request, sequences: int) -> None:
+        began, sent_at = time.monotonic(), time.time()
+        try:
+            groups = await engine.client.acomplete(engine.http, request.prompts, seed=request.seed, **self._sampling)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, which raises it
+            self._failed = True
+            self._answers.put(e)
+            return
+        finally:
+            engine.sequences -= sequences
+        self._answers.put(Answer(request, groups, time.monotonic() - began, sent_at))
+        self._dispatch()

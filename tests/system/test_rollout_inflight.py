@@ -1,0 +1,82 @@
+"""The rollout keeps ``rollout.max_inflight`` sequences in flight on its engine, in small
+requests (a few prompts each), against a stub engine process that answers every request after a fixed
+delay; a rank killed with kill -9 in the middle of such a rollout and started again leaves
+every task exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from orchestrator.protocol.layout import RunLayout
+from orchestrator.workloads.rl.workload import PROMPTS_PER_REQUEST
+from tests.harness import hold_after_first_batch, kill_tree, start_ranks, wait_for, wait_held_mid_rollout
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+TASKS, SAMPLES, IN_FLIGHT = 96, 8, 64
+
+
+@pytest.fixture
+def stub_engine(tmp_path):
+    port_file = tmp_path / "stub.port"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.stub_engine", f"--port-file={port_file}", "--delay-s=0.3"],
+                            start_new_session=True)
+    try:
+        port = int(wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 30, "the stub engine's port"))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        kill_tree(proc.pid)
+
+
+def _flags(data, log_path, url):
+    return [f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=rollout", "--rollout-split=train-only",
+            "--max-iterations=1", "--debug-mode", f"rollout.engine_url={url}", f"rollout.max_inflight={IN_FLIGHT}",
+            f"rl.train_tasks={TASKS}", f"rl.samples_per_prompt={SAMPLES}", "coordination.heartbeat_interval_s=0.5",
+            "coordination.node_timeout_s=10"]
+
+
+def _run(flags):
+    return subprocess.run([sys.executable, "-m", "orchestrator", "run", *flags], capture_output=True, text=True, timeout=180)
+
+
+def _task_ids(layout):
+    return [json.loads(line)["task_id"] for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
+
+
+def test_the_rollout_keeps_max_inflight_sequences_in_flight_in_small_requests(demo_data, tmp_path, stub_engine):
+    layout = RunLayout(tmp_path / "run")
+    result = _run(_flags(demo_data, layout.root, stub_engine))
+    assert result.returncode == 0, result.stderr[-4000:]
+    stats = httpx.get(f"{stub_engine}/stats").json()
+    per_request = PROMPTS_PER_REQUEST["embedded"]
+    assert stats["requests"] == TASKS // per_request  # a few prompts (their 8 samples each) a request
+    assert stats["peak_sequences"] == IN_FLIGHT  # IN_FLIGHT / (8 x per_request) requests at once: never fewer at the peak, never more
+    ids = _task_ids(layout)
+    assert len(ids) == TASKS and len(set(ids)) == TASKS
+
+
+def test_a_rank_killed_mid_rollout_with_requests_in_flight_and_restarted_leaves_every_task_once(demo_data, tmp_path,
+                                                                                                 stub_engine):
+    layout = RunLayout(tmp_path / "run")
+    flags = _flags(demo_data, layout.root, stub_engine)
+    [proc] = start_ranks(flags, 1, env_for=hold_after_first_batch(0))
+    try:
+        wait_held_mid_rollout(layout, 0, timeout=60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        kept = _task_ids(layout)
+        assert 0 < len(kept) < TASKS
+    finally:
+        kill_tree(proc.pid)
+    result = _run(flags)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ids = _task_ids(layout)
+    assert len(ids) == TASKS and len(set(ids)) == TASKS
+    assert ids[: len(kept)] == kept  # what was durable stays, first; only the rest was generated again

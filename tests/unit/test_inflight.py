@@ -1,0 +1,99 @@
+"""The rollout's requests in flight (workloads/rl/inflight.py) against engines faked at the one
+seam it calls, ``acomplete``; tests/system/test_rollout_inflight.py runs a real engine process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.engine.client import Completion, EngineHTTPError
+from orchestrator.runtime.context import SerialPipe
+from orchestrator.runtime.phases.rollout import _settled
+from orchestrator.workloads.rl.inflight import Inflight, Request
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeEngine:
+    def __init__(self, delay_s: float = 0.02, fail_on: str | None = None):
+        self.delay_s, self.fail_on = delay_s, fail_on
+        self.in_flight = self.peak = 0
+        self.prompts: list[str] = []
+
+    async def acomplete(self, http, prompts, *, n=1, seed=None, **_):
+        self.in_flight += len(prompts) * n
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if self.fail_on in prompts:
+                raise EngineHTTPError("POST /v1/completions", 400, "too long")
+            self.prompts.extend(prompts)
+            return [[Completion(p, "stop", None, None)] * n for p in prompts]
+        finally:
+            self.in_flight -= len(prompts) * n
+
+
+def _requests(count: int, size: int = 1) -> list[Request]:
+    return [Request([f"t{i}-{j}" for j in range(size)], [f"p{i}-{j}" for j in range(size)], seed=i) for i in range(count)]
+
+
+def _drain(inflight: Inflight, count: int) -> list:
+    got = []
+    while len(got) < count:
+        got.extend(inflight.answers(timeout_s=5))
+    return got
+
+
+def test_an_engine_holds_exactly_max_sequences_while_there_is_work():
+    engine = FakeEngine()
+    inflight = Inflight([engine], max_sequences=32, sampling={"n": 8}, timeout_s=10)
+    try:
+        inflight.submit(_requests(40))
+        answers = _drain(inflight, 40)
+    finally:
+        inflight.close()
+    assert engine.peak == 32 and inflight.stats.peak_sequences == [32]
+    assert sorted(a.request.task_ids[0] for a in answers) == sorted(f"t{i}-0" for i in range(40))
+    assert inflight.queued_sequences == 0
+
+
+def test_the_least_loaded_engine_takes_the_next_request_and_a_request_over_the_budget_goes_alone():
+    engines = [FakeEngine(), FakeEngine()]
+    inflight = Inflight(engines, max_sequences=8, sampling={"n": 4}, timeout_s=10)
+    try:
+        inflight.submit(_requests(8) + _requests(1, size=3))  # 12 sequences: more than one engine's 8
+        _drain(inflight, 9)
+    finally:
+        inflight.close()
+    assert len(engines[0].prompts) + len(engines[1].prompts) == 11
+    assert min(len(e.prompts) for e in engines) >= 3  # both were used
+    assert max(e.peak for e in engines) == 12  # the big request alone, never beside another
+
+
+def test_a_failed_request_is_raised_in_the_callers_thread_and_nothing_more_is_sent():
+    engine = FakeEngine(fail_on="p3-0")
+    inflight = Inflight([engine], max_sequences=2, sampling={"n": 1}, timeout_s=10)
+    try:
+        inflight.submit(_requests(20))
+        with pytest.raises(EngineHTTPError, match="too long"):
+            _drain(inflight, 20)
+    finally:
+        inflight.close()
+    assert len(engine.prompts) < 19
+
+
+def test_a_serial_pipe_takes_one_chunk_at_a_time():
+    pipe = SerialPipe(lambda ids: iter([ids[:2], ids[2:]]))
+    assert pipe.wants_more()
+    pipe.submit(["a", "b", "c"])
+    assert not pipe.wants_more() and pipe.outstanding == 3
+    assert pipe.next_batch(0.1) == ["a", "b"] and pipe.outstanding == 1
+    assert pipe.next_batch(0.1) == ["c"] and pipe.outstanding == 0 and pipe.wants_more()
+
+
+def test_a_chunk_is_settled_when_its_last_submitted_task_is_durable():
+    unfinished = {0: {"a", "b"}, 1: {"c"}}
+    assert _settled(unfinished, [{"task_id": "a"}, {"task_id": "c"}]) == {1}
+    assert _settled(unfinished, [{"task_id": "b"}]) == {0}
+    assert unfinished == {}
