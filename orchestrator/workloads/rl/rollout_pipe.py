@@ -24,11 +24,14 @@ class RLRolloutPipe:
     """One rollout (or eval) of one rank: ``submit`` task ids, take ``next_batch``es of
     scored records, ``close``. ``record(task, prompt, group, seconds)`` makes a task's record."""
 
-    def __init__(self, ctx: PhaseContext, split: str, inflight: Inflight, scorer: Scorer, texts: dict[str, str],
+    def __init__(self, ctx: PhaseContext, split: str, start: Callable[[], Inflight], scorer: Scorer, texts: dict[str, str],
                  tasks: dict[str, dict], record: Callable[..., dict], *, prompts_per_request: int):
+        """``start()`` makes the engines' :class:`Inflight` when the first task comes: a rank
+        with nothing to roll out (no engines on its node) starts none."""
         self.ctx, self.split = ctx, split
         self.prompts_per_request = prompts_per_request
-        self.inflight = inflight
+        self._start = start
+        self.inflight: Inflight | None = None
         self.scorer = scorer
         self._texts, self._tasks, self._record = texts, tasks, record
         self.outstanding = 0
@@ -39,7 +42,7 @@ class RLRolloutPipe:
     def wants_more(self) -> bool:
         """True while the engines could take more than is waiting to be sent: then the phase
         claims another chunk (late, so that other ranks can still steal what is not begun)."""
-        return self.inflight.queued_sequences < self.inflight.capacity
+        return self.inflight is None or self.inflight.queued_sequences < self.inflight.capacity
 
     def submit(self, task_ids: list[str]) -> None:
         seeds = random.Random  # one stream per request, named by its first task: the same whatever else is in flight
@@ -50,13 +53,15 @@ class RLRolloutPipe:
             seed = seeds(f"{ctx.config.seed}:{self.split}:{ctx.iteration}:{ids[0]}").randrange(2**31)
             requests.append(Request(ids, [self._texts[t] for t in ids], seed))
         self.outstanding += len(task_ids)
+        if self.inflight is None:
+            self.inflight = self._start()
         self.inflight.submit(requests)
 
     def next_batch(self, timeout_s: float) -> list[dict]:
         """Scored records ready to be made durable, or [] when none are yet (after waiting up
         to ``timeout_s``). Raises an engine's failure, or RewardFailed before the batch is
         returned (it is never written)."""
-        for answer in self.inflight.answers(timeout_s):
+        for answer in self.inflight.answers(timeout_s) if self.inflight else ():
             if self._since is None:
                 self._since = time.monotonic()
             self._ready.extend(self._records(answer))
@@ -74,4 +79,5 @@ class RLRolloutPipe:
                 for t, prompt, group in zip(answer.request.task_ids, answer.request.prompts, answer.groups)]
 
     def close(self) -> None:
-        self.inflight.close()
+        if self.inflight is not None:
+            self.inflight.close()

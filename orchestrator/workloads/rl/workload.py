@@ -161,21 +161,24 @@ class RLWorkload:
 
     def rollout_pipe(self, ctx: PhaseContext, split: str) -> RLRolloutPipe:
         """The rollout's requests in flight on this node's engines (``rollout.max_inflight``
-        sequences on each), answered as scored records in durable batches."""
-        if not self.clients:
-            self.engine_start(ctx)
+        sequences on each), answered as scored records in durable batches. The engines start
+        with the first task (a node without engines never gets one)."""
         train = split == "train"
         sampling = {"n": self.rl.samples_per_prompt if train else self.rl.eval_samples,
                     "temperature": self.rl.temperature if train else self.rl.eval_temperature,
                     "top_p": self.rl.top_p, "max_tokens": self.rl.max_tokens, "stop": self.rl.stop, "logprobs": 0,
                     "return_token_ids": True}
-        for client in self.clients:
-            client.model()  # the served name, asked once here: the requests in flight send nothing else
-        inflight = Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
+
+        def start() -> Inflight:
+            if not self.clients:
+                self.engine_start(ctx)
+            for client in self.clients:
+                client.model()  # the served name, asked once here: the requests in flight send nothing else
+            return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
+
         scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
-        policy = str(self.checkpoint())
-        return RLRolloutPipe(ctx, split, inflight, scorer, self.prompts[split].texts, self.by_id[split],
-                             functools.partial(self._record, policy=policy),
+        record = functools.partial(self._record, policy=str(self.checkpoint()))
+        return RLRolloutPipe(ctx, split, start, scorer, self.prompts[split].texts, self.by_id[split], record,
                              prompts_per_request=PROMPTS_PER_REQUEST[self.config.rollout.engine])
 
     def max_inflight(self) -> int:
