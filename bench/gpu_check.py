@@ -15,7 +15,7 @@ demo        the demo data, made here: ``orchestrator demo-data --warm-steps 20``
 engine      the embedded engine (``python -m orchestrator.engine.server --device cuda``) on
             the main job's prompts, 384 prompts x 8 samples with max_tokens 8 (arith), and
             on the chat demo's with max_tokens 64 (chat): sent as one request, and as
-            requests of 1-4 prompts with up to 1024 sequences in flight (the plan and the
+            requests of 16 prompts (the rollout's default at 8 samples; --quick: 1-4) with up to 1024 sequences in flight (the plan and the
             httpx client of bench/engine_batching.py); the best of 2 rounds after a warm-up.
             Completion tokens/s of both, and many's over one's
 engine-cpu  the same on ``--device cpu``, one round: the comparison (GPU over CPU, one request)
@@ -93,7 +93,7 @@ class Sizes:
     """Of each sample in the update's aggregate."""
 
 
-FULL = Sizes(warm_steps=20, prompts=384, n=8, max_tokens={"arith": 8, "chat": 64}, max_inflight=1024, request_prompts=(1, 4),
+FULL = Sizes(warm_steps=20, prompts=384, n=8, max_tokens={"arith": 8, "chat": 64}, max_inflight=1024, request_prompts=(16, 16),
              rounds=2, train_records=48, train_samples=8, completion_tokens=8)
 QUICK = Sizes(warm_steps=2, prompts=12, n=2, max_tokens={"arith": 4, "chat": 8}, max_inflight=8, request_prompts=(1, 4),
               rounds=1, train_records=4, train_samples=2, completion_tokens=4)

@@ -22,7 +22,7 @@ rendered). Then ``--rounds`` times, after the load average is below ``--max-load
 
 rollout    a real rank: ``python -m orchestrator run --rl-phase rollout --rollout-split
            train-only --max-iterations 1 --debug-mode rollout.engine_url=URL`` on a fresh log
-           path, its requests as the run makes them (``PROMPTS_PER_REQUEST`` prompts each, up
+           path, its requests as the run makes them (``prompts_per_request`` prompts each, up
            to ``DEFAULT_MAX_INFLIGHT`` sequences in flight). Seconds: the run's own phase 1
            (``status --json``: from the rank entering the rollout to entering phase 2, the
            engine already up); tokens: every sample's ``token_ids`` in its shard. The JSON
@@ -32,7 +32,7 @@ rollout    a real rank: ``python -m orchestrator run --rl-phase rollout --rollou
 saturated  the engine's own best on the same prompts and sampling. Embedded: one request
            carrying every prompt. vLLM: ``vllm.LLM(...).generate(every prompt)`` offline in a
            process of its own (run before the server starts, all rounds in one process, its
-           start not counted), with ``--vllm-offline-args``
+           start not counted), a seed per prompt, with ``--vllm-offline-args``
 one        vLLM only: one HTTP request carrying every prompt to the server (saturated as the
            server is configured; for the embedded engine this is saturated)
 requests   the rollout's request path alone: ``workloads/rl/inflight.py``'s ``Inflight`` with
@@ -42,6 +42,13 @@ requests   the rollout's request path alone: ``workloads/rl/inflight.py``'s ``In
 today      before requests in flight: ``Inflight`` with 16 prompts a request and one request
            in flight (``max_sequences`` = 16 x n), over the same prompts. Like requests, it
            leaves out the phase's own cost, so rollout / today understates the gain
+
+Diagnostics, when asked for: ``--cheap-reward`` adds ``rollout_exact_match``, the rollout
+again with ``rl.reward=orchestrator.rewards:exact_match`` where the setting grades with
+another reward (chat): what grading costs the rollout on the engine's cores.
+``--rollout-request-sizes K,...`` adds ``rollout@K``: the rollout again with
+``rollout.prompts_per_request=K``. ``--request-sizes K,...`` adds ``requests@K``: the request
+path with K prompts a request at the rollout's in-flight budget.
 
 Sampling is the rollout's in every mode: temperature 1, top_p 1, ``logprobs=0``, token ids
 returned, each request seeded. Throughput is completion tokens (EOS included) per second;
@@ -76,7 +83,7 @@ from bench.common import (  # noqa: E402
 DEFAULT_OUT = RESULTS / "rollout_throughput.json"
 NAME = "bench-policy"
 ENGINES = ("embedded", "vllm")
-MODES = ("saturated", "one", "rollout", "requests", "today")
+CHEAP_REWARD = "rl.reward=orchestrator.rewards:exact_match"
 TODAY_PROMPTS_PER_REQUEST = 16
 """What one rollout request carried before requests in flight, one request at a time."""
 TEMPERATURE = 1.0
@@ -256,13 +263,14 @@ def read_rollout(log_path: Path) -> dict:
             "after_last_answer_s": round(phase["t_end"] - max(answered), 3)}
 
 
-def rollout_run(python: str, engine: str, url: str, data: Path, log_path: Path, setting: Setting, args: argparse.Namespace) -> dict:
-    """One rank's rollout of ``--tasks`` tasks against the engine at ``url``; its rollout phase's
-    seconds from the run's own events (``status --json``)."""
+def rollout_run(python: str, engine: str, url: str, data: Path, log_path: Path, setting: Setting, args: argparse.Namespace,
+                more: tuple[str, ...] = ()) -> dict:
+    """One rank's rollout of ``--tasks`` tasks against the engine at ``url`` (``more``: keys
+    after the setting's); its rollout phase's seconds from the run's own events (``status --json``)."""
     argv = [python, "-m", "orchestrator", "run", f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=rollout",
             "--rollout-split=train-only", "--max-iterations=1", "--debug-mode", f"rollout.engine_url={url}",
             f"rollout.engine={engine}", f"rl.train_tasks={args.tasks}", f"rl.samples_per_prompt={args.n}",
-            f"rl.max_tokens={setting.max_tokens}", f"rl.temperature={TEMPERATURE}", *setting.overrides]
+            f"rl.max_tokens={setting.max_tokens}", f"rl.temperature={TEMPERATURE}", *setting.overrides, *more]
     try:
         wall, [iteration] = run_iterations(argv, log_path, iterations=1, env=python_env(), timeout_s=args.run_timeout_s,
                                            what=f"the {engine} rollout on {log_path}")
@@ -296,8 +304,12 @@ def vllm_offline(spec_path: str) -> None:
     llm.generate(spec["prompts"][:4], params(spec["seed"] + 10_000), use_tqdm=False)  # warm-up
     rounds = []
     for r in range(spec["rounds"]):
+        # A seed per prompt, as the rollout's requests of one prompt each carry: one seed for
+        # all would draw every prompt's samples from the same stream.
+        rng = random.Random(spec["seed"] + r)
+        per_prompt = [params(rng.randrange(2**31)) for _ in spec["prompts"]]
         began = time.monotonic()
-        outputs = llm.generate(spec["prompts"], params(spec["seed"] + r), use_tqdm=False)
+        outputs = llm.generate(spec["prompts"], per_prompt, use_tqdm=False)
         seconds = time.monotonic() - began
         rounds.append({"seconds": seconds, "completion_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs)})
     Path(spec["out"]).write_text(json.dumps(rounds))
@@ -333,9 +345,9 @@ def pick(runs: list[dict], how: str) -> dict:
 def summary(rounds: dict[str, list[dict]], how: str) -> dict:
     """The picked tokens/s of each mode measured, and the rollout's ratios to the others."""
     figures = {mode: pick(runs, how)["tokens_per_s"] for mode, runs in rounds.items() if runs}
-    rollout = figures.get("rollout")
-    return {"tokens_per_s": figures, "ratios": {f"rollout/{mode}": round(rollout / figures[mode], 3)
-                                                for mode in ("saturated", "one", "requests", "today") if mode in figures and rollout}}
+    ratios = {f"{mine}/{other}": round(figures[mine] / figures[other], 3)
+              for mine in figures if mine.startswith("rollout") for other in figures if not other.startswith("rollout")}
+    return {"tokens_per_s": figures, "ratios": ratios}
 
 
 def lengths_summary(lengths: list[int], max_tokens: int) -> dict:
@@ -354,13 +366,13 @@ def bench_engine(name: str, engine: str, data: Path, args: argparse.Namespace, w
     A mode that fails in a round is recorded in ``failures`` and the round goes on; raises
     BenchError when the engine does not start or the warm-up rollout fails twice."""
     from orchestrator.engine.client import EngineError
-    from orchestrator.workloads.rl.workload import DEFAULT_MAX_INFLIGHT, PROMPTS_PER_REQUEST
+    from orchestrator.workloads.rl.workload import DEFAULT_MAX_INFLIGHT, prompts_per_request
 
     setting = SETTINGS[name]
     params = sampling(setting, args.n)
     python = args.python if engine == "vllm" else sys.executable
-    per_request, max_inflight = PROMPTS_PER_REQUEST[engine], DEFAULT_MAX_INFLIGHT[engine]
-    rounds: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    per_request, max_inflight = prompts_per_request(engine, args.n), DEFAULT_MAX_INFLIGHT[engine]
+    rounds: dict[str, list[dict]] = {"saturated": []}
     failures: list[dict] = []
     if engine == "vllm" and prompts is not None:  # before the server: the two would share the cores
         rounds["saturated"] = saturated_vllm(data / "model", [prompts[t] for t in sorted(prompts)], params, work, args)
@@ -394,16 +406,25 @@ def bench_engine(name: str, engine: str, data: Path, args: argparse.Namespace, w
                 ("today", lambda: through_inflight(server.url, ids, texts, params, per_request=TODAY_PROMPTS_PER_REQUEST,
                                                    max_sequences=TODAY_PROMPTS_PER_REQUEST * args.n, seed=seed)),
             ]
+            if args.cheap_reward and setting.overrides:
+                steps.insert(1, ("rollout_exact_match", lambda: rollout_run(python, engine, server.url, data, work / f"run-{r}-exact",
+                                                                              setting, args, more=(CHEAP_REWARD,))))
+            for k in args.rollout_request_sizes:
+                steps.append((f"rollout@{k}", lambda k=k: rollout_run(python, engine, server.url, data, work / f"run-{r}-at-{k}",
+                                                                      setting, args, more=(f"rollout.prompts_per_request={k}",))))
+            for k in args.request_sizes:
+                steps.append((f"requests@{k}", lambda k=k: through_inflight(server.url, ids, texts, params, per_request=k,
+                                                                            max_sequences=max_inflight, seed=seed)))
             for mode, measure in steps:
                 try:
                     got = measure()
                 except (BenchError, EngineError) as e:
                     failures.append(_failure(f"round {r + 1} {mode}", e) | {"engine_log": server.tail()})
                     continue
-                if mode == "rollout":
+                if mode.startswith("rollout"):
                     got.pop("prompts")
                     got = {**got, "loadavg": load, "lengths": lengths_summary(got.pop("lengths"), setting.max_tokens)}
-                rounds[mode].append(got)
+                rounds.setdefault(mode, []).append(got)
     except BenchError as e:
         raise BenchError(f"{name} / {engine}: {e}\nthe engine's log ends:\n{server.tail()}") from e
     finally:
@@ -429,6 +450,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=8, help="rl.samples_per_prompt (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode per setting and engine (default: %(default)s)")
     parser.add_argument("--pick", choices=("median", "best"), default="median", help="the round each figure comes from (default: %(default)s)")
+    parser.add_argument("--cheap-reward", action="store_true",
+                        help=f"where the setting has a reward of its own (chat), also the rollout with {CHEAP_REWARD}: "
+                             "what the reward's CPU costs the rollout")
+    parser.add_argument("--request-sizes", type=lambda t: [int(k) for k in t.split(",") if k], default=[],
+                        help="also the rollout's request path with K prompts a request (comma-separated Ks), "
+                             "at the rollout's in-flight budget")
+    parser.add_argument("--rollout-request-sizes", type=lambda t: [int(k) for k in t.split(",") if k], default=[],
+                        help="also the rollout with rollout.prompts_per_request=K (comma-separated Ks)")
     parser.add_argument("--threads", type=int, help="the embedded engine's OMP_NUM_THREADS (default: torch's own, as a rank starts it)")
     parser.add_argument("--python", default=sys.executable,
                         help="the interpreter that runs vLLM (server and offline) and the rollout against it (default: this one)")
@@ -462,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"settings": names, "engines": engines, "tasks": args.tasks, "n": args.n, "rounds": args.rounds,
                          "pick": args.pick, "threads": args.threads, "python": args.python, "vllm_args": args.vllm_args,
                          "vllm_offline_args": args.vllm_offline_args, "max_load": args.max_load, "seed": args.seed,
-                         "warm_steps": args.warm_steps, "today_prompts_per_request": TODAY_PROMPTS_PER_REQUEST},
+                         "warm_steps": args.warm_steps, "today_prompts_per_request": TODAY_PROMPTS_PER_REQUEST,
+                         "cheap_reward": args.cheap_reward, "request_sizes": args.request_sizes,
+                         "rollout_request_sizes": args.rollout_request_sizes},
             "results": results,
         })
 
@@ -488,17 +519,19 @@ def main(argv: list[str] | None = None) -> int:
                 report()
 
     measured = {key: r for key, r in results.items() if "error" not in r}
-
-    def cell(r: dict, mode: str):
-        return r["tokens_per_s"].get(mode)
-
+    present = {mode for r in measured.values() for mode in r["tokens_per_s"]}
+    order = ["saturated", "one", "rollout", "rollout_exact_match", *(f"rollout@{k}" for k in args.rollout_request_sizes), "requests",
+             *(f"requests@{k}" for k in args.request_sizes), "today"]
+    modes = [m for m in order if m in present]
+    ratios = [x for x in ("rollout/saturated", "rollout/today", "rollout_exact_match/saturated",
+                          *(f"rollout@{k}/saturated" for k in args.rollout_request_sizes))
+              if any(x in r["ratios"] for r in measured.values())]
     table(
         f"a rank's rollout against its engine's saturated throughput, completion tokens/s ({args.pick} of {args.rounds} rounds)",
-        ["setting", "engine", "tasks x n", "max_tokens", "mean tokens", "saturated", "one request", "rollout", "requests",
-         "today", "rollout/saturated", "rollout/today", "failures"],
-        [[key.split("/")[0], key.split("/")[1], f"{r['tasks']} x {r['n']}", r["max_tokens"], (r["lengths"] or {}).get("mean"),
-          cell(r, "saturated"), cell(r, "one"), cell(r, "rollout"), cell(r, "requests"), cell(r, "today"),
-          r["ratios"].get("rollout/saturated"), r["ratios"].get("rollout/today"), len(r["failures"])] for key, r in measured.items()],
+        ["setting", "engine", "tasks x n", "max_tokens", "mean tokens", *modes, *ratios, "failures"],
+        [[*key.split("/"), f"{r['tasks']} x {r['n']}", r["max_tokens"], (r["lengths"] or {}).get("mean"),
+          *(r["tokens_per_s"].get(m) for m in modes), *(r["ratios"].get(x) for x in ratios), len(r["failures"])]
+         for key, r in measured.items()],
         right_from=2,
     )
     failed = [key for key, r in results.items() if "error" in r or r["failures"]]

@@ -369,10 +369,15 @@ class RolloutConfig:
     """With --debug-mode: the engine already running, used as it is."""
     engine_start_timeout_s: _Timeout = 300.0
     max_inflight: Annotated[int, _limit("{key} must be >= 0 (0: the engine's default), got {value}", ge=0)] = 0
-    """Sequences (prompts x samples) a rank keeps in flight on each engine, in small requests
-    (one prompt each to vLLM, four to the embedded engine), so that the engine's continuous
-    batching always has work and no completion waits for another request's longest one.
-    0: the engine's default (1024)."""
+    """Sequences (prompts x samples) a rank keeps in flight on each engine, in requests of
+    rollout.prompts_per_request prompts, so that the engine's continuous batching always has
+    work and no completion waits for another request's longest one. 0: the engine's default
+    (1024)."""
+    prompts_per_request: Annotated[int, _limit("{key} must be >= 0 (0: the engine's default), got {value}", ge=0)] = 0
+    """Prompts in one request to an engine, each with its samples. 0: the engine's default:
+    one for vLLM (a request carries one seed, which every prompt in it would share); for the
+    embedded engine as many as make 128 sequences (16 at 8 samples a prompt), since each
+    request costs an HTTP round trip and a prefill of its own."""
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     """vLLM: fraction of each GPU's memory the engine may take."""
     max_model_len: NonNegativeInt = 0

@@ -6,6 +6,7 @@ docs/rl.md describes the contract."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import re
@@ -28,18 +29,40 @@ def math(task: dict, completion: str) -> float:
     but kept whole when it has neither marker. Equality is decided by ``math-verify``
     (``pip install 'orchestrator[math]'``: ``1/2`` equals ``\\frac{1}{2}`` and ``0.5``) when
     it is installed, else by a normalized comparison (spaces, ``$``, thousands separators,
-    ``\\frac``, and numbers by value)."""
+    ``\\frac``, and numbers by value). Two plain numbers (no thousands separators) are
+    compared by value without math-verify unless they are within a relative 1e-4, and an
+    empty answer or one with undecodable bytes or control characters scores 0 at once:
+    math-verify's parse costs milliseconds, and on a CPU node the rollout grades on the
+    engine's cores."""
     predicted = final_answer(completion)
-    if predicted is None:
+    if not predicted or _garbled(predicted):
         return 0.0
     reference = final_answer(task["answer"], whole=True)
+    mine, theirs = _normalized(predicted), _normalized(reference)
+    if _plain(mine, predicted) and _plain(theirs, reference) and (mine == theirs or abs(mine - theirs) > _CLOSE * max(1, abs(theirs))):
+        return 1.0 if mine == theirs else 0.0
     verified = _math_verify(reference, predicted)
     if verified is not None:
         return 1.0 if verified else 0.0
-    return 1.0 if _normalized(predicted) == _normalized(reference) else 0.0
+    return 1.0 if mine == theirs else 0.0
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_NUMBER = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_CLOSE = 1e-4
+"""Two plain numbers nearer than this (relative) go to math-verify, which rounds floats."""
+
+
+def _plain(value: object, text: str) -> bool:
+    """A number written without thousands separators (``8,2`` may be a pair)."""
+    return isinstance(value, Fraction) and "," not in text
+
+
+_GARBLED = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffd]")
+
+
+def _garbled(answer: str) -> bool:
+    """Undecodable bytes (U+FFFD) or control characters: no answer is written with them."""
+    return _GARBLED.search(answer) is not None
 
 
 def final_answer(text: str, whole: bool = False) -> str | None:
@@ -91,13 +114,24 @@ def _normalized(answer: str) -> object:
     return s
 
 
-def _math_verify(reference: str, predicted: str) -> bool | None:
-    """math-verify's verdict, or None when it is not installed or cannot parse either side."""
+@functools.cache
+def _math_verify_module():
+    """math-verify, or None when it is not installed; imported once (it brings sympy: about
+    0.3 s), by :func:`load` before the rollout rather than inside it."""
     try:
         import math_verify
     except ImportError:
         return None
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call made without its signal timeout
+    return math_verify
+
+
+@functools.lru_cache(maxsize=65536)  # a group's samples often end on the same answer
+def _math_verify(reference: str, predicted: str) -> bool | None:
+    """math-verify's verdict, or None when it is not installed or cannot parse either side."""
+    math_verify = _math_verify_module()
+    if math_verify is None:
+        return None
     try:
         # No signal-based timeouts: rewards run in the rollout's threads, where signal.alarm fails.
         gold = math_verify.parse(f"${reference}$", parsing_timeout=None)
@@ -127,4 +161,6 @@ def load(spec: str) -> Reward:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"rl.reward={spec!r}: {module_name} has no function {attr}")
+    if fn is math:
+        _math_verify_module()
     return fn

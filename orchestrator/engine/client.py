@@ -74,6 +74,10 @@ def _server_message(raw: bytes) -> str:
     return text[:_MESSAGE_LIMIT]
 
 
+_CLOSED_UNDER_IT = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""The connection ended with no response: closed by the server, not timed out or refused."""
+
+
 class EngineClient:
     def __init__(self, base_url: str, timeout_s: float, *, model: str | None = None):
         """``timeout_s`` bounds each HTTP call (a completion included); ``model`` is the name
@@ -83,7 +87,17 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._model = model
-        self._http = httpx.Client(timeout=timeout_s)  # pooled and thread-safe; its sockets close with it
+        self._http = httpx.Client(timeout=timeout_s, verify=self._verify)  # pooled and thread-safe; its sockets close with it
+
+    @property
+    def _verify(self) -> bool:
+        # Plain http has no certificates to check, and loading the CA bundle costs tens of
+        # milliseconds a client: a rank's rollout makes several.
+        return not self.base_url.startswith("http://")
+
+    def async_http(self, **kwargs) -> httpx.AsyncClient:
+        """A pooled async client for :meth:`acomplete` (``kwargs``: httpx's, timeout and limits)."""
+        return httpx.AsyncClient(verify=self._verify, **kwargs)
 
     def close(self) -> None:
         self._http.close()
@@ -202,10 +216,17 @@ class EngineClient:
             return []
         body = self._completion_body(prompts, n, temperature, top_p, max_tokens, stop, seed, logprobs, return_token_ids)
         url = f"{self.base_url}/v1/completions"
-        try:
-            response = await http.post(url, json=body)
-        except httpx.HTTPError as e:
-            raise EngineUnavailable(f"cannot reach the engine at POST {url}: {e!r}") from e
+        for attempt in (1, 2):
+            try:
+                response = await http.post(url, json=body)
+                break
+            except _CLOSED_UNDER_IT as e:
+                if attempt == 2:
+                    raise EngineUnavailable(f"cannot reach the engine at POST {url}: {e!r} (twice)") from e
+                # A kept-alive connection the server closed as the request went out (uvicorn
+                # drops idle ones after 5 s): no answer came, so sending it again is safe.
+            except httpx.HTTPError as e:
+                raise EngineUnavailable(f"cannot reach the engine at POST {url}: {e!r}") from e
         raw = self._checked("POST", url, response)
         try:
             answer = json.loads(raw)

@@ -269,6 +269,12 @@ class _CompletionJob:
 class _Handler(BaseHTTPRequestHandler):
     server: EngineHTTPServer
     server_version = "orchestrator-engine"
+    # Keep-alive: a rollout sends hundreds of small requests, and a connection each would cost
+    # a handshake and a thread start every time. Every response carries its Content-Length,
+    # and every request's body is read off the socket, or the connection is closed.
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body leave in two writes: Nagle would hold the body for the client's delayed ACK (40 ms)
+    timeout = 600.0  # an idle kept-alive connection's thread ends after this long without a request
 
     def do_GET(self) -> None:
         self._serve("GET")
@@ -287,7 +293,9 @@ class _Handler(BaseHTTPRequestHandler):
         }
         path = self.path.split("?", 1)[0]
         detail = ""
+        self._body: bytes | None = None
         try:
+            self._body = self._read_body()
             if path not in routes:
                 raise RequestRejected(f"no route {method} {path}", HTTPStatus.NOT_FOUND, "NotFoundError")
             allowed, handler = routes[path]
@@ -334,13 +342,27 @@ class _Handler(BaseHTTPRequestHandler):
         }
         return HTTPStatus.OK, {"object": "list", "data": [card]}, ""
 
-    def _json_body(self):
+    def _read_body(self) -> bytes | None:
+        """The request's body, read whatever the route (the connection is kept alive); None
+        without a Content-Length. A body this server will not read closes the connection."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise RequestRejected("a chunked body is not accepted: send a Content-Length", HTTPStatus.LENGTH_REQUIRED)
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise RequestRejected("a JSON body with a Content-Length header is required")
+        if length is None:
+            return None
+        if not length.isdigit():
+            self.close_connection = True
+            raise RequestRejected(f"a bad Content-Length: {length!r}")
         if int(length) > _MAX_BODY_BYTES:
+            self.close_connection = True
             raise RequestRejected(f"request body over {_MAX_BODY_BYTES} bytes", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        raw = self.rfile.read(int(length))
+        return self.rfile.read(int(length))
+
+    def _json_body(self):
+        raw = self._body
+        if raw is None:
+            raise RequestRejected("a JSON body with a Content-Length header is required")
         try:
             return json.loads(raw)
         except ValueError as e:  # bad UTF-8 too

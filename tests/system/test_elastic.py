@@ -165,7 +165,7 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
     cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
     layout = cluster.layout
     flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
-             "--rank-weights=1,1,2", "--eval-interval=4", "--max-iterations=4", "rl.train_tasks=64", "rl.samples_per_prompt=2", "rollout.max_inflight=16",
+             "--rank-weights=1,1,2", "--eval-interval=4", "--max-iterations=4", "rl.train_tasks=64", "rl.samples_per_prompt=2", "rollout.max_inflight=16", "rollout.prompts_per_request=4",
              "rl.eval_tasks=16", "rl.eval_samples=1", "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5",
              "coordination.node_timeout_s=6", "coordination.join_timeout_s=120", "coordination.elastic=true",
              "checkpoint.keep_last=4",  # the test reads every iteration's checkpoint

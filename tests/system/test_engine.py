@@ -217,6 +217,35 @@ def test_unknown_path_is_404_and_unknown_model_is_404_as_vllm_does(engine):
 
 
 @pytest.mark.timeout(20)
+def test_one_connection_carries_many_requests_whatever_each_answered(engine):
+    """HTTP/1.1 keep-alive: a rollout's client reuses its connections, so every request's body
+    is read off the socket, a route that ignores it or one that refuses it included."""
+    import http.client
+
+    host, port = engine.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        requests = [("POST", "/v1/chat/completions", {"messages": []}, 404),
+                    ("POST", "/health", {"x": 1}, 405),
+                    ("POST", "/v1/completions", {"model": "other", "prompt": "1"}, 404),
+                    ("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "3+3=", "max_tokens": 2}, 200),
+                    ("GET", "/health", None, 200)]
+        for method, path, body, status in requests:
+            conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            assert (path, response.status) == (path, status)
+            assert response.version == 11 and not response.will_close
+        local = conn.sock.getsockname()
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        assert conn.sock.getsockname() == local  # still the first connection
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(20)
 def test_the_server_logs_one_line_per_request(engine):
     _http(engine.url + "/health")
     _complete(engine, prompt="3+3=", max_tokens=2)

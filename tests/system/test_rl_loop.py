@@ -28,7 +28,8 @@ SMALL = [
     "rl.eval_samples=2",
     "rl.epochs=1",
     "rl.micro_batch=4",
-    "rollout.max_inflight=32",  # 8 prompts in flight: a rank's share comes back in several batches
+    "rollout.max_inflight=32",  # 8 prompts in flight, in requests of 2: a rank's share comes back in several batches
+    "rollout.prompts_per_request=2",
     "coordination.heartbeat_interval_s=0.5",
     "coordination.node_timeout_s=10",
     "coordination.join_timeout_s=60",
@@ -135,7 +136,7 @@ def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
 
 def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, tmp_path):
     log_path = tmp_path / "run"
-    # 64 tasks: rank 0 (weight 2 of 4) has 32 prompts, 8 in flight at a time (SMALL's
+    # 64 tasks: rank 0 (weight 2 of 4) has 32 prompts, 8 in flight at a time in requests of 2 (SMALL's
     # rollout.max_inflight=32 sequences of 4 samples), and is held after its first batch is fsynced. Without work stealing,
     # so its share stays its own (tests/system/test_work_stealing.py kills ranks mid-steal).
     flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=64", "coordination.work_stealing=false"])

@@ -1,5 +1,5 @@
-"""The rollout keeps ``rollout.max_inflight`` sequences in flight on its engine, in small
-requests (a few prompts each), against a stub engine process that answers every request after a fixed
+"""The rollout keeps ``rollout.max_inflight`` sequences in flight on its engine, in requests
+of ``rollout.prompts_per_request`` prompts, against a stub engine process that answers every request after a fixed
 delay; a rank killed with kill -9 in the middle of such a rollout and started again leaves
 every task exactly once."""
 
@@ -15,12 +15,11 @@ import httpx
 import pytest
 
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.workloads.rl.workload import PROMPTS_PER_REQUEST
 from tests.harness import hold_after_first_batch, kill_tree, start_ranks, wait_for, wait_held_mid_rollout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-TASKS, SAMPLES, IN_FLIGHT = 96, 8, 64
+TASKS, SAMPLES, IN_FLIGHT, PER_REQUEST = 96, 8, 64, 2
 
 
 @pytest.fixture
@@ -38,6 +37,7 @@ def stub_engine(tmp_path):
 def _flags(data, log_path, url):
     return [f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=rollout", "--rollout-split=train-only",
             "--max-iterations=1", "--debug-mode", f"rollout.engine_url={url}", f"rollout.max_inflight={IN_FLIGHT}",
+            f"rollout.prompts_per_request={PER_REQUEST}",
             f"rl.train_tasks={TASKS}", f"rl.samples_per_prompt={SAMPLES}", "coordination.heartbeat_interval_s=0.5",
             "coordination.node_timeout_s=10"]
 
@@ -50,14 +50,13 @@ def _task_ids(layout):
     return [json.loads(line)["task_id"] for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
 
 
-def test_the_rollout_keeps_max_inflight_sequences_in_flight_in_small_requests(demo_data, tmp_path, stub_engine):
+def test_the_rollout_keeps_max_inflight_sequences_in_flight_in_requests_of_prompts_per_request(demo_data, tmp_path, stub_engine):
     layout = RunLayout(tmp_path / "run")
     result = _run(_flags(demo_data, layout.root, stub_engine))
     assert result.returncode == 0, result.stderr[-4000:]
     stats = httpx.get(f"{stub_engine}/stats").json()
-    per_request = PROMPTS_PER_REQUEST["embedded"]
-    assert stats["requests"] == TASKS // per_request  # a few prompts (their 8 samples each) a request
-    assert stats["peak_sequences"] == IN_FLIGHT  # IN_FLIGHT / (8 x per_request) requests at once: never fewer at the peak, never more
+    assert stats["requests"] == TASKS // PER_REQUEST  # two prompts (their 8 samples each) a request
+    assert stats["peak_sequences"] == IN_FLIGHT  # IN_FLIGHT / (8 x 2) requests at once: never fewer at the peak, never more
     ids = _task_ids(layout)
     assert len(ids) == TASKS and len(set(ids)) == TASKS
 

@@ -83,7 +83,7 @@ def test_an_rl_rank_held_after_its_first_batch_shows_its_progress_and_rate_and_t
     train = tmp_path / "train96.jsonl"
     train.write_text("".join((demo_data / "tasks" / "train.jsonl").read_text().splitlines(keepends=True)[:96]))
     flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--eval-interval=5",
-             "--num-nodes=2", "--rank-weights=1,1", "--max-iterations=1", f"data.train_file={train}", "rl.train_tasks=128", "rollout.max_inflight=32",
+             "--num-nodes=2", "--rank-weights=1,1", "--max-iterations=1", f"data.train_file={train}", "rl.train_tasks=128", "rollout.max_inflight=32", "rollout.prompts_per_request=4",
              "rl.samples_per_prompt=2", "rl.eval_tasks=8", "rl.eval_samples=1", "rl.epochs=1", "rl.micro_batch=4",
              "coordination.heartbeat_interval_s=0.5", "coordination.node_timeout_s=10", "coordination.join_timeout_s=60",
              "coordination.work_stealing=false"]  # rank 1 rolls out its own share, however slow its engine start

@@ -1,6 +1,7 @@
 """bench/rollout_throughput.py reads a rollout the way the run wrote it: tokens from every
 sample of the shard, the phase's wall time split around the requests' span; the figure of a
-mode is the median (or best) round; "today" sends 16 prompts a request."""
+mode is the median (or best) round, set against each rollout; "today" sends 16 prompts a
+request."""
 
 from __future__ import annotations
 
@@ -53,12 +54,16 @@ def test_a_modes_figure_is_its_median_round_or_its_best():
     assert bench.pick(runs, "best")["tokens_per_s"] == 40.0
 
 
-def test_the_summary_sets_the_rollout_against_every_other_mode_measured():
+def test_the_summary_sets_each_rollout_against_every_mode_that_is_not_a_rollout():
     rounds = {"saturated": [{"tokens_per_s": 1000.0}], "rollout": [{"tokens_per_s": 900.0}],
-              "requests": [{"tokens_per_s": 950.0}], "today": [{"tokens_per_s": 450.0}]}
+              "rollout_exact_match": [{"tokens_per_s": 980.0}], "requests": [{"tokens_per_s": 950.0}],
+              "today": [{"tokens_per_s": 450.0}], "one": []}
     got = bench.summary(rounds, "median")
-    assert got["tokens_per_s"] == {"saturated": 1000.0, "rollout": 900.0, "requests": 950.0, "today": 450.0}
-    assert got["ratios"] == {"rollout/saturated": 0.9, "rollout/requests": 0.947, "rollout/today": 2.0}
+    assert got["tokens_per_s"] == {"saturated": 1000.0, "rollout": 900.0, "rollout_exact_match": 980.0, "requests": 950.0,
+                                   "today": 450.0}
+    assert got["ratios"] == {"rollout/saturated": 0.9, "rollout/requests": 0.947, "rollout/today": 2.0,
+                             "rollout_exact_match/saturated": 0.98, "rollout_exact_match/requests": 1.032,
+                             "rollout_exact_match/today": 2.178}
 
 
 def test_todays_requests_carry_16_prompts_in_order_each_with_its_own_seed():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from orchestrator.engine.client import Completion, EngineHTTPError
@@ -20,6 +21,9 @@ class FakeEngine:
         self.delay_s, self.fail_on = delay_s, fail_on
         self.in_flight = self.peak = 0
         self.prompts: list[str] = []
+
+    def async_http(self, **kwargs) -> httpx.AsyncClient:
+        return httpx.AsyncClient(**kwargs)
 
     async def acomplete(self, http, prompts, *, n=1, seed=None, **_):
         self.in_flight += len(prompts) * n
@@ -97,3 +101,56 @@ def test_a_chunk_is_settled_when_its_last_submitted_task_is_durable():
     assert _settled(unfinished, [{"task_id": "a"}, {"task_id": "c"}]) == {1}
     assert _settled(unfinished, [{"task_id": "b"}]) == {0}
     assert unfinished == {}
+
+
+def test_a_request_carries_one_prompt_to_vllm_and_about_128_sequences_to_the_embedded_engine():
+    from orchestrator.workloads.rl.workload import prompts_per_request
+
+    assert [prompts_per_request("vllm", n) for n in (1, 8, 64)] == [1, 1, 1]  # one seed a request: one prompt
+    assert [prompts_per_request("embedded", n) for n in (1, 8, 16, 200)] == [128, 16, 8, 1]
+
+
+def _answer(n: int) -> dict:
+    return {"choices": [{"index": i, "text": "4", "finish_reason": "stop", "logprobs": None} for i in range(n)]}
+
+
+@pytest.mark.parametrize("closed", [httpx.RemoteProtocolError("Server disconnected without sending a response."),
+                                    httpx.ReadError("")])
+def test_a_request_whose_connection_closed_under_it_is_sent_once_more(closed):
+    from orchestrator.engine.client import EngineClient, EngineUnavailable
+
+    sent = []
+
+    def handler(request):
+        sent.append(request)
+        if len(sent) == 1:
+            raise closed
+        return httpx.Response(200, json=_answer(2))
+
+    async def go(http):
+        async with http:
+            return await EngineClient("http://engine", 5, model="m").acomplete(http, ["2+2="], n=2, seed=7)
+
+    groups = asyncio.run(go(httpx.AsyncClient(transport=httpx.MockTransport(handler))))
+    assert [c.text for c in groups[0]] == ["4", "4"] and len(sent) == 2
+    assert sent[0].content == sent[1].content  # the same request, its seed included
+
+    sent.clear()
+
+    def always(request):
+        sent.append(request)
+        raise closed
+
+    with pytest.raises(EngineUnavailable, match="twice"):
+        asyncio.run(go(httpx.AsyncClient(transport=httpx.MockTransport(always))))
+    assert len(sent) == 2
+
+    sent.clear()
+
+    def timeout(request):
+        sent.append(request)
+        raise httpx.ReadTimeout("slow")
+
+    with pytest.raises(EngineUnavailable):
+        asyncio.run(go(httpx.AsyncClient(transport=httpx.MockTransport(timeout))))
+    assert len(sent) == 1  # a timed-out request may still be running: not sent again

@@ -12,6 +12,7 @@ from orchestrator import rewards
     ("first \\boxed{3}, then \\boxed{x^{2}+1}", "x^{2}+1"),  # the last box, nested braces kept
     ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),  # GSM8K
     ("I think 3, then 1,000.", "1,000"),  # the last number
+    ("it is 83, or so", "83"),  # a comma after it is the sentence's
     ("no answer here", None),
 ])
 def test_final_answer(text, expected):
@@ -31,6 +32,11 @@ def test_reference_without_a_marker_is_kept_whole():
     ("3/4", "\\boxed{\\dfrac{3}{4}}", 1.0),
     ("72", "\\boxed{71}", 0.0),
     ("72", "I do not know", 0.0),
+    ("72", "\\boxed{}", 0.0),
+    ("72", "\\boxed{7\ufffd2}", 0.0),  # undecodable bytes
+    ("72", "\\boxed{72\x02}", 0.0),  # a control character
+    ("0.5", "\\boxed{.5}", 1.0),
+    ("20", "the sum is .2", 0.0),
 ])
 @pytest.mark.parametrize("verifier", ["math-verify", "normalized"])
 def test_math_reward(answer, completion, reward, verifier, monkeypatch):
@@ -39,6 +45,16 @@ def test_math_reward(answer, completion, reward, verifier, monkeypatch):
     else:
         pytest.importorskip("math_verify")  # in the test extra; the fallback is tested either way
     assert rewards.math({"id": "t", "answer": answer}, completion) == reward
+
+
+def test_plain_numbers_are_compared_without_math_verify_unless_they_are_close(monkeypatch):
+    asked = []
+    monkeypatch.setattr(rewards, "_math_verify", lambda reference, predicted: asked.append((reference, predicted)))
+    assert rewards.math({"answer": "72"}, "\\boxed{72}") == 1.0
+    assert rewards.math({"answer": "72"}, "\\boxed{71.5}") == 0.0
+    assert rewards.math({"answer": "1/3"}, "\\boxed{0.33333}") == 0.0  # close: math-verify decides (here: nobody)
+    assert rewards.math({"answer": "1000"}, "\\boxed{1,000}") == 1.0  # a separator: math-verify decides
+    assert asked == [("1/3", "0.33333"), ("1000", "1,000")]
 
 
 def test_math_reward_runs_in_threads_as_the_rollout_calls_it():

@@ -1,10 +1,10 @@
 """Many requests in flight per engine, the way inference engines want to be fed.
 
 An engine schedules by continuous batching: it wants every sequence it can fit, and refills
-a slot the moment a sequence ends. So the rollout sends small requests (one prompt's samples
-each) and keeps up to ``max_sequences`` sequences (prompts x samples) outstanding on every
-engine: a request leaves as soon as one ends, and no completion waits for another request's
-longest one. The requests go out from one asyncio event loop in a thread of its own, over one
+a slot the moment a sequence ends. So the rollout sends its prompts in requests of a few
+(``rollout.prompts_per_request``) and keeps up to ``max_sequences`` sequences (prompts x
+samples) outstanding on every engine: a request leaves as soon as one ends, and no
+completion waits for another request's longest one. The requests go out from one asyncio event loop in a thread of its own, over one
 pooled ``httpx.AsyncClient`` per engine; the caller's thread submits work and takes the
 answers as they come (:meth:`Inflight.answers`), in completion order.
 """
@@ -56,6 +56,10 @@ class _Engine:
     """Sequences of this engine's requests in flight now."""
 
 
+KEEPALIVE_S = 2.0
+"""How long an idle connection to an engine stays in the pool."""
+
+
 @dataclass(slots=True)
 class Stats:
     peak_sequences: list[int] = field(default_factory=list)
@@ -74,8 +78,10 @@ class Inflight:
         self.max_sequences = max_sequences
         self.samples = int(sampling.get("n", 1))
         self._sampling = sampling
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # the budget bounds them
-        self._engines = [_Engine(c, httpx.AsyncClient(timeout=timeout_s, limits=limits)) for c in clients]
+        # The budget bounds the connections; an idle one is dropped before vLLM's server (uvicorn,
+        # 5 s) would close it under a request.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
+        self._engines = [_Engine(c, c.async_http(timeout=timeout_s, limits=limits)) for c in clients]
         self.stats = Stats(peak_sequences=[0] * len(clients))
         self._waiting: collections.deque[Request] = collections.deque()  # the loop's, not yet sent
         self._answers: queue.SimpleQueue[Answer | BaseException] = queue.SimpleQueue()

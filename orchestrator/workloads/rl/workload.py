@@ -37,11 +37,17 @@ MIN_CHUNK_TASKS = 16
 enough that a rank which finishes early still finds work to steal."""
 DEFAULT_MAX_INFLIGHT = {"embedded": 1024, "vllm": 1024}
 """Sequences in flight per engine when rollout.max_inflight is 0: what each engine batches well."""
-PROMPTS_PER_REQUEST = {"embedded": 4, "vllm": 1}
-"""Prompts per engine request: vLLM schedules each sequence on its own, so one prompt's samples
-a request; the embedded engine's HTTP server costs about 1 ms a request of CPU on both sides,
-which on a CPU node is worth a few prompts a request."""
+SEQUENCES_PER_REQUEST = {"embedded": 128, "vllm": 1}
+"""Sequences per engine request when rollout.prompts_per_request is 0 (in whole prompts, at
+least one): vLLM schedules each sequence on its own and a request carries one seed, so one
+prompt's samples a request; each request to the embedded engine costs an HTTP round trip and
+a prefill of its own, which for short completions on a CPU node is worth many prompts."""
 _REQUEST_TIMEOUT_S = 600.0
+
+
+def prompts_per_request(engine: str, samples: int) -> int:
+    """The engine's default prompts a request at ``samples`` a prompt (SEQUENCES_PER_REQUEST)."""
+    return max(1, SEQUENCES_PER_REQUEST[engine] // samples)
 
 
 def shortfall(split: str, wanted: int, path: Path, held: int, usable: int) -> str | None:
@@ -179,7 +185,12 @@ class RLWorkload:
         scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
         record = functools.partial(self._record, policy=str(self.checkpoint()))
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[split].texts, self.by_id[split], record,
-                             prompts_per_request=PROMPTS_PER_REQUEST[self.config.rollout.engine])
+                             prompts_per_request=self.prompts_per_request(sampling["n"]))
+
+    def prompts_per_request(self, samples: int) -> int:
+        """Prompts in one engine request at ``samples`` a prompt: ``rollout.prompts_per_request``,
+        or the engine's default."""
+        return self.config.rollout.prompts_per_request or prompts_per_request(self.config.rollout.engine, samples)
 
     def max_inflight(self) -> int:
         """Sequences in flight per engine: ``rollout.max_inflight``, or the engine's default."""
