@@ -225,6 +225,9 @@ ClipEps = Annotated[float, msgspec.Meta(gt=0)]
 KLCoef = Annotated[float, msgspec.Meta(ge=0)]
 MaxGradNorm = Annotated[float, msgspec.Meta(gt=0)]
 MaxPromptTokens = Annotated[int, msgspec.Meta(ge=0)]
+IS_CORRECTIONS = ("none", "tis", "mis")
+ISCorrection = Annotated[str, _one_of(IS_CORRECTIONS, "corrections")]
+ISCap = Annotated[float, _limit("{key} must be >= 1, got {value}", ge=1)]
 
 _Temperature = Annotated[float, _limit("rl.temperature and rl.eval_temperature must be >= 0", ge=0)]
 _StopStrings = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], _limit("{key} must be non-empty strings, got {value!r}")]
@@ -269,6 +272,13 @@ class RLConfig:
     kl_coef: KLCoef = 0.0
     """Weight of the KL penalty to the base model (0: none)."""
     max_grad_norm: MaxGradNorm = 1.0
+    is_correction: ISCorrection = "none"
+    """Importance-sampling correction for the gap between the policy that sampled a token (the
+    engine, whose log-prob the record keeps) and the policy the update starts from (the
+    trainer's): each token's loss is weighed by their ratio, truncated at rl.is_cap (tis), or
+    dropped where the ratio passes it (mis). none: no weight, the update as before."""
+    is_cap: ISCap = 2.0
+    """The largest importance weight rl.is_correction keeps."""
     train_on_partial: bool = False
     """Train on an aggregate that `orchestrator recover --salvage` marked partial (some
     planned tasks missing). Off: such an iteration is refused in phase 8."""
@@ -327,6 +337,10 @@ class TrainPlacementConfig:
     device_mapping: str = ""
     """Global GPU ranks of the train workers, one GPU each: "0-15", "0,1,2,3" (empty: CPU, one
     worker per node). See docs/placement.md."""
+    nodes: str = ""
+    """Without device mappings (CPU): the node ranks that run a train worker, "0" or "0,2" or
+    "0-3" (empty: every node). With rollout.nodes, a CPU run can keep training and rollout
+    on separate nodes. See docs/placement.md."""
     keep_alive: bool = True
     """One trainer process per train worker for the whole attempt: it forms the process group
     once and keeps the model and the optimizer in memory across iterations. false: a new
@@ -358,6 +372,10 @@ class RolloutConfig:
     """Inference engine: "embedded" (this package's server, CPU) or "vllm"."""
     device_mapping: str = ""
     """Global GPU ranks of the inference engines (empty: CPU, one engine per node)."""
+    nodes: str = ""
+    """Without device mappings (CPU): the node ranks that run an engine and roll out, as
+    train.nodes (empty: every node). A node with engines and no train worker is a rollout
+    node."""
     gpus_per_engine: _EngineGPUs = 1
     """GPUs per engine: tensor_parallel_size x pipeline_parallel_size."""
     pipeline_parallel_size: _EngineGPUs = 1
@@ -485,9 +503,10 @@ class RunConfig:
         from orchestrator.node import placement
 
         placement.check_mappings(self.train.device_mapping, self.rollout.device_mapping, self.rollout.gpus_per_engine)
-        if not self.train.device_mapping and self.rank_weights is not None and 0 in self.rank_weights:
-            raise ConfigError(f"--rank-weights gives node {self.rank_weights.index(0)} weight 0, but without a device mapping every "
-                              f"node runs an engine and rolls out: give every node a positive weight, or auto")
+        train_nodes, rollout_nodes = placement.check_role_nodes(self.train.nodes, self.rollout.nodes, self.num_nodes,
+                                                                gpu=bool(self.train.device_mapping))
+        if not self.train.device_mapping and self.rank_weights is not None:
+            placement.check_cpu_weights(self.rank_weights, rollout_nodes)
         if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:
             for temp, n, what in ((self.rl.temperature, self.rl.samples_per_prompt, "rl.temperature/rl.samples_per_prompt"),
                                   (self.rl.eval_temperature, self.rl.eval_samples, "rl.eval_temperature/rl.eval_samples")):

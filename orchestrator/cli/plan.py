@@ -49,6 +49,8 @@ def plan(num_nodes: int | None, gpus_per_node: str | None, rank_weights: str, lo
             rollout_mapping=rollout.device_mapping,
             gpus_per_engine=rollout.gpus_per_engine,
             engine_port=rollout.engine_port,
+            train_nodes=train.nodes,
+            rollout_nodes=rollout.nodes,
         )
         given = parse_weights(rank_weights, num_nodes)
         if given is not None and len(given) != num_nodes:
@@ -103,7 +105,8 @@ def _reported(log_path: Path) -> dict[int, dict]:
 
 
 def _show(resolved: placement.Placement, weights: tuple[float, ...], source: str, rollout) -> None:
-    mode = "CPU (no device mapping)" if not resolved.gpus_per_engine else (
+    mode = ("CPU (no device mapping)" if resolved.colocated else
+            "CPU (no device mapping), disaggregated: train.nodes and rollout.nodes share no node") if not resolved.gpus_per_engine else (
         "colocated: engines and training share GPUs; engines stop before each training step"
         if resolved.colocated else "disaggregated: engines and training use separate GPUs")
     counts = resolved.gpus_per_node

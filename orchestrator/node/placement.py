@@ -10,7 +10,9 @@ Overlapping train and rollout mappings share GPUs (colocated: engines stop befor
 training); disjoint ones do not (disaggregated). A node may run only train workers or only
 engines; one with neither has no part in the run and is refused.
 
-Both mappings empty is the CPU placement: one train worker and one engine per node, no GPUs.
+Both mappings empty is the CPU placement: one train worker and one engine per node, no GPUs;
+``train.nodes`` and ``rollout.nodes`` narrow each role to the nodes they name, so that a CPU
+run can keep training and rollout apart (disaggregated when no node has both).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ _RANGE_CALL = re.compile(r"^(?:list\()?\s*range\(\s*(\d+)\s*,\s*(\d+)\s*\)\s*\)?
 _ITEM = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
 
 
-def parse_mapping(text: str, key: str = "device_mapping") -> tuple[int, ...]:
+def parse_mapping(text: str, key: str = "device_mapping", unit: str = "GPU") -> tuple[int, ...]:
     """``"0-7"``, ``"0,1,2,3"``, ``"0-3,8-11"`` (inclusive ranges) or ROLL's
-    ``"list(range(0,8))"`` (end exclusive) as a tuple of GPU ranks. No ``eval``."""
+    ``"list(range(0,8))"`` (end exclusive) as a tuple of GPU ranks (or node ranks: ``unit``).
+    No ``eval``."""
     text = text.strip()
     if not text:
         return ()
@@ -42,7 +45,7 @@ def parse_mapping(text: str, key: str = "device_mapping") -> tuple[int, ...]:
     for item in text.split(","):
         m = _ITEM.match(item.strip())
         if not m:
-            raise ConfigError(f"{key}={text!r}: {item.strip()!r} is not a GPU rank or an inclusive range like 0-7")
+            raise ConfigError(f"{key}={text!r}: {item.strip()!r} is not a {unit} rank or an inclusive range like 0-7")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
@@ -51,7 +54,7 @@ def parse_mapping(text: str, key: str = "device_mapping") -> tuple[int, ...]:
     seen: set[int] = set()
     for g in gpus:
         if g in seen:
-            raise ConfigError(f"{key}={text!r} lists GPU {g} twice: a role uses each GPU at most once")
+            raise ConfigError(f"{key}={text!r} lists {unit} {g} twice: a role uses each {unit} at most once")
         seen.add(g)
     return tuple(gpus)
 
@@ -135,6 +138,40 @@ def check_mappings(train_mapping: str, rollout_mapping: str, gpus_per_engine: in
     return train, rollout
 
 
+def check_role_nodes(train_nodes: str, rollout_nodes: str, num_nodes: int, *, gpu: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``train.nodes`` and ``rollout.nodes`` parsed (empty: every node), checked against the
+    cluster: on CPU only, within 0..num_nodes-1, and every node with a role."""
+    train = parse_mapping(train_nodes, "train.nodes", unit="node")
+    rollout = parse_mapping(rollout_nodes, "rollout.nodes", unit="node")
+    if gpu:
+        if train or rollout:
+            raise ConfigError("train.nodes and rollout.nodes place the roles of a CPU run; with device mappings the "
+                              "mappings place them: leave the nodes empty")
+        return (), ()
+    for key, nodes in (("train.nodes", train), ("rollout.nodes", rollout)):
+        beyond = [n for n in nodes if n >= num_nodes]
+        if beyond:
+            raise ConfigError(f"{key} names node {max(beyond)}, but the run has {num_nodes} node(s): 0-{num_nodes - 1}")
+    train, rollout = train or tuple(range(num_nodes)), rollout or tuple(range(num_nodes))
+    idle = [n for n in range(num_nodes) if n not in train and n not in rollout]
+    if idle:
+        raise ConfigError(f"{', '.join(f'node {n}' for n in idle)} would neither train nor roll out: name "
+                          f"{'it' if len(idle) == 1 else 'them'} in train.nodes or rollout.nodes, or run on fewer nodes")
+    return train, rollout
+
+
+def check_cpu_weights(weights: Sequence[float], rollout_nodes: Sequence[int]) -> None:
+    """On CPU, the nodes that roll out need a positive weight and the others weight 0."""
+    for n, w in enumerate(weights):
+        if n in rollout_nodes and w <= 0:
+            raise ConfigError(f"--rank-weights gives node {n} weight {w:g}, but it runs an engine and rolls out"
+                              f"{'' if len(rollout_nodes) < len(weights) else ' (every node does without rollout.nodes)'}: "
+                              f"give it a positive weight, or auto")
+        if n not in rollout_nodes and w > 0:
+            raise ConfigError(f"--rank-weights gives node {n} weight {w:g}, but rollout.nodes does not name it: it runs no "
+                              f"engine; give it 0, or auto")
+
+
 def per_node_counts(num_nodes: int, gpus_per_node: int | Sequence[int]) -> tuple[int, ...]:
     """One GPU count per node: a single number is every node's."""
     if isinstance(gpus_per_node, int):
@@ -159,15 +196,19 @@ def resolve(
     rollout_mapping: str,
     gpus_per_engine: int = 1,
     engine_port: int = 8000,
+    train_nodes: str = "",
+    rollout_nodes: str = "",
 ) -> Placement:
     """The placement of both roles on ``num_nodes`` nodes with ``gpus_per_node`` GPUs (one
-    count for all, or one per node). Raises ConfigError naming the numbers when the mappings
-    do not fit."""
+    count for all, or one per node); on CPU, on ``train_nodes`` and ``rollout_nodes``
+    (``check_role_nodes``). Raises ConfigError naming the numbers when the mappings do not
+    fit."""
     if num_nodes < 1:
         raise ConfigError(f"the cluster needs at least 1 node, got {num_nodes}")
     train, rollout = check_mappings(train_mapping, rollout_mapping, gpus_per_engine)
+    trainers, rollers = check_role_nodes(train_nodes, rollout_nodes, num_nodes, gpu=bool(train))
     if not train:
-        return _cpu(num_nodes, engine_port)
+        return _cpu(num_nodes, engine_port, trainers, rollers)
     counts = per_node_counts(num_nodes, gpus_per_node)
     owner = [(n, local) for n, c in enumerate(counts) for local in range(c)]  # global GPU rank -> (node, local id)
     for key, gpus in (("train.device_mapping", train), ("rollout.device_mapping", rollout)):
@@ -207,13 +248,15 @@ def resolve(
     )
 
 
-def _cpu(num_nodes: int, engine_port: int) -> Placement:
+def _cpu(num_nodes: int, engine_port: int, train_nodes: Sequence[int], rollout_nodes: Sequence[int]) -> Placement:
+    """One train worker on each of ``train_nodes``, one engine on each of ``rollout_nodes``:
+    colocated when a node has both (the CPU default, every node both)."""
     return Placement(
         num_nodes=num_nodes,
         gpus_per_node=(0,) * num_nodes,
-        colocated=True,
-        train_workers=tuple(TrainWorker(rank=n, node=n, gpu=None) for n in range(num_nodes)),
-        engines=tuple(Engine(engine=n, node=n, gpus=(), port=engine_port) for n in range(num_nodes)),
+        colocated=bool(set(train_nodes) & set(rollout_nodes)),
+        train_workers=tuple(TrainWorker(rank=i, node=n, gpu=None) for i, n in enumerate(train_nodes)),
+        engines=tuple(Engine(engine=i, node=n, gpus=(), port=engine_port) for i, n in enumerate(rollout_nodes)),
         gpus_per_engine=0,
     )
 
@@ -234,8 +277,9 @@ def rollout_weights(placement: Placement, weights: Sequence[float] | None, hosts
             raise ConfigError(f"--rank-weights gives {name(n)} weight {w:g}, but it runs {len(engines)} rollout engine(s): "
                               f"give it a positive weight, or --rank-weights auto (each node by its engines' GPUs)")
         if not engines and w > 0:
-            raise ConfigError(f"--rank-weights gives {name(n)} weight {w:g}, but it runs no rollout engine (rollout.device_mapping "
-                              f"has none of its GPUs): give it 0, or --rank-weights auto")
+            why = "rollout.device_mapping has none of its GPUs" if placement.gpus_per_engine else "rollout.nodes does not name it"
+            raise ConfigError(f"--rank-weights gives {name(n)} weight {w:g}, but it runs no rollout engine ({why}): "
+                              f"give it 0, or --rank-weights auto")
     return tuple(weights)
 
 

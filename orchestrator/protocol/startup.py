@@ -58,6 +58,7 @@ def place(config: RunConfig, reports: dict[int, dict]) -> placement_mod.Placemen
         resolved = placement_mod.resolve(
             num_nodes=config.num_nodes, gpus_per_node=gpus_per_node, train_mapping=train.device_mapping,
             rollout_mapping=rollout.device_mapping, gpus_per_engine=rollout.gpus_per_engine, engine_port=rollout.engine_port,
+            train_nodes=train.nodes, rollout_nodes=rollout.nodes,
         )
         placement_mod.rollout_weights(resolved, config.rank_weights, [reports[n]["host"] for n in sorted(reports)])
     except ConfigError as e:

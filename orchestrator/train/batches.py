@@ -47,6 +47,10 @@ class Batches:
     pad_id: int
     old: dict = field(default_factory=dict)
     ref: dict | None = None
+    weights: dict | None = None
+    """Per sample of this worker, its tokens' importance weights (``is_correction``), or None."""
+    is_stats: dict | None = None
+    """The importance ratios over every worker's tokens: mean, max, share past the cap."""
 
     def collate(self, keys: list[plan.Key], device) -> grpo.Batch:
         """The batch of these samples; an empty pass is sample (0, 0), weighed by zero."""
@@ -64,6 +68,8 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
     rdv, model = policy.rdv, policy.model
     vocab = model.get_input_embeddings().num_embeddings
     _check_vocabulary(records, vocab, config.init_checkpoint)
+    if config.is_correction != "none":
+        _check_behaviour_logprobs(records, config.is_correction)
     completions = [grpo.encode_record(policy.tokenizer, r) for r in records]
     lengths = plan.Lengths(rows=[[len(c.prompt_ids) + len(c.completion_ids) for c in group] for group in completions],
                            completions=[[len(c.completion_ids) for c in group] for group in completions])
@@ -77,7 +83,43 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
             batches.ref = _logprobs(policy.reference(config), batches, passes, config, policy.device)
     elif config.kl_coef > 0:
         log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.kl_coef)
+    if config.is_correction != "none":
+        batches.weights, batches.is_stats = _importance_weights(batches, config, policy.device)
     return batches, lengths
+
+
+def _check_behaviour_logprobs(records: list[grpo.Record], mode: str) -> None:
+    """Every sample carries the engine's log-prob of each token it sampled (checked on every
+    rank alike, before any collective)."""
+    for r in records:
+        for i, sample in enumerate(r.samples):
+            if sample.logprobs is None:
+                raise BadTrainInput(f"is_correction={mode} needs the engine's log-prob of every sampled token, and trajectory "
+                                    f"record {r.task_id} sample {i} has none that fit its token_ids (a record written by "
+                                    f"hand, or by an engine asked without logprobs): set rl.is_correction=none")
+
+
+def _importance_weights(batches: Batches, config: TrainConfig, device) -> tuple[dict, dict]:
+    """This worker's samples' importance weights, and the ratios' statistics over every
+    worker's tokens (one reduction that every worker joins)."""
+    import torch
+    import torch.distributed as dist
+
+    weights = {}
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # ratio sum, tokens, tokens past the cap
+    peak = torch.zeros(1, dtype=torch.float64, device=device)
+    for key, old in batches.old.items():
+        behaviour = torch.tensor(batches.completions[key[0]][key[1]].behaviour_logprobs, dtype=old.dtype, device=old.device)
+        weights[key], ratio = grpo.is_weights(old, behaviour, mode=config.is_correction, cap=config.is_cap)
+        if ratio.numel():
+            sums += torch.stack([ratio.double().sum(), torch.tensor(float(ratio.numel()), dtype=torch.float64, device=device),
+                                 (ratio > config.is_cap).double().sum()])
+            peak = torch.maximum(peak, ratio.double().max().reshape(1))
+    dist.all_reduce(sums)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    tokens = max(sums[1].item(), 1.0)
+    return weights, {"is_ratio_mean": sums[0].item() / tokens, "is_ratio_max": peak.item(),
+                     "is_capped_fraction": sums[2].item() / tokens}
 
 
 def _logprobs(model, batches: Batches, passes: list[list[plan.Key]], config: TrainConfig, device) -> dict:

@@ -9,8 +9,10 @@ one GRPO group::
      "samples": [{"text": "42", "token_ids": [8, 6, 2], "reward": 1.0, "finish_reason": "stop",
                   "logprobs": [...]}, ...]}
 
-Other keys may be present and are ignored; so are the engine's ``logprobs``: the trainer
-computes the old policy's log-probs itself, so that the ratio compares like with like.
+Other keys may be present and are ignored. The trainer computes the old policy's log-probs
+itself, so that the PPO ratio compares like with like; the engine's ``logprobs`` (one per
+``token_ids`` entry, the log-prob of each sampled token under the policy that sampled it) are
+read for the importance-sampling correction (``is_weights``), and ignored without it.
 
 Token layout of one sample: the trainer trains on the ids the engine sampled, never on the
 text re-tokenized (a BPE tokenizer can tokenize a sampled text differently, which would
@@ -50,6 +52,8 @@ class Sample:
     finish_reason: str  # one of FINISH_REASONS
     token_ids: tuple[int, ...] | None = None
     """The ids the engine sampled; None in a record written without them."""
+    logprobs: tuple[float, ...] | None = None
+    """The engine's log-prob of each of ``token_ids``; None when the record has none that fit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,16 @@ def _token_ids(value, what: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise ValueError(f"{what} must be a list of token ids (non-negative integers)")
     return tuple(value)
+
+
+def _logprobs(value, ids: tuple[int, ...] | None) -> tuple[float, ...] | None:
+    """The engine's log-probs when they are one finite number per sampled id, else None (a
+    record without them trains as before; the correction that needs them says so)."""
+    if ids is None or not isinstance(value, list) or len(value) != len(ids):
+        return None
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value):
+        return None
+    return tuple(float(x) for x in value)
 
 
 def parse_record(obj: object) -> Record:
@@ -98,7 +112,7 @@ def parse_record(obj: object) -> Record:
             if s.get("token_ids") is None:
                 raise ValueError(f"samples[{i}].token_ids is missing, but the record has prompt_token_ids")
             ids = _token_ids(s["token_ids"], f"samples[{i}].token_ids")
-        samples.append(Sample(s["text"], float(reward), s["finish_reason"], ids))
+        samples.append(Sample(s["text"], float(reward), s["finish_reason"], ids, _logprobs(s.get("logprobs"), ids)))
     return Record(obj["task_id"], obj["prompt"], tuple(samples), prompt_ids)
 
 
@@ -143,6 +157,8 @@ class Completion:
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     advantage: float
+    behaviour_logprobs: tuple[float, ...] | None = None
+    """The engine's log-prob of each completion token (None: not recorded)."""
 
 
 def encode_record(tokenizer, record: Record) -> list[Completion]:
@@ -150,7 +166,7 @@ def encode_record(tokenizer, record: Record) -> list[Completion]:
     has them, else its text tokenized (layout: module docstring)."""
     advantages = group_advantages([s.reward for s in record.samples])
     if record.prompt_token_ids is not None:
-        return [Completion(record.prompt_token_ids, s.token_ids, a) for s, a in zip(record.samples, advantages)]
+        return [Completion(record.prompt_token_ids, s.token_ids, a, s.logprobs) for s, a in zip(record.samples, advantages)]
     prompt = tuple(tokenizer(record.prompt)["input_ids"])
     texts = [s.text for s in record.samples]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -227,6 +243,21 @@ def k3_kl(logprobs, ref_logprobs):
     return d.exp() - d - 1
 
 
+def is_weights(old_logprobs, behaviour_logprobs, *, mode: str, cap: float):
+    """Per token, the importance weight of the policy the update starts from against the one
+    that sampled the token, ``ratio = exp(old - behaviour)``: ``tis`` truncates it at ``cap``
+    (truncated importance sampling), ``mis`` keeps it up to ``cap`` and zeroes the token past
+    it (masked importance sampling). Returns (weights, ratios), both detached."""
+    import torch
+
+    ratio = (old_logprobs - behaviour_logprobs).detach().exp()
+    if mode == "tis":
+        return ratio.clamp(max=cap), ratio
+    if mode == "mis":
+        return torch.where(ratio > cap, torch.zeros_like(ratio), ratio), ratio
+    raise ValueError(f"is_correction must be tis or mis here, got {mode!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class LossParts:
     loss: "torch.Tensor"  # scalar, differentiable
@@ -236,9 +267,10 @@ class LossParts:
 
 
 def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: float = 0.0, ref_logprobs=None,
-              normalizer: float | None = None) -> LossParts:
-    """Token-mean over the batch of ``-clipped_surrogate + kl_coef * k3``; with ``normalizer``
-    the tokens' sum divided by it instead (a micro-batch's share of a larger batch's mean).
+              normalizer: float | None = None, weights=None) -> LossParts:
+    """Token-mean over the batch of ``-weights * clipped_surrogate + kl_coef * k3``; with
+    ``normalizer`` the tokens' sum divided by it instead (a micro-batch's share of a larger
+    batch's mean). ``weights``: per-token importance weights (:func:`is_weights`), or None.
 
     The KL term is on only with ``kl_coef > 0`` and reference log-probs. A batch without
     completion tokens gives a zero loss that is still attached to the graph, so every rank
@@ -247,6 +279,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: f
     import torch
 
     per_token = -clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps)
+    if weights is not None:
+        per_token = per_token * weights
     kl = None
     if kl_coef > 0 and ref_logprobs is not None:
         k3 = k3_kl(logprobs, ref_logprobs)

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from orchestrator.config import ClipEps, Epochs, KLCoef, LearningRate, MaxGradNorm, MicroBatch, MicroBatchTokens
+from orchestrator.config import ClipEps, Epochs, ISCap, ISCorrection, KLCoef, LearningRate, MaxGradNorm, MicroBatch, MicroBatchTokens
 from orchestrator.train.errors import BadTrainInput
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,10 @@ class TrainConfig:
     offload: bool = False
     """After the update, move the model and optimizer state to host memory (and back at the
     next request), so that engines sharing the GPU have its memory while they run."""
+    is_correction: ISCorrection = "none"
+    """Weigh each token's loss by exp(init policy's log-prob - the engine's), the engine's from
+    each sample's ``logprobs``: truncated at ``is_cap`` (tis), or 0 past it (mis)."""
+    is_cap: ISCap = 2.0
 
     @property
     def uses_kl(self) -> bool:

@@ -60,6 +60,9 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
     lap("steps")
 
     stats = _stats(policy, config, records, lengths, steps, source, per_step)
+    if config.is_correction != "none":
+        stats |= {"is_correction": config.is_correction, "is_cap": config.is_cap,
+                  **{k: round(v, 6) for k, v in batches.is_stats.items()}}
     checkpoint_writer.write(policy, config, stats, started)
     lap("checkpoint")
     policy.holds = config.iteration
@@ -128,8 +131,9 @@ def _micro_batch_loss(config: TrainConfig, batches: Batches, keys: list[plan.Key
         new_lp = grpo.completion_logprobs(sync.module, batch)
     old_lp = batches.lined_up(keys, batches.old) if keys else new_lp.detach()
     ref_lp = (batches.lined_up(keys, batches.ref) if keys else new_lp.detach()) if batches.ref is not None else None
+    weights = (batches.lined_up(keys, batches.weights) if keys else None) if batches.weights is not None else None
     return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=config.clip_eps, kl_coef=config.kl_coef,
-                          ref_logprobs=ref_lp, normalizer=normalizer)
+                          ref_logprobs=ref_lp, normalizer=normalizer, weights=weights)
 
 
 def _over_all_workers(sums) -> tuple[float, float, float, int]:

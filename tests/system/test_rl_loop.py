@@ -109,6 +109,27 @@ def test_three_ranks_three_iterations_keep_their_trainers_and_engines_and_every_
     assert all(0.0 <= it["metrics"]["accuracy"] <= 1.0 and "pass_at_k" in it["metrics"] for it in status["iterations"])
 
 
+def test_a_cpu_run_trains_on_one_node_and_rolls_out_on_another_and_corrects_with_the_engines_logprobs(demo_data, tmp_path):
+    """train.nodes=0 rollout.nodes=1: node 0 runs the only train worker and no engine, node 1
+    the only engine and no trainer; rl.is_correction=tis weighs each token by the trainer's
+    probability over the engine's, which serves the same weights in fp32: ratios of 1."""
+    log_path = tmp_path / "run"
+    flags = _flags(demo_data, log_path, num_nodes=2, weights="auto",
+                   extra=["--max-iterations=2", "train.nodes=0", "rollout.nodes=1", "rl.is_correction=tis"])
+    result = _local(flags)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    layout = RunLayout(log_path)
+    assert [p.parent.name for p in (log_path / "engines").glob("r*/engine*.log")] == ["r00001"]
+    assert [p.name for p in log_path.glob("attempts/*/train/trainer-w*.log")] == ["trainer-w00000.log"]
+    for i in (1, 2):
+        assert not layout.iteration(i).shard("train", 0).exists() or not layout.iteration(i).shard("train", 0).read_text()
+        assert len(_aggregate(layout, i)) == 8
+        stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+        assert stats["world_size"] == 1 and stats["is_correction"] == "tis"
+        assert abs(stats["is_ratio_mean"] - 1) < 1e-3 and stats["is_ratio_max"] < 1.01 and stats["is_capped_fraction"] == 0, stats
+    assert all(it["evaluated"] for it in status_json(log_path)["iterations"])
+
+
 def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
     log_path = tmp_path / "run"
     # An update before its rollout is a state the user fixes: exit 2, saying what to run.

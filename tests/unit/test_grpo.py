@@ -266,3 +266,45 @@ def test_a_batch_without_tokens_gives_a_zero_loss_that_still_backpropagates():
     assert parts.loss.item() == 0.0 and parts.tokens == 0
     parts.loss.backward()
     assert weight.grad.tolist() == [0.0, 0.0, 0.0]
+
+
+# --- importance-sampling correction -----------------------------------------------------------
+
+
+def test_tis_truncates_the_ratio_at_the_cap_and_mis_drops_the_tokens_past_it():
+    behaviour = torch.log(torch.tensor([0.5, 0.25, 0.1, 0.4]))
+    old = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.2]))  # ratios 1, 2, 5, 0.5
+    weights, ratio = grpo.is_weights(old, behaviour, mode="tis", cap=2.0)
+    assert ratio.tolist() == pytest.approx([1.0, 2.0, 5.0, 0.5])
+    assert weights.tolist() == pytest.approx([1.0, 2.0, 2.0, 0.5])
+    weights, _ = grpo.is_weights(old, behaviour, mode="mis", cap=2.0)
+    assert weights.tolist() == pytest.approx([1.0, 2.0, 0.0, 0.5])  # 2 is not past the cap
+    with pytest.raises(ValueError):
+        grpo.is_weights(old, behaviour, mode="none", cap=2.0)
+
+
+def test_the_weights_scale_each_tokens_surrogate_and_its_gradient_not_the_kl():
+    # By hand: ratio new/old 1 everywhere, advantages 1 and -2, weights 0.5 and 2: the loss is
+    # -(0.5 * 1 + 2 * -2) / 2 = 1.75, and d loss / d new_lp = -w * A / 2 = [-0.25, 2.0].
+    new = torch.tensor([-1.0, -2.0], requires_grad=True)
+    parts = grpo.grpo_loss(new, new.detach().clone(), torch.tensor([1.0, -2.0]), clip_eps=0.2, weights=torch.tensor([0.5, 2.0]))
+    assert parts.loss.item() == pytest.approx(1.75)
+    parts.loss.backward()
+    assert new.grad.tolist() == pytest.approx([-0.25, 2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    k3 = grpo.k3_kl(new.detach(), ref).mean().item()
+    zero_adv = grpo.grpo_loss(new.detach(), new.detach(), torch.zeros(2), clip_eps=0.2, kl_coef=0.1, ref_logprobs=ref,
+                              weights=torch.tensor([0.0, 0.0]))
+    assert zero_adv.loss.item() == pytest.approx(0.1 * k3)  # the KL term is not weighted
+
+
+def test_a_records_engine_logprobs_reach_its_completions_when_they_fit_its_token_ids():
+    record = grpo.parse_record({"task_id": "t", "prompt": "1+1=", "prompt_token_ids": [1, 5],
+                                "samples": [{"text": "2", "token_ids": [7, 2], "reward": 1.0, "finish_reason": "stop",
+                                             "logprobs": [-0.1, -0.2]},
+                                            {"text": "3", "token_ids": [8, 2], "reward": 0.0, "finish_reason": "stop",
+                                             "logprobs": [-0.1]},  # one short: not used
+                                            {"text": "4", "token_ids": [9, 2], "reward": 0.0, "finish_reason": "stop"}]})
+    assert [s.logprobs for s in record.samples] == [(-0.1, -0.2), None, None]
+    completions = grpo.encode_record(None, record)
+    assert [c.behaviour_logprobs for c in completions] == [(-0.1, -0.2), None, None]

@@ -2,6 +2,7 @@
 and ports, and `orchestrator plan`, including property tests of the invariants."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,44 @@ def test_no_mapping_is_the_cpu_placement():
     assert [(w.rank, w.node, w.gpu) for w in p.train_workers] == [(0, 0, None), (1, 1, None), (2, 2, None)]
     assert [(e.node, e.gpus) for e in p.engines] == [(0, ()), (1, ()), (2, ())]
     assert not p.on_gpu
+
+
+def test_cpu_roles_go_to_the_nodes_train_nodes_and_rollout_nodes_name():
+    p = placement.resolve(num_nodes=3, gpus_per_node=0, train_mapping="", rollout_mapping="", train_nodes="0",
+                          rollout_nodes="1-2")
+    assert [(w.rank, w.node, w.gpu) for w in p.train_workers] == [(0, 0, None)]
+    assert [(e.engine, e.node) for e in p.engines] == [(0, 1), (1, 2)]
+    assert not p.colocated and p.checkpoint_node == 0
+    assert placement.rollout_weights(p, None) == (0.0, 1.0, 1.0)  # auto: node 0 has no engine
+    both = placement.resolve(num_nodes=2, gpus_per_node=0, train_mapping="", rollout_mapping="", rollout_nodes="1")
+    assert [w.node for w in both.train_workers] == [0, 1] and [e.node for e in both.engines] == [1] and both.colocated
+
+
+@pytest.mark.parametrize("train, rollout, nodes, gpu, says", [
+    ("0", "0", 2, False, "node 1 would neither train nor roll out"),
+    ("0", "2", 2, False, "rollout.nodes names node 2, but the run has 2 node(s)"),
+    ("0,0", "", 2, False, "lists node 0 twice"),
+    ("0", "1", 2, True, "with device mappings the mappings place them"),
+])
+def test_role_nodes_that_do_not_fit_are_refused(train, rollout, nodes, gpu, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        placement.check_role_nodes(train, rollout, nodes, gpu=gpu)
+
+
+def test_on_cpu_the_weights_follow_the_nodes_that_roll_out():
+    placement.check_cpu_weights((0, 1), (1,))
+    with pytest.raises(ConfigError, match="gives node 0 weight 1, but rollout.nodes does not name it"):
+        placement.check_cpu_weights((1, 1), (1,))
+    with pytest.raises(ConfigError, match="gives node 1 weight 0, but it runs an engine and rolls out"):
+        placement.check_cpu_weights((1, 0), (0, 1))
+
+
+def test_plan_shows_a_disaggregated_cpu_run():
+    r = plan("--num-nodes", "2", "--rank-weights", "auto", "train.nodes=0", "rollout.nodes=1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["colocated"] is False and out["rollout_weights"] == [0.0, 1.0]
+    assert [w["node"] for w in out["train_workers"]] == [0] and [e["node"] for e in out["engines"]] == [1]
 
 
 def test_rollout_follows_the_engines_a_node_without_them_weighs_zero():

@@ -295,6 +295,8 @@ class RLWorkload:
             "clip_eps": self.rl.clip_eps,
             "kl_coef": self.rl.kl_coef,
             "max_grad_norm": self.rl.max_grad_norm,
+            "is_correction": self.rl.is_correction,
+            "is_cap": self.rl.is_cap,
             "micro_batch_tokens": self.config.train.micro_batch_tokens,
             "strategy": self.config.train.strategy,
             "mixed_precision": self.config.train.mixed_precision,
