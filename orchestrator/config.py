@@ -225,6 +225,9 @@ ClipEps = Annotated[float, msgspec.Meta(gt=0)]
 KLCoef = Annotated[float, msgspec.Meta(ge=0)]
 MaxGradNorm = Annotated[float, msgspec.Meta(gt=0)]
 MaxPromptTokens = Annotated[int, msgspec.Meta(ge=0)]
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+OLD_LOGPROBS = ("trainer", "engine")
 IS_CORRECTIONS = ("none", "tis", "mis")
 ISCorrection = Annotated[str, _one_of(IS_CORRECTIONS, "corrections")]
 ISCap = Annotated[float, _limit("{key} must be >= 1, got {value}", ge=1)]
@@ -268,9 +271,24 @@ class RLConfig:
     """Prompts (GRPO groups) per optimiser step, over all train workers: the update does not
     depend on how many there are (train/plan.py). Each worker accumulates its part of a step
     in micro-batches of train.micro_batch_tokens."""
+    advantage: Annotated[str, _one_of(ADVANTAGES, "advantages")] = "grpo"
+    """How a group's rewards become advantages: grpo ((r - mean) / std), dr_grpo (r - mean,
+    no std: Dr. GRPO), rloo (r minus the mean of the group's others). docs/rl.md."""
     clip_eps: ClipEps = 0.2
+    """PPO clip range of the ratio, both sides unless rl.clip_eps_low or rl.clip_eps_high set one."""
+    clip_eps_low: Annotated[float, _limit("{key} must be >= 0 (0: rl.clip_eps), got {value}", ge=0)] = 0.0
+    """The lower clip, 1 - this (0: rl.clip_eps)."""
+    clip_eps_high: Annotated[float, _limit("{key} must be >= 0 (0: rl.clip_eps), got {value}", ge=0)] = 0.0
+    """The upper clip, 1 + this (0: rl.clip_eps); larger than the lower is DAPO's clip-higher (0.28 with 0.2)."""
     kl_coef: KLCoef = 0.0
     """Weight of the KL penalty to the base model (0: none)."""
+    kl_estimator: Annotated[str, _one_of(KL_ESTIMATORS, "estimators")] = "k3"
+    """The per-token KL estimate: k1 (log ratio), k2 (half its square), k3 (exp(d) - d - 1)."""
+    old_logprobs: Annotated[str, _one_of(OLD_LOGPROBS, "sources")] = "trainer"
+    """The old policy's log-probs in the PPO ratio: trainer (computed by the trainer, a forward
+    pass over every sample before the first step) or engine (the engine's, kept in each
+    record: no such pass; sound when the engine serves the trainer's weights at a close
+    precision, as the embedded engine does in fp32). docs/rl.md."""
     max_grad_norm: MaxGradNorm = 1.0
     is_correction: ISCorrection = "none"
     """Importance-sampling correction for the gap between the policy that sampled a token (the
@@ -289,6 +307,9 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, "rl")
+        if self.old_logprobs == "engine" and self.is_correction != "none":
+            raise ConfigError(f"rl.is_correction={self.is_correction} weighs by the trainer's log-probs over the engine's, and "
+                              f"rl.old_logprobs=engine makes them the same: nothing is left to correct; set one of them back")
         from orchestrator import rewards
 
         try:

@@ -68,19 +68,23 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
     rdv, model = policy.rdv, policy.model
     vocab = model.get_input_embeddings().num_embeddings
     _check_vocabulary(records, vocab, config.init_checkpoint)
-    if config.is_correction != "none":
-        _check_behaviour_logprobs(records, config.is_correction)
-    completions = [grpo.encode_record(policy.tokenizer, r) for r in records]
+    if config.engine_logprobs_needed:
+        _check_behaviour_logprobs(records, config.engine_logprobs_needed)
+    completions = [grpo.encode_record(policy.tokenizer, r, config.advantage) for r in records]
     lengths = plan.Lengths(rows=[[len(c.prompt_ids) + len(c.completion_ids) for c in group] for group in completions],
                            completions=[[len(c.completion_ids) for c in group] for group in completions])
     batches = Batches(completions, policy.pad_id)
     passes = plan.logprob_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, budget=config.micro_batch_tokens)
-    batches.old = _logprobs(model, batches, passes, config, policy.device)
+    if config.old_logprobs == "engine":  # the engine's: no forward pass
+        batches.old = {key: _engine_logprobs(batches, key, policy.device) for keys in passes for key in keys}
+    else:
+        batches.old = _logprobs(model, batches, passes, config, policy.device)
     if config.uses_kl:
-        if config.reference_checkpoint.resolve() == config.init_checkpoint.resolve():
+        same = config.reference_checkpoint.resolve() == config.init_checkpoint.resolve()
+        if same and config.old_logprobs == "trainer":
             batches.ref = batches.old
         else:
-            batches.ref = _logprobs(policy.reference(config), batches, passes, config, policy.device)
+            batches.ref = _logprobs(model if same else policy.reference(config), batches, passes, config, policy.device)
     elif config.kl_coef > 0:
         log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.kl_coef)
     if config.is_correction != "none":
@@ -88,15 +92,23 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
     return batches, lengths
 
 
-def _check_behaviour_logprobs(records: list[grpo.Record], mode: str) -> None:
+def _check_behaviour_logprobs(records: list[grpo.Record], what: str) -> None:
     """Every sample carries the engine's log-prob of each token it sampled (checked on every
-    rank alike, before any collective)."""
+    rank alike, before any collective); ``what``: the option that needs them."""
+    key = what.split("=")[0]
+    default = {"is_correction": "none", "old_logprobs": "trainer"}[key]
     for r in records:
         for i, sample in enumerate(r.samples):
             if sample.logprobs is None:
-                raise BadTrainInput(f"is_correction={mode} needs the engine's log-prob of every sampled token, and trajectory "
+                raise BadTrainInput(f"{what} needs the engine's log-prob of every sampled token, and trajectory "
                                     f"record {r.task_id} sample {i} has none that fit its token_ids (a record written by "
-                                    f"hand, or by an engine asked without logprobs): set rl.is_correction=none")
+                                    f"hand, or by an engine asked without logprobs): set rl.{key}={default}")
+
+
+def _engine_logprobs(batches: Batches, key: plan.Key, device):
+    import torch
+
+    return torch.tensor(batches.completions[key[0]][key[1]].behaviour_logprobs, dtype=torch.float32, device=device)
 
 
 def _importance_weights(batches: Batches, config: TrainConfig, device) -> tuple[dict, dict]:
@@ -109,7 +121,7 @@ def _importance_weights(batches: Batches, config: TrainConfig, device) -> tuple[
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # ratio sum, tokens, tokens past the cap
     peak = torch.zeros(1, dtype=torch.float64, device=device)
     for key, old in batches.old.items():
-        behaviour = torch.tensor(batches.completions[key[0]][key[1]].behaviour_logprobs, dtype=old.dtype, device=old.device)
+        behaviour = _engine_logprobs(batches, key, old.device).to(old.dtype)
         weights[key], ratio = grpo.is_weights(old, behaviour, mode=config.is_correction, cap=config.is_cap)
         if ratio.numel():
             sums += torch.stack([ratio.double().sum(), torch.tensor(float(ratio.numel()), dtype=torch.float64, device=device),

@@ -133,18 +133,33 @@ def read_records(path: Path) -> list[Record]:
 # --- advantages ----------------------------------------------------------------------------
 
 
-def group_advantages(rewards: Sequence[float]) -> list[float]:
-    """``(r - mean) / (std + 1e-6)`` within one group, with the population std.
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+
+
+def group_advantages(rewards: Sequence[float], kind: str = "grpo") -> list[float]:
+    """The advantages of one group's samples.
+
+    - ``grpo``: ``(r - mean) / (std + 1e-6)``, the population std (Shao et al. 2024).
+    - ``dr_grpo``: ``r - mean``, no division by the std, which weighs groups of low variance
+      (too easy or too hard) up (Liu et al. 2025, "Understanding R1-Zero-like training").
+    - ``rloo``: ``r`` minus the mean of the group's other samples, ``n / (n - 1) (r - mean)``,
+      an unbiased leave-one-out baseline (Ahmadian et al. 2024); 0 for a group of one.
 
     A group whose rewards are all equal carries no signal: its advantages are exactly zero
-    (computed, ``r - mean`` can be a rounding error that ``1e-6`` would blow up). The
-    population std keeps a group of one well defined (it is all-equal, so zero).
+    (computed, ``r - mean`` can be a rounding error that ``1e-6`` would blow up).
     """
     if max(rewards) == min(rewards):
         return [0.0] * len(rewards)
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-    return [(r - mean) / (std + STD_EPS) for r in rewards]
+    n = len(rewards)
+    mean = sum(rewards) / n
+    if kind == "grpo":
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+        return [(r - mean) / (std + STD_EPS) for r in rewards]
+    if kind == "dr_grpo":
+        return [r - mean for r in rewards]
+    if kind == "rloo":
+        return [n / (n - 1) * (r - mean) for r in rewards]
+    raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {kind!r}")
 
 
 # --- batching ------------------------------------------------------------------------------
@@ -161,10 +176,10 @@ class Completion:
     """The engine's log-prob of each completion token (None: not recorded)."""
 
 
-def encode_record(tokenizer, record: Record) -> list[Completion]:
+def encode_record(tokenizer, record: Record, advantage: str = "grpo") -> list[Completion]:
     """The record's samples as token ids, in sample order: the engine's ids when the record
     has them, else its text tokenized (layout: module docstring)."""
-    advantages = group_advantages([s.reward for s in record.samples])
+    advantages = group_advantages([s.reward for s in record.samples], advantage)
     if record.prompt_token_ids is not None:
         return [Completion(record.prompt_token_ids, s.token_ids, a, s.logprobs) for s, a in zip(record.samples, advantages)]
     prompt = tuple(tokenizer(record.prompt)["input_ids"])
@@ -226,12 +241,37 @@ def completion_logprobs(model, batch: Batch) -> "torch.Tensor":
     return picked.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps: float):
-    """Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``, ``ratio = exp(new - old)``."""
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps: float, clip_eps_high: float | None = None):
+    """Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``, ``ratio = exp(new -
+    old)``; ``eps_high`` defaults to ``eps`` (symmetric). A larger ``eps_high`` is DAPO's
+    clip-higher (Yu et al. 2025): room for unlikely tokens to gain, against entropy collapse."""
     import torch
 
     ratio = (logprobs - old_logprobs).exp()
-    return torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    return torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + high) * advantages)
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator: str = "k3"):
+    """Per token estimate of KL(policy || reference) from tokens sampled by the policy, with
+    ``d = ref - new`` (Schulman, "Approximating KL divergence", 2020):
+
+    - ``k1``: ``-d``, unbiased, but negative on some tokens and of high variance;
+    - ``k2``: ``d^2 / 2``, non-negative, biased, low variance; its gradient is that of the
+      KL's reverse direction to second order;
+    - ``k3``: ``exp(d) - d - 1``, non-negative, unbiased, low variance (the default).
+    """
+    d = ref_logprobs - logprobs
+    if estimator == "k3":
+        return d.exp() - d - 1
+    if estimator == "k2":
+        return d.square() / 2
+    if estimator == "k1":
+        return -d
+    raise ValueError(f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
 
 
 def k3_kl(logprobs, ref_logprobs):
@@ -239,8 +279,7 @@ def k3_kl(logprobs, ref_logprobs):
 
     Non-negative, zero where the two agree, and unbiased for tokens sampled from the policy.
     """
-    d = ref_logprobs - logprobs
-    return d.exp() - d - 1
+    return kl_estimate(logprobs, ref_logprobs, "k3")
 
 
 def is_weights(old_logprobs, behaviour_logprobs, *, mode: str, cap: float):
@@ -261,16 +300,18 @@ def is_weights(old_logprobs, behaviour_logprobs, *, mode: str, cap: float):
 @dataclass(frozen=True, slots=True)
 class LossParts:
     loss: "torch.Tensor"  # scalar, differentiable
-    kl: float | None  # token-mean k3 when the KL term is on
+    kl: float | None  # token-mean KL estimate when the KL term is on
     clip_fraction: float  # share of tokens whose ratio left [1 - eps, 1 + eps]
     tokens: int
 
 
 def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: float = 0.0, ref_logprobs=None,
-              normalizer: float | None = None, weights=None) -> LossParts:
+              normalizer: float | None = None, weights=None, clip_eps_high: float | None = None,
+              kl_estimator: str = "k3") -> LossParts:
     """Token-mean over the batch of ``-weights * clipped_surrogate + kl_coef * k3``; with
     ``normalizer`` the tokens' sum divided by it instead (a micro-batch's share of a larger
     batch's mean). ``weights``: per-token importance weights (:func:`is_weights`), or None.
+    ``clip_eps_high``: the upper clip (default ``clip_eps``); ``kl_estimator``: k1, k2 or k3.
 
     The KL term is on only with ``kl_coef > 0`` and reference log-probs. A batch without
     completion tokens gives a zero loss that is still attached to the graph, so every rank
@@ -278,16 +319,17 @@ def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: f
     """
     import torch
 
-    per_token = -clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps)
+    per_token = -clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high)
     if weights is not None:
         per_token = per_token * weights
     kl = None
     if kl_coef > 0 and ref_logprobs is not None:
-        k3 = k3_kl(logprobs, ref_logprobs)
-        per_token = per_token + kl_coef * k3
-        kl = k3.detach().mean().item() if k3.numel() else 0.0
+        estimate = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        per_token = per_token + kl_coef * estimate
+        kl = estimate.detach().mean().item() if estimate.numel() else 0.0
     n = per_token.numel()
     with torch.no_grad():
-        clipped = ((logprobs - old_logprobs).exp() - 1).abs() > clip_eps
+        ratio = (logprobs - old_logprobs).exp()
+        clipped = (ratio < 1 - clip_eps) | (ratio > 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
         clip_fraction = clipped.float().mean().item() if n else 0.0
     return LossParts(per_token.sum() / (max(n, 1) if normalizer is None else normalizer), kl, clip_fraction, n)

@@ -63,6 +63,15 @@ class TrainConfig:
     offload: bool = False
     """After the update, move the model and optimizer state to host memory (and back at the
     next request), so that engines sharing the GPU have its memory while they run."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    clip_eps_low: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """The lower clip (0: ``clip_eps``)."""
+    clip_eps_high: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """The upper clip (0: ``clip_eps``)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    old_logprobs: Literal["trainer", "engine"] = "trainer"
+    """Where the ratio's old log-probs come from: the trainer's forward pass, or each sample's
+    ``logprobs`` (the engine's)."""
     is_correction: ISCorrection = "none"
     """Weigh each token's loss by exp(init policy's log-prob - the engine's), the engine's from
     each sample's ``logprobs``: truncated at ``is_cap`` (tis), or 0 past it (mis)."""
@@ -71,6 +80,20 @@ class TrainConfig:
     @property
     def uses_kl(self) -> bool:
         return self.kl_coef > 0 and self.reference_checkpoint is not None
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        """(low, high): the ratio is clipped to [1 - low, 1 + high]."""
+        return self.clip_eps_low or self.clip_eps, self.clip_eps_high or self.clip_eps
+
+    @property
+    def engine_logprobs_needed(self) -> str | None:
+        """What needs each sample's engine log-probs, or None."""
+        if self.old_logprobs == "engine":
+            return "old_logprobs=engine"
+        if self.is_correction != "none":
+            return f"is_correction={self.is_correction}"
+        return None
 
     @classmethod
     def from_json(cls, raw: object) -> "TrainConfig":

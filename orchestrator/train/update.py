@@ -60,6 +60,10 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
     lap("steps")
 
     stats = _stats(policy, config, records, lengths, steps, source, per_step)
+    chosen = {"advantage": config.advantage, "clip": list(config.clip), "kl_estimator": config.kl_estimator,
+              "old_logprobs": config.old_logprobs}
+    stats |= {k: v for k, v in chosen.items() if v != {"advantage": "grpo", "clip": [config.clip_eps] * 2, "kl_estimator": "k3",
+                                                        "old_logprobs": "trainer"}[k]}  # options away from the default
     if config.is_correction != "none":
         stats |= {"is_correction": config.is_correction, "is_cap": config.is_cap,
                   **{k: round(v, 6) for k, v in batches.is_stats.items()}}
@@ -132,8 +136,9 @@ def _micro_batch_loss(config: TrainConfig, batches: Batches, keys: list[plan.Key
     old_lp = batches.lined_up(keys, batches.old) if keys else new_lp.detach()
     ref_lp = (batches.lined_up(keys, batches.ref) if keys else new_lp.detach()) if batches.ref is not None else None
     weights = (batches.lined_up(keys, batches.weights) if keys else None) if batches.weights is not None else None
-    return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=config.clip_eps, kl_coef=config.kl_coef,
-                          ref_logprobs=ref_lp, normalizer=normalizer, weights=weights)
+    low, high = config.clip
+    return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=low, clip_eps_high=high, kl_coef=config.kl_coef,
+                          ref_logprobs=ref_lp, normalizer=normalizer, weights=weights, kl_estimator=config.kl_estimator)
 
 
 def _over_all_workers(sums) -> tuple[float, float, float, int]:

@@ -232,3 +232,24 @@ def test_importance_correction_without_the_engines_logprobs_is_bad_input_naming_
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "record t0 sample 0" in result.stderr and "rl.is_correction=none" in result.stderr
+
+
+OPTIONS = {
+    "rloo-k2-clip-higher": {"advantage": "rloo", "kl_estimator": "k2", "clip_eps_high": 0.28},
+    "dr-grpo-k1-engine-old": {"advantage": "dr_grpo", "kl_estimator": "k1", "old_logprobs": "engine"},
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_each_update_option_gives_the_same_update_at_any_worker_count(work, trained, ddp_two, name):
+    options = {**OPTIONS[name], "data": str(_with_engine_logprobs(work))}
+    two = trained(f"{name}-ddp-2", 2, strategy="ddp", **options)
+    three = trained(f"{name}-fsdp-3-24", 3, strategy="fsdp", micro_batch_tokens=24, **options)
+    stats = json.loads((two / "train_stats.json").read_text())
+    assert {k: stats[k] for k in ("advantage", "kl_estimator")} == {k: options[k] for k in ("advantage", "kl_estimator")}
+    assert stats.get("old_logprobs", "trainer") == options.get("old_logprobs", "trainer")
+    for prefix in ("model", "optimizer/adamw"):
+        worst, where = _worst_relative_difference(_tensors(two, prefix), _tensors(three, prefix))
+        assert worst <= IS_TOLERANCE, f"{prefix}: {where} differs by {worst:.2e} (relative norm)"
+    worst, where = _worst_relative_difference(_tensors(ddp_two, "model"), _tensors(two, "model"))
+    assert worst > 1e-4, "the options changed nothing: the comparison would prove nothing"

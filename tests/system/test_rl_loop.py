@@ -130,6 +130,19 @@ def test_a_cpu_run_trains_on_one_node_and_rolls_out_on_another_and_corrects_with
     assert all(it["evaluated"] for it in status_json(log_path)["iterations"])
 
 
+def test_the_update_options_away_from_their_defaults_run_two_iterations_on_two_ranks(demo_data, tmp_path):
+    options = ["rl.advantage=rloo", "rl.clip_eps_high=0.28", "rl.kl_coef=0.01", "rl.kl_estimator=k2", "rl.old_logprobs=engine"]
+    log_path = tmp_path / "run"
+    result = _local(_flags(demo_data, log_path, num_nodes=2, weights="1,1", extra=["--max-iterations=2", *options]))
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    layout = RunLayout(log_path)
+    for i in (1, 2):
+        stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+        assert (stats["advantage"], stats["clip"], stats["kl_estimator"], stats["old_logprobs"]) == ("rloo", [0.2, 0.28], "k2", "engine")
+        assert stats["kl"] and all(k is not None for k in stats["kl"]), stats
+        assert len(_aggregate(layout, i)) == 8
+
+
 def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
     log_path = tmp_path / "run"
     # An update before its rollout is a state the user fixes: exit 2, saying what to run.

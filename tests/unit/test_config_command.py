@@ -65,9 +65,9 @@ def test_a_field_with_a_docstring_shows_its_first_sentence(listing):
 
 def test_a_field_without_a_docstring_shows_its_type_and_default_only(listing):
     lines = listing.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rl.clip_eps"])
-    assert lines[at].split() == ["rl.clip_eps", "float", ">", "0", "0.2"]
-    assert lines[at + 1].split()[0] == "rl.kl_coef"
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rl.top_p"])
+    assert lines[at].split() == ["rl.top_p", "float", "in", "(0,", "1]", "1.0"]
+    assert lines[at + 1].split()[0] == "rl.max_tokens"
 
 
 def test_json_has_type_default_and_help_for_every_key():
@@ -95,7 +95,7 @@ def test_the_defaults_are_the_ones_a_run_gets():
 
 def test_a_prefix_keeps_the_keys_that_start_with_it():
     assert {e["key"] for e in _json("rl")} == {k for k in config.valid_override_keys() if k.startswith("rl.")}
-    assert [e["key"] for e in _json("rl.clip")] == ["rl.clip_eps"]
+    assert [e["key"] for e in _json("rl.clip")] == ["rl.clip_eps", "rl.clip_eps_low", "rl.clip_eps_high"]
 
 
 def test_one_key_alone_is_shown_with_its_whole_description():

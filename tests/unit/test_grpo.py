@@ -308,3 +308,37 @@ def test_a_records_engine_logprobs_reach_its_completions_when_they_fit_its_token
     assert [s.logprobs for s in record.samples] == [(-0.1, -0.2), None, None]
     completions = grpo.encode_record(None, record)
     assert [c.behaviour_logprobs for c in completions] == [(-0.1, -0.2), None, None]
+
+
+# --- the update's options -----------------------------------------------------------------------
+
+
+def test_dr_grpo_and_rloo_advantages_by_hand():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0]  # mean 0.6
+    assert grpo.group_advantages(rewards, "dr_grpo") == pytest.approx([0.4, -0.6, -0.6, 0.4, 0.4])
+    # rloo: r minus the mean of the other four: 1 - 2/4, 0 - 3/4, ...
+    assert grpo.group_advantages(rewards, "rloo") == pytest.approx([0.5, -0.75, -0.75, 0.5, 0.5])
+    for kind in grpo.ADVANTAGES:
+        assert grpo.group_advantages([0.5, 0.5], kind) == [0.0, 0.0]
+        assert grpo.group_advantages([1.0], kind) == [0.0]
+    with pytest.raises(ValueError):
+        grpo.group_advantages(rewards, "ppo")
+
+
+def test_kl_estimators_by_hand():
+    new = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.0, -1.0, -1.5])  # d = ref - new = 0, 1, -1
+    assert grpo.kl_estimate(new, ref, "k1").tolist() == pytest.approx([0.0, -1.0, 1.0])
+    assert grpo.kl_estimate(new, ref, "k2").tolist() == pytest.approx([0.0, 0.5, 0.5])
+    assert grpo.kl_estimate(new, ref, "k3").tolist() == pytest.approx([0.0, math.e - 2, math.exp(-1)])
+    parts = grpo.grpo_loss(new, new, torch.zeros(3), clip_eps=0.2, kl_coef=0.5, ref_logprobs=ref, kl_estimator="k2")
+    assert parts.loss.item() == pytest.approx(0.5 * (0.0 + 0.5 + 0.5) / 3) and parts.kl == pytest.approx(1 / 3)
+
+
+def test_clip_higher_lets_a_positive_advantage_gain_up_to_its_own_bound():
+    old = torch.zeros(3)
+    new = torch.log(torch.tensor([1.25, 1.5, 0.7]))
+    surrogate = grpo.clipped_surrogate(new, old, torch.tensor([1.0, 1.0, -1.0]), clip_eps=0.2, clip_eps_high=0.28)
+    assert surrogate.tolist() == pytest.approx([1.25, 1.28, -0.8])  # min(1.25, 1.25), min(1.5, 1.28), min(-0.7, -0.8)
+    parts = grpo.grpo_loss(new, old, torch.ones(3), clip_eps=0.2, clip_eps_high=0.28)
+    assert parts.clip_fraction == pytest.approx(2 / 3)  # 1.5 above 1.28, 0.7 below 0.8
