@@ -35,7 +35,7 @@ def _base(tmp_path, **over):
 CASES = {
     "weight count differs from num-nodes": ({"--rank-weights": "1,1"}, ["--master"], "--rank-weights has 2 value(s) but --num-nodes is 3"),
     "zero weight where every node has an engine": ({"--rank-weights": "1,0,1"}, ["--master"],
-                                                   "gives node 1 weight 0, but without a device mapping every node runs an engine"),
+                                                   "gives node 1 weight 0, but it runs an engine and rolls out (every node does without rollout.nodes)"),
     "negative weight": ({"--rank-weights": "1,-1,1"}, ["--master"], "must be numbers >= 0"),
     "only zero weights": ({"--rank-weights": "0,0,0"}, ["--master"], "at least one positive"),
     "rank out of range": ({}, ["--worker=3"], "rank 3 is out of range"),
