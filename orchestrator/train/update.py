@@ -60,10 +60,10 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
     lap("steps")
 
     stats = _stats(policy, config, records, lengths, steps, source, per_step)
+    defaults = {"advantage": "grpo", "clip": [config.clip_eps] * 2, "kl_estimator": "k3", "old_logprobs": "trainer"}
     chosen = {"advantage": config.advantage, "clip": list(config.clip), "kl_estimator": config.kl_estimator,
               "old_logprobs": config.old_logprobs}
-    stats |= {k: v for k, v in chosen.items() if v != {"advantage": "grpo", "clip": [config.clip_eps] * 2, "kl_estimator": "k3",
-                                                        "old_logprobs": "trainer"}[k]}  # options away from the default
+    stats |= {k: v for k, v in chosen.items() if v != defaults[k]}  # only the options away from their defaults
     if config.is_correction != "none":
         stats |= {"is_correction": config.is_correction, "is_cap": config.is_cap,
                   **{k: round(v, 6) for k, v in batches.is_stats.items()}}
