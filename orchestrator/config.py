@@ -191,6 +191,8 @@ class RehearsalConfig:
     """Payload bytes per simulated trajectory record."""
     task_s: NonNegative = 0.0
     """Simulated seconds per rollout or eval task; 0: a rank's first share takes work_s."""
+    train_s: NonNegative = 0.0
+    """Simulated seconds of training per iteration on a node with train workers; 0: work_s."""
     slow_ranks: str = ""
     """``"R:F,..."``: rank R takes F times longer per task (a slow node, to rehearse work stealing)."""
 
@@ -228,7 +230,7 @@ MaxPromptTokens = Annotated[int, msgspec.Meta(ge=0)]
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 OLD_LOGPROBS = ("trainer", "engine")
-IS_CORRECTIONS = ("none", "tis", "mis")
+IS_CORRECTIONS = ("auto", "none", "tis", "mis")
 ISCorrection = Annotated[str, _one_of(IS_CORRECTIONS, "corrections")]
 ISCap = Annotated[float, _limit("{key} must be >= 1, got {value}", ge=1)]
 
@@ -290,11 +292,18 @@ class RLConfig:
     record: no such pass; sound when the engine serves the trainer's weights at a close
     precision, as the embedded engine does in fp32). docs/rl.md."""
     max_grad_norm: MaxGradNorm = 1.0
-    is_correction: ISCorrection = "none"
+    max_staleness: NonNegativeInt = 0
+    """How many checkpoints a trajectory may lag behind the update that trains on it. 0:
+    lockstep, each iteration's rollout then its update. K >= 1: the rollout of iteration i
+    runs while iterations i-K.. train, once checkpoint i-1-K is published (rollout and
+    training on different nodes: train.nodes/rollout.nodes, or disaggregated device mappings).
+    docs/rl.md, "Asynchronous RL"."""
+    is_correction: ISCorrection = "auto"
     """Importance-sampling correction for the gap between the policy that sampled a token (the
     engine, whose log-prob the record keeps) and the policy the update starts from (the
     trainer's): each token's loss is weighed by their ratio, truncated at rl.is_cap (tis), or
-    dropped where the ratio passes it (mis). none: no weight, the update as before."""
+    dropped where the ratio passes it (mis). none: no weight, the update as before. auto: tis
+    when rl.max_staleness >= 1 (unless rl.old_logprobs=engine), else none."""
     is_cap: ISCap = 2.0
     """The largest importance weight rl.is_correction keeps."""
     train_on_partial: bool = False
@@ -307,8 +316,8 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, "rl")
-        if self.old_logprobs == "engine" and self.is_correction != "none":
-            raise ConfigError(f"rl.is_correction={self.is_correction} weighs by the trainer's log-probs over the engine's, and "
+        if self.old_logprobs == "engine" and self.correction != "none":
+            raise ConfigError(f"rl.is_correction={self.correction} weighs by the trainer's log-probs over the engine's, and "
                               f"rl.old_logprobs=engine makes them the same: nothing is left to correct; set one of them back")
         from orchestrator import rewards
 
@@ -316,6 +325,14 @@ class RLConfig:
             rewards.parse(self.reward)  # importing it is the preflight's (it depends on the node)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    @property
+    def correction(self) -> str:
+        """rl.is_correction with auto resolved: tis when rl.max_staleness >= 1 (unless the
+        engine's log-probs are the old policy's already), else none."""
+        if self.is_correction != "auto":
+            return self.is_correction
+        return "tis" if self.max_staleness and self.old_logprobs == "trainer" else "none"
 
 
 ENGINES = ("embedded", "vllm")
@@ -528,12 +545,29 @@ class RunConfig:
                                                                 gpu=bool(self.train.device_mapping))
         if not self.train.device_mapping and self.rank_weights is not None:
             placement.check_cpu_weights(self.rank_weights, rollout_nodes)
+        self._check_overlap(train_nodes, rollout_nodes)
         if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:
             for temp, n, what in ((self.rl.temperature, self.rl.samples_per_prompt, "rl.temperature/rl.samples_per_prompt"),
                                   (self.rl.eval_temperature, self.rl.eval_samples, "rl.eval_temperature/rl.eval_samples")):
                 if temp == 0 and n > 1:
                     raise ConfigError(f"{what} = 0/{n}: vLLM refuses more than one sample per prompt at temperature 0 "
                                       f"(greedy sampling gives one answer); raise the temperature or use 1 sample")
+
+    def _check_overlap(self, train_nodes: tuple[int, ...], rollout_nodes: tuple[int, ...]) -> None:
+        """rl.max_staleness >= 1 overlaps rollout with training: on nodes apart, walking both halves."""
+        k = self.rl.max_staleness
+        if not k:
+            return
+        if self.rl_phase is not RLPhase.BOTH:
+            raise ConfigError(f"rl.max_staleness={k} overlaps the rollout half with the update half: it needs --rl-phase both")
+        if self.coordination.elastic:
+            raise ConfigError(f"rl.max_staleness={k} does not run with coordination.elastic=true yet: use one of them")
+        if not self.train.device_mapping and set(train_nodes) & set(rollout_nodes):
+            both = sorted(set(train_nodes) & set(rollout_nodes))
+            raise ConfigError(f"rl.max_staleness={k} runs rollout while training, so they need nodes of their own, but node(s) "
+                              f"{','.join(map(str, both))} would do both: set train.nodes and rollout.nodes apart "
+                              f"(e.g. train.nodes=0 rollout.nodes={'1' if self.num_nodes <= 2 else f'1-{self.num_nodes - 1}'}, "
+                              f"on at least 2 nodes)")
 
     @property
     def model_path(self) -> Path:
@@ -562,6 +596,7 @@ class RunConfig:
             "max_iterations": self.max_iterations,
             "workload": self.workload.value,
             "seed": self.seed,
+            "max_staleness": self.rl.max_staleness,
             "rehearsal": dataclasses.asdict(self.rehearsal) if self.workload is Workload.REHEARSAL else None,
             # The files, not only the key: ranks whose model.path resolves to other files are refused at join.
             "model": base_model.identity(self.model_path) if self.workload is Workload.RL else None,

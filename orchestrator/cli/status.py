@@ -104,6 +104,13 @@ def view(snap: dict) -> Group:
     back = [e for e in snap.get("membership", []) if e["event"] == "rejoined"]
     if back:
         parts.append(line("rejoined: " + ", ".join(f"rank {e['rank']} at iteration {e['iteration']}" for e in back)))
+    pipe = snap.get("pipeline")
+    if pipe:
+        training = (f"iteration {pipe['training']} trains in the background on rank(s) {','.join(map(str, pipe['training_ranks']))}"
+                    + (f", on trajectories {'-'.join(map(str, sorted(set(pipe['staleness']))))} checkpoint(s) old"
+                       if pipe["staleness"] else "") if pipe["training"] else "no training in flight")
+        parts.append(line(f"pipelined (rl.max_staleness={pipe['max_staleness']}): the ranks walk iteration {pipe['iteration']}, "
+                          f"phase {pipe['phase']}; {training}"))
     e = snap["eta"]
     if e:
         late = " (overdue)" if e["elapsed_s"] > e["typical_s"] else ""

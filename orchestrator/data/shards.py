@@ -218,6 +218,7 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict, 
     counts: dict[str, int] = {}
     total, trajectories, h, size, dropped = 0, 0, hashlib.sha256(), 0, 0
     reward_errors, first_error = 0, None
+    policies: set[int] = set()
     try:
         with open(tmp, "wb") as out:
             for label, shard in sources:
@@ -230,6 +231,8 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict, 
                         raise ShardError(f"{label}: task {record['task_id']} appears twice (in {shard})")
                     seen.add(record["task_id"])
                     trajectories += len(record.get("samples") or [record])
+                    if isinstance(record.get("policy_iteration"), int):
+                        policies.add(record["policy_iteration"])
                     for sample in record.get("samples") or []:
                         if isinstance(sample, dict) and sample.get("reward_error"):
                             reward_errors += 1
@@ -253,9 +256,12 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict, 
         tmp.unlink(missing_ok=True)
         raise
     # A record is one task; its trajectories are its samples (a record without samples is one).
-    # Samples whose reward failed (scored 0) are counted, with the first one's error.
+    # Samples whose reward failed (scored 0) are counted, with the first one's error; the
+    # checkpoints the records came from as [oldest, newest] (data/staleness.py).
     manifest = Manifest(total, size, digest, {"per_source": counts, "trajectories": trajectories, "dropped": dropped,
-                                                     "reward_errors": reward_errors, "first_reward_error": first_error, **extra})
+                                                     "reward_errors": reward_errors, "first_reward_error": first_error,
+                                                     "policy_iterations": [min(policies), max(policies)] if policies else None,
+                                                     **extra})
     fsio.write_record(manifest_path(dest), manifest.to_json())
     return manifest
 

@@ -86,6 +86,7 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
             "rate": beat.get("rate") if beat else None,
             "in_phase_s": in_phase,
             "heartbeat_age_s": age,
+            "training": hb.get("training") if hb else None,
         })
     progress = fsio.read_record(layout.progress)
     last = progress["iteration"] if progress else 0
@@ -99,7 +100,7 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
         if s is not None:
             iterations.append({**{k: s.get(k) for k in ("iteration", "tasks_per_rank", "tasks_done_per_rank", "tasks_taken_per_rank",
                                                          "trajectories", "evaluated", "metrics", "checkpoint", "complete",
-                                                         "reward_errors", "prompts_too_long")},
+                                                         "reward_errors", "prompts_too_long", "staleness")},
                                "timing": times.get(i)})
     barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks, members.out) if not current.released else None
     gone = None if current.released else all_gone(ranks, now)
@@ -121,6 +122,27 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
         "eta": eta(timing.phase_durations(logs), ranks[0] if ranks else None, start.get("rl_phase") or fp.get("rl_phase")),
         "notes": (fsio.read_record(attempt.notes) or {}).get("notes", []),
         "iterations": iterations,
+        "pipeline": pipeline(fp.get("max_staleness") or 0, ranks, iterations),
+    }
+
+
+def pipeline(max_staleness: int, ranks: list[dict], iterations: list[dict]) -> dict | None:
+    """rl.max_staleness >= 1: both halves at once. Where the rollout half is (the master's
+    iteration and phase), which iteration trains in the background and on which ranks, and
+    how stale that iteration's trajectories are (checkpoints behind the update)."""
+    if not max_staleness:
+        return None
+    training = sorted({r["training"] for r in ranks if r.get("training") and r["alive"]})
+    trained = training[0] if training else None
+    stale = next((it.get("staleness") for it in iterations if it["iteration"] == trained), None)
+    master = ranks[0] if ranks else {}
+    return {
+        "max_staleness": max_staleness,
+        "iteration": master.get("iteration"),
+        "phase": master.get("phase"),
+        "training": trained,
+        "training_ranks": [r["rank"] for r in ranks if r.get("training") == trained] if trained else [],
+        "staleness": stale,
     }
 
 

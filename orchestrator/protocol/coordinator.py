@@ -100,12 +100,18 @@ class Coordinator(Attendance):
         self.heartbeat.update(state=HeartbeatState.HELD)
         self.cancel.sleep(faults.HOLD_LIMIT_S)
 
+    def training_in_flight(self, iteration: int | None) -> None:
+        """rl.max_staleness >= 1: the iteration this node trains while the rank walks on (None: none)."""
+        if self.heartbeat is not None:
+            self.heartbeat.update(training=iteration)
+
     def progress(self, done: int, total: int) -> None:
         self.heartbeat.update(progress={"done": done, "total": total})
 
-    def timing(self, part: str, seconds: float, **fields) -> None:
-        """Record how long ``part`` of this phase's work took (``status --json``'s ``timing``)."""
-        iteration, phase = self.where
+    def timing(self, part: str, seconds: float, *, at: tuple[int, Phase] | None = None, **fields) -> None:
+        """Record how long ``part`` of this phase's work took (``status --json``'s ``timing``);
+        ``at``: of another phase than the rank's (a training in flight, rl.max_staleness)."""
+        iteration, phase = at or self.where
         self.events.emit(Event.TIMING, iteration=iteration, phase=_number(phase), part=part, seconds=round(seconds, 4), **fields)
 
     def took(self, split: str, chunk: int, tasks: int, victim: int) -> None:
@@ -176,7 +182,8 @@ class Coordinator(Attendance):
         if self.monitor.stop_requested is not None:
             decision = {**decision, "stop": self.monitor.stop_requested}
         schema.write(self.attempt.release, Release(point.iteration, point.phase, decision, point.round))
-        schema.write(self.layout.progress, Progress(point.iteration, point.phase, self.attempt_id))
+        schema.write(self.layout.progress, Progress(point.iteration, point.phase, self.attempt_id,
+                                                           self.config.rl.max_staleness))
         return decision
 
     def _deadline(self, point: Point, message: str, culprit_rank: int) -> DeadlineExceeded:

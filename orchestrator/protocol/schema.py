@@ -90,6 +90,9 @@ class Progress:
     iteration: int
     phase: Phase
     attempt: str
+    max_staleness: int = 0
+    """The rl.max_staleness the run walks with: it decides the order of its points
+    (protocol/schedule.py), so a resume with another value is refused."""
 
 
 @dataclass(frozen=True, slots=True)

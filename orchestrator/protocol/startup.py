@@ -61,6 +61,9 @@ def place(config: RunConfig, reports: dict[int, dict]) -> placement_mod.Placemen
             train_nodes=train.nodes, rollout_nodes=rollout.nodes,
         )
         placement_mod.rollout_weights(resolved, config.rank_weights, [reports[n]["host"] for n in sorted(reports)])
+        if config.rl.max_staleness and resolved.colocated:
+            raise ConfigError(f"rl.max_staleness={config.rl.max_staleness} runs rollout while training, so the engines need GPUs "
+                              f"of their own, but the device mappings share some with the train workers: map them apart")
     except ConfigError as e:
         seen = "; ".join(f"node {n} ({r['host']}): {r['count']} GPU(s) ({r['source']})" for n, r in sorted(reports.items()))
         node = _short_node(reports)

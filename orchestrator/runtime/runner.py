@@ -45,6 +45,7 @@ from orchestrator.protocol.schema import Progress
 from orchestrator.protocol.waiting import CancelToken, Deadline
 from orchestrator.runtime import phases
 from orchestrator.runtime.context import PhaseContext, RunView, Workload
+from orchestrator.runtime.inflight_training import InflightTraining
 
 log = logging.getLogger("orchestrator")
 
@@ -61,12 +62,16 @@ class Rank:
         self.children = Children()
         self.coordinator = Coordinator(config, self.cancel, self.children)
         self.workload = make_workload(config, self.children)
+        self.training = InflightTraining(on_change=self.coordinator.training_in_flight)
+        """rl.max_staleness >= 1: this node's training of phase 10, running on while the rank
+        walks a later iteration's rollout (protocol/schedule.py)."""
         self._noted = False  # the workload's notes are logged once, however many attempts follow
 
     def _resume_point(self) -> tuple[int, Phase, dict | None]:
         fsio.refresh_dir(self.layout.control)
-        start = next_point(schema.read(self.layout.progress, Progress))
-        first = first_point(start, self.config.rl_phase, self.config.max_iterations)
+        k = self.config.rl.max_staleness
+        start = next_point(schema.read(self.layout.progress, Progress), k)
+        first = first_point(start, self.config.rl_phase, self.config.max_iterations, k)
         if first is None:
             return start[0], start[1], None
         iteration, phase = first
@@ -148,7 +153,15 @@ class Rank:
     def _refuse_a_finished_run(self) -> None:
         """Master: a run with nothing left to walk ends at once; its workers do the same
         rather than wait for it (protocol/join.py, ``Finished``)."""
-        progress = self.coordinator.finished() if self.config.is_master else None
+        if not self.config.is_master:
+            return
+        walked = schema.read(self.layout.progress, Progress)
+        k = self.config.rl.max_staleness
+        if walked is not None and walked.max_staleness != k:
+            raise BadInput(f"the run under {self.layout.root} walks with rl.max_staleness={walked.max_staleness} (its order of "
+                              f"phases depends on it: docs/rl.md, \"Asynchronous RL\"), and this command says {k}: resume it "
+                              f"with rl.max_staleness={walked.max_staleness}, or start a new run under another --log-path")
+        progress = self.coordinator.finished()
         if progress is not None:
             raise RunFinished(f"the run under {self.layout.root} is complete (iteration {progress.iteration}, phase "
                               f"{progress.phase.label} released): nothing is left to do; raise --max-iterations to go on")
@@ -194,6 +207,7 @@ class Rank:
         return the token the work that follows waits on."""
         self.cancel.cancel(reason)
         self._stop_children()
+        self.training.forget()
         self.cancel = CancelToken()
         return self.cancel
 
@@ -263,7 +277,8 @@ class Rank:
 
     def _walk(self, iteration: int, phase: Phase, plan: dict | None) -> None:
         group_start, group_budget = None, 0.0  # phases since the last barrier share its deadline
-        for iteration, phase in schedule((iteration, phase), self.config.rl_phase, self.config.max_iterations):
+        cfg = self.config
+        for iteration, phase in schedule((iteration, phase), cfg.rl_phase, cfg.max_iterations, cfg.rl.max_staleness):
             if plan is None or plan.get("iteration") != iteration:
                 plan = fsio.read_record(self.layout.iteration(iteration).plan) or {"iteration": iteration}
             while True:
@@ -282,6 +297,8 @@ class Rank:
         cfg = self.config
         spec = phase.spec
         budget = cfg.deadlines.for_phase(phase)
+        if phase is Phase.PUBLISH and cfg.rl.max_staleness:
+            budget += cfg.deadlines.for_phase(Phase.TRAIN)  # phase 11 waits for the training phase 10 started
         if group_start is None:
             group_start, group_budget = time.monotonic(), 0.0
         group_budget += budget
@@ -293,11 +310,13 @@ class Rank:
             self.workload.engine_start(ctx)  # a no-op when it runs: covers a resume after phase 12
         self.coordinator.fault_point("hold", iteration, phase)
         self.coordinator.fault_point("raise", iteration, phase)
-        if spec.actor.acts(ctx.is_master) and phase in phases.WORK:
-            payload = phases.WORK[phase](ctx)
+        acts, work, decide = spec.actor.acts(ctx.is_master), phases.WORK.get(phase), phases.DECIDE.get(phase, phases.no_decision)
+        if cfg.rl.max_staleness and phase in phases.PIPELINED:  # training runs on into a later rollout
+            acts, (work, decide) = True, phases.PIPELINED[phase](self.training)
+        if acts and work is not None:
+            payload = work(ctx)
         if spec.barrier is not Barrier.ALL:
             return plan, group_start, group_budget
-        decide = phases.DECIDE.get(phase, phases.no_decision)
         # Each rank's monitor enforces its own work deadline and reports it; the barrier's
         # deadline, later by one node timeout, is the backstop for ranks that cannot.
         deadline = Deadline(group_start + group_budget + cfg.coordination.node_timeout_s, f"deadlines.{phase.name.lower()}")

@@ -2,7 +2,8 @@
 
 Rollout writes real records (``rehearsal.record_bytes`` of payload each) keyed by task id,
 spending ``rehearsal.task_s`` per task (by default, ``rehearsal.work_s`` over a rank's first
-share), times a rank's factor in ``rehearsal.slow_ranks``; training takes ``work_s``. The "engine" is a real child
+share), times a rank's factor in ``rehearsal.slow_ranks``; training takes ``rehearsal.train_s``
+(by default ``work_s``) on a node with train workers. The "engine" is a real child
 process (``sleep infinity``) that idles until stopped, so process-tree handling is exercised too. Eval accuracy
 rises with the iteration, deterministically, so curves look like a run's.
 """
@@ -71,12 +72,14 @@ class RehearsalWorkload:
         # costs milliseconds, as a batch of engine requests would.
         batch = max(1, len(task_ids) // 20, math.ceil(BATCH_S / per_task) if per_task > 0 else len(task_ids))
         p_correct = min(0.95, 0.25 + 0.1 * ctx.iteration)
+        current = fsio.read_record(ctx.layout.current_checkpoint)
+        policy = current["iteration"] if current else 0
         for start in range(0, len(task_ids), batch):
             chunk = task_ids[start : start + batch]
             ctx.cancel.sleep(per_task * len(chunk))
-            yield [self._record(ctx, split, task_id, p_correct) for task_id in chunk]
+            yield [self._record(ctx, split, task_id, p_correct, policy) for task_id in chunk]
 
-    def _record(self, ctx: PhaseContext, split: str, task_id: str, p_correct: float) -> dict:
+    def _record(self, ctx: PhaseContext, split: str, task_id: str, p_correct: float, policy: int) -> dict:
         correct = _spread(self.config.seed, task_id) < p_correct
         return {
             "task_id": task_id,
@@ -84,6 +87,7 @@ class RehearsalWorkload:
             "iteration": ctx.iteration,
             "rank": ctx.rank,
             "attempt": ctx.attempt_id,
+            "policy_iteration": policy,
             "reward": 1.0 if correct else 0.0,
             "response": "x" * self.r.record_bytes,
         }
@@ -98,7 +102,7 @@ class RehearsalWorkload:
 
     def train(self, ctx: PhaseContext, train_config: dict, checkpoint_dir: Path | None) -> None:
         if ctx.run.placement.train_workers_on(ctx.rank):  # a node without train workers waits at the barrier
-            ctx.cancel.sleep(self.r.work_s)
+            ctx.cancel.sleep(self.r.train_s or self.r.work_s)
         if checkpoint_dir is not None:
             fsio.write_record(
                 checkpoint_dir / "marker.json",

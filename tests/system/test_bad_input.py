@@ -52,6 +52,13 @@ CASES = {
     "heartbeat too slow for the timeout": ({}, ["--master", "coordination.node_timeout_s=10", "coordination.heartbeat_interval_s=5"], "at most a quarter"),
     "bad rl-phase": ({"--rl-phase": "train"}, ["--master"], "'train' is not one of 'rollout', 'update', 'both'"),
     "no rank on a multi-node run": ({}, [], "no rank given"),
+    "staleness on nodes that both train and roll out": ({}, ["--master", "rl.max_staleness=1"],
+                                                        "node(s) 0,1,2 would do both: set train.nodes and rollout.nodes apart"),
+    "staleness in update mode": ({"--rl-phase": "update", "--eval-interval": None, "--rank-weights": "0,1,1"},
+                                 ["--master", "rl.max_staleness=1", "train.nodes=0", "rollout.nodes=1-2"], "it needs --rl-phase both"),
+    "staleness with elastic membership": ({"--rank-weights": "0,1,1"}, ["--master", "rl.max_staleness=1", "train.nodes=0",
+                                                                        "rollout.nodes=1-2", "coordination.elastic=true"],
+                                          "does not run with coordination.elastic=true yet"),
 }
 
 

@@ -130,6 +130,26 @@ def test_a_cpu_run_trains_on_one_node_and_rolls_out_on_another_and_corrects_with
     assert all(it["evaluated"] for it in status_json(log_path)["iterations"])
 
 
+def test_a_pipelined_cpu_run_rolls_out_on_the_checkpoint_one_before_and_corrects_for_it(demo_data, tmp_path):
+    """rl.max_staleness=1 on train.nodes=0 rollout.nodes=1: iteration i rolls out on
+    checkpoint i-2 while iteration i-1 trains; rl.is_correction defaults to tis, whose
+    ratios are 1 where the policy is the trainer's (iteration 1) and not once it lags."""
+    log_path = tmp_path / "run"
+    flags = _flags(demo_data, log_path, num_nodes=2, weights="auto",
+                   extra=["--max-iterations=3", "train.nodes=0", "rollout.nodes=1", "rl.max_staleness=1", "checkpoint.keep_last=5"])
+    result = _local(flags)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    layout = RunLayout(log_path)
+    for i in (1, 2, 3):
+        records = _aggregate(layout, i)
+        assert len(records) == 8 and {r["policy_iteration"] for r in records} == {max(0, i - 2)}
+        stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+        assert stats["is_correction"] == "tis", stats
+        lagging = abs(stats["is_ratio_mean"] - 1) > 1e-3 or stats["is_ratio_max"] > 1.01
+        assert lagging == (i > 1), stats
+    assert [it["staleness"] for it in status_json(log_path)["iterations"]] == [[0, 0], [1, 1], [1, 1]]
+
+
 def test_the_update_options_away_from_their_defaults_run_two_iterations_on_two_ranks(demo_data, tmp_path):
     options = ["rl.advantage=rloo", "rl.clip_eps_high=0.28", "rl.kl_coef=0.01", "rl.kl_estimator=k2", "rl.old_logprobs=engine"]
     log_path = tmp_path / "run"

@@ -7,7 +7,7 @@ master once every rank has arrived; what it returns is released to all ranks.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 from orchestrator.phase_table import Phase
 from orchestrator.runtime.context import PhaseContext
@@ -41,3 +41,30 @@ DECIDE: dict[Phase, Decide] = {
 
 def no_decision(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     return {}
+
+
+class Training(Protocol):
+    """The rank's training in flight (runtime/inflight_training.py)."""
+
+    def launch(self, ctx: PhaseContext, work: Work) -> None: ...
+
+    def finish(self, ctx: PhaseContext, work: Work) -> None: ...
+
+
+def _launch_training(training: Training) -> tuple[Work, Decide]:
+    """Phase 10: every rank hands its part of the training to its training thread, and goes on."""
+    return (lambda ctx: training.launch(ctx, train.train)), no_decision
+
+
+def _publish_after_training(training: Training) -> tuple[Work, Decide]:
+    """Phase 11: every rank waits for its part of the training; once all arrived, every part
+    is done, and the master publishes the checkpoint as the phase's decision."""
+    return (lambda ctx: training.finish(ctx, train.train)), lambda ctx, arrivals: publish.publish_checkpoint(ctx) or {}
+
+
+# rl.max_staleness >= 1: (work, decide) of the phases the pipelined order splits the training
+# over (protocol/schedule.py); every rank does the work, whatever the phase table's actor.
+PIPELINED: dict[Phase, Callable[[Training], tuple[Work, Decide]]] = {
+    Phase.TRAIN: _launch_training,
+    Phase.PUBLISH: _publish_after_training,
+}

@@ -4,7 +4,7 @@ there exactly once: a chunk's records count from the rank that owns its claim (d
 
 from __future__ import annotations
 
-from orchestrator.data import shards, summary, work
+from orchestrator.data import shards, staleness, summary, work
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
@@ -122,8 +122,10 @@ def merge_train_shards(ctx: PhaseContext) -> None:
     m = merge_split(ctx, "train")
     trajectories = m.extra.get("trajectories", m.count)
     done = m.extra.get("work") or {}
+    policies = m.extra.get("policy_iterations")
     summary.update(ctx.layout, ctx.iteration, trajectories=trajectories, tasks_done_per_rank=done.get("done_per_rank"),
-                   tasks_taken_per_rank=done.get("taken_per_rank"))
+                   tasks_taken_per_rank=done.get("taken_per_rank"),
+                   staleness=[staleness.staleness(ctx.iteration, p) for p in reversed(policies)] if policies else None)
     if m.extra.get("dropped"):
         ctx.log.warning("left out %d train records of chunks done twice (a void claim whose rank went on)", m.extra["dropped"])
     note_reward_errors(ctx, "train", m)

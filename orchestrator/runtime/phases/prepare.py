@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from orchestrator.data import shards
+from orchestrator.data import shards, staleness
 from orchestrator.errors import BadInput
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
@@ -23,6 +23,8 @@ def check_training_data(ctx: PhaseContext) -> None:
             f"iteration {ctx.iteration} has no sealed train aggregate ({ctx.it.aggregate('train')}); "
             f"run --rl-phase rollout --rollout-split train-only for it first"
         )
+    staleness.check(ctx.iteration, ctx.config.rl.max_staleness, m.extra.get("policy_iterations"),
+                    f"the train aggregate of iteration {ctx.iteration}")
     if m.extra.get("partial") and not ctx.config.rl.train_on_partial:
         per_source = ", ".join(f"{label}: {n}" for label, n in m.extra.get("per_source", {}).items())
         raise BadInput(

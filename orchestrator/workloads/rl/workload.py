@@ -183,7 +183,8 @@ class RLWorkload:
             return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
 
         scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
-        record = functools.partial(self._record, policy=str(self.checkpoint()))
+        current = fsio.read_record(self.layout.current_checkpoint)  # what the engines serve: phase 1 or 6 moved them to it
+        record = functools.partial(self._record, policy=str(self.checkpoint()), policy_iteration=current["iteration"] if current else 0)
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[split].texts, self.by_id[split], record,
                              prompts_per_request=self.prompts_per_request(sampling["n"]))
 
@@ -197,7 +198,7 @@ class RLWorkload:
         return self.config.rollout.max_inflight or DEFAULT_MAX_INFLIGHT[self.config.rollout.engine]
 
     def _record(self, ctx: PhaseContext, split: str, task: dict, prompt: str, group, seconds: float, scorer: Scorer, *,
-                policy: str, sent_at: float) -> dict:
+                policy: str, policy_iteration: int, sent_at: float) -> dict:
         """One task's trajectory record. The trainer trains on the token ids the engine sampled
         (``prompt_token_ids``, each sample's ``token_ids``), never on the text re-tokenized."""
         samples = []
@@ -215,6 +216,7 @@ class RLWorkload:
             "rank": ctx.rank,
             "attempt": ctx.attempt_id,
             "policy": policy,
+            "policy_iteration": policy_iteration,
             "prompt": prompt,
             "prompt_token_ids": group[0].prompt_token_ids,
             "answer": task["answer"],
@@ -300,7 +302,7 @@ class RLWorkload:
             "clip_eps_high": self.rl.clip_eps_high,
             "kl_estimator": self.rl.kl_estimator,
             "old_logprobs": self.rl.old_logprobs,
-            "is_correction": self.rl.is_correction,
+            "is_correction": self.rl.correction,
             "is_cap": self.rl.is_cap,
             "micro_batch_tokens": self.config.train.micro_batch_tokens,
             "strategy": self.config.train.strategy,
