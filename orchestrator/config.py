@@ -560,8 +560,6 @@ class RunConfig:
             return
         if self.rl_phase is not RLPhase.BOTH:
             raise ConfigError(f"rl.max_staleness={k} overlaps the rollout half with the update half: it needs --rl-phase both")
-        if self.coordination.elastic:
-            raise ConfigError(f"rl.max_staleness={k} does not run with coordination.elastic=true yet: use one of them")
         if not self.train.device_mapping and set(train_nodes) & set(rollout_nodes):
             both = sorted(set(train_nodes) & set(rollout_nodes))
             raise ConfigError(f"rl.max_staleness={k} runs rollout while training, so they need nodes of their own, but node(s) "

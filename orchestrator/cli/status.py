@@ -125,8 +125,15 @@ def view(snap: dict) -> Group:
             "yes" if it["evaluated"] else "", f"{metrics['accuracy']:.3f}" if "accuracy" in metrics else "",
             "yes" if it.get("complete") else "",
         ])
+    columns, optional = ITERATION_COLUMNS, ITERATION_COLUMNS_LEFT_OUT_FIRST
+    if snap.get("pipeline"):  # rl.max_staleness >= 1: how old each iteration's trajectories were, and the IS ratios
+        columns, optional = [*ITERATION_COLUMNS[:-1], "staleness", "IS ratio", ITERATION_COLUMNS[-1]], [*optional, "IS ratio"]
+        for row, it in zip(its, snap["iterations"]):
+            ratio = it.get("is_ratio") or {}
+            row[-1:-1] = ["-".join(map(str, sorted(set(it.get("staleness") or [])))),
+                          f"{ratio['mean']:.3f} (max {ratio['max']:.2f})" if ratio.get("mean") is not None else ""]
     if its:
-        parts.append(terminal.FittedTable(ITERATION_COLUMNS, its, ITERATION_COLUMNS_LEFT_OUT_FIRST, elsewhere=ELSEWHERE))
+        parts.append(terminal.FittedTable(columns, its, optional, elsewhere=ELSEWHERE))
     timed = [it for it in snap["iterations"] if it.get("complete") and it.get("timing") and it["timing"]["phases"]]
     if timed:
         parts.append(line(time_line(timed[-1]["iteration"], timed[-1]["timing"])))

@@ -59,6 +59,9 @@ def index_html(data: dict) -> str:
                ("train_mean_reward", "train mean reward"), ("eval_accuracy", "eval accuracy"),
                ("eval_pass_at_k", "eval pass@k"), ("eval_mean_reward", "eval mean reward"),
                ("master_s", "rank 0 time (s)"), ("complete", "complete")]
+    if any(row.get("staleness") and max(row["staleness"]) for row in data["iterations"]):  # rl.max_staleness >= 1
+        columns[-1:-1] = [("staleness", "staleness"), ("is_ratio_mean", "IS ratio mean"), ("is_ratio_max", "IS ratio max"),
+                          ("is_capped_fraction", "IS capped")]
     head = "".join(f"<th>{e(name)}</th>" for _, name in columns)
     body = "\n".join(
         "<tr>" + "".join(f"<td>{e(_cell(row.get(key)))}</td>" for key, _ in columns) + "</tr>" for row in data["iterations"]

@@ -64,6 +64,8 @@ class Coordinator(Attendance):
         rank lost while it trained is round 1, 2, ...)."""
         self._train_released: int | None = None
         """Master: the last iteration whose training it released (no retrain after that)."""
+        self._published: int | None = None
+        """Master: the last iteration whose checkpoint it published (phase 11 released)."""
 
     # -- where the rank is, and what phases may tell it ----------------------------------------
 
@@ -171,6 +173,9 @@ class Coordinator(Attendance):
             with self._members_lock:  # a rank lost from here on does not undo the finished step
                 self.cancel.check()
                 self._train_released = point.iteration
+        if self.c.elastic and point.phase is Phase.PUBLISH:
+            with self._members_lock:  # its decision published the checkpoint: the training is done
+                self._published = point.iteration
         out = sorted(self.monitor.out)
         if self.c.elastic:
             self._apply_out(out)  # the decision (the plan, the training group) is made for these ranks
@@ -210,7 +215,8 @@ class Coordinator(Attendance):
         with self._members_lock:
             action = membership.on_silent(self.members, culprit, num_nodes=self.config.num_nodes, min_nodes=self.c.min_nodes,
                                           placement=self.full_placement, position=self.where,
-                                          train_released=self._train_released, train_round=self.train_round)
+                                          train_released=self._train_released, train_round=self.train_round,
+                                          training_in_flight=self._in_flight())
             if isinstance(action, membership.EndAttempt):
                 log.error("%s", action.reason)
                 return False
@@ -230,6 +236,13 @@ class Coordinator(Attendance):
                 f"(round {action.retrain}) from the same checkpoint")):
             self.monitor.on_cancel()
         return True
+
+    def _in_flight(self) -> int | None:
+        """Master, rl.max_staleness >= 1: the iteration whose training runs on in the background
+        (phase 10 released, phase 11 not yet)."""
+        if not self.config.rl.max_staleness or self._train_released is None:
+            return None
+        return self._train_released if self._train_released != self._published else None
 
     def _enter_train_round(self, iteration: int) -> None:
         """Elastic, at each start of phase 10 (holding the members lock): the round of this
@@ -317,7 +330,7 @@ class Coordinator(Attendance):
         self.close(HeartbeatState.FAILED)
         self.lease = self.monitor = self.heartbeat = self.events = None
         self.attempt_id, self.cancel, self.hosts = None, cancel, {}
-        self.members, self.out, self.train_round, self._train_released = Members(), frozenset(), 0, None
+        self.members, self.out, self.train_round, self._train_released, self._published = Members(), frozenset(), 0, None, None
 
     def close(self, state: HeartbeatState) -> None:
         if self.monitor is not None:

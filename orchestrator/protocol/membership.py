@@ -10,7 +10,8 @@ after SIGCONT, which rejoins with a new one) is a request to come back. The mast
 at the start of the next iteration (phase 0) and records that in ``admitted``.
 
 A rank lost while the group trains (phase 10, before the master released it) leaves a step
-the others cannot finish: the master declares a new training round of that iteration
+the others cannot finish (with rl.max_staleness >= 1, where the training runs on from phase 10
+to 11 in the background, the attempt ends instead; rollout nodes come and go as in lockstep): the master declares a new training round of that iteration
 (``train_round``: the iteration, the round, the ranks out), and every rank stops its
 trainers and trains the step again, from the same checkpoint, without it.
 
@@ -50,8 +51,12 @@ class EndAttempt:
 
 
 def on_silent(members: Members, culprit: Culprit, *, num_nodes: int, min_nodes: int, placement: Placement,
-              position: tuple[int | None, Phase | None], train_released: int | None, train_round: int) -> MarkOut | EndAttempt:
-    """Master: a worker went silent past the node timeout (``culprit``, kind dead)."""
+              position: tuple[int | None, Phase | None], train_released: int | None, train_round: int,
+              training_in_flight: int | None = None) -> MarkOut | EndAttempt:
+    """Master: a worker went silent past the node timeout (``culprit``, kind dead).
+    ``training_in_flight`` (rl.max_staleness >= 1): the iteration the group trains in the
+    background while the ranks walk a later rollout; a rank of that group lost then ends the
+    attempt (the step is not trained again in the background; a rerun resumes it)."""
     rank = culprit.rank
     out = set(members.out) | {rank}
     left = num_nodes - len(out)
@@ -60,6 +65,10 @@ def on_silent(members: Members, culprit: Culprit, *, num_nodes: int, min_nodes: 
                           f"coordination.min_nodes={min_nodes}: the attempt ends")
     if not placement.without(out).train_workers:
         return EndAttempt(f"rank {rank} went silent and the ranks left hold no train worker: the attempt ends")
+    if training_in_flight is not None and placement.train_workers_on(rank):
+        return EndAttempt(f"rank {rank} went silent while it trained iteration {training_in_flight} in the background "
+                          f"(rl.max_staleness): that step is not trained again without it; the attempt ends, and a rerun "
+                          f"of the same commands resumes it")
     iteration, phase = position
     retrain = phase is Phase.TRAIN and train_released != iteration
     return MarkOut(culprit, train_round + 1 if retrain else None)

@@ -159,8 +159,8 @@ class Rank:
         k = self.config.rl.max_staleness
         if walked is not None and walked.max_staleness != k:
             raise BadInput(f"the run under {self.layout.root} walks with rl.max_staleness={walked.max_staleness} (its order of "
-                              f"phases depends on it: docs/rl.md, \"Asynchronous RL\"), and this command says {k}: resume it "
-                              f"with rl.max_staleness={walked.max_staleness}, or start a new run under another --log-path")
+                           f"phases depends on it: docs/rl.md, \"Asynchronous RL\"), and this command says {k}: resume it "
+                           f"with rl.max_staleness={walked.max_staleness}, or start a new run under another --log-path")
         progress = self.coordinator.finished()
         if progress is not None:
             raise RunFinished(f"the run under {self.layout.root} is complete (iteration {progress.iteration}, phase "

@@ -50,6 +50,15 @@ def assert_complete_within_the_bound(layout) -> None:
     assert all(s["complete"] for s in summaries(layout))
 
 
+def wait_mid_rollout(layout, rank: int, iteration: int) -> None:
+    def mid_rollout():
+        hb = heartbeat(layout, rank) or {}
+        p = hb.get("iteration") == iteration and hb.get("phase") == Phase.ROLLOUT.label and hb.get("progress")
+        return p and 0 < p["done"] < p["total"]
+
+    wait_for(mid_rollout, 60, f"rank {rank} part-way through the rollout of iteration {iteration}")
+
+
 def events(layout, rank: int) -> list[dict]:
     return [json.loads(line) for path in sorted(layout.attempts.glob("*/events/*")) if path.name.startswith(f"r{rank:05d}")
             for line in path.read_text().splitlines()]
@@ -61,6 +70,8 @@ def test_the_next_rollout_runs_while_an_iteration_trains_and_every_trajectory_ke
     layout = cluster.layout
     assert_complete_within_the_bound(layout)
     assert status_json(cluster.log_path)["failure"] is None
+    evals = [json.loads(line) for line in (cluster.log_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["iteration"], e["policy_iteration"]) for e in evals] == [(1, 0), (3, 1)]  # the checkpoint each evaluated
     # Rank 1 began rolling out iteration i+1 before the checkpoint of iteration i existed:
     # the rollout ran while the training node trained (2 s a step, the rollout 0.6 s).
     began = {e["iteration"]: e["t"] for e in events(layout, 1) if e["event"] == "phase" and e["phase"] == int(Phase.ROLLOUT)}
@@ -131,3 +142,43 @@ def test_a_pipelined_run_resumed_with_another_staleness_is_refused_before_anythi
     assert master.wait(timeout=30) == 2, master.output()
     assert "walks with rl.max_staleness=1" in master.output() and "resume it with rl.max_staleness=1" in master.output()
     assert sorted(p.name for p in cluster.layout.attempts.iterdir()) == attempts
+
+
+def test_elastic_a_rollout_node_killed_during_the_overlap_is_marked_out_its_work_redone_and_it_rejoins(cluster):
+    """coordination.elastic with rl.max_staleness=1: rollout nodes are preemptible capacity.
+    Rank 2 dies part-way through the rollout of iteration 2 while iteration 1 trains on node
+    0; the others finish its chunks and every iteration, and the same command brings it back
+    at a later iteration's start."""
+    run = flags(cluster, TRAIN_ON_MASTER, train_s=2.0, extra=["coordination.elastic=true", "rehearsal.task_s=0.3"])
+    procs = cluster.start_all(run)
+    layout = cluster.layout
+
+    wait_mid_rollout(layout, 2, 2)
+    assert not layout.checkpoint(1).exists(), "iteration 1 should still be training"
+    os.kill(procs[2].pid, signal.SIGKILL)
+    assert procs[2].wait(timeout=10) == -9
+    members = lambda: fsio.read_record(layout.attempt(sorted(p.name for p in layout.attempts.iterdir())[-1]).members) or {}  # noqa: E731
+    wait_for(lambda: any(e["event"] == "out" for e in members().get("events", [])), NODE_TIMEOUT_S + 5, "rank 2 marked out")
+    procs[2] = cluster.start(2, run)
+    assert cluster.wait_all(procs, timeout=120) == [0, 0, 0], "\n".join(p.output() for p in procs)
+    assert [(e["event"], e["rank"]) for e in members()["events"]] == [("out", 2), ("rejoined", 2)]
+    assert_complete_within_the_bound(layout)
+
+
+def test_killed_during_the_overlap_and_resumed_on_fewer_nodes_it_continues_with_the_same_staleness(cluster):
+    run = flags(cluster, TRAIN_ON_MASTER, train_s=2.0, extra=["rehearsal.task_s=0.3"])
+    procs = cluster.start_all(run)
+    layout = cluster.layout
+
+    wait_mid_rollout(layout, 2, 2)
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=10)
+    two = run_flags(cluster.log_path, num_nodes=2, weights="0,1", max_iterations=ITERATIONS,
+                    extra=["rl.max_staleness=1", "train.nodes=0", "rollout.nodes=1", "rehearsal.train_s=1",
+                           "rehearsal.task_s=0.05", "checkpoint.keep_last=10"])
+    again = cluster.start_all(two, n=2)
+    assert cluster.wait_all(again, timeout=120) == [0, 0], "\n".join(p.output() for p in again)
+    assert "their records so far are kept" in again[0].output()
+    assert_complete_within_the_bound(layout)

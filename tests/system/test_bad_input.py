@@ -56,9 +56,6 @@ CASES = {
                                                         "node(s) 0,1,2 would do both: set train.nodes and rollout.nodes apart"),
     "staleness in update mode": ({"--rl-phase": "update", "--eval-interval": None, "--rank-weights": "0,1,1"},
                                  ["--master", "rl.max_staleness=1", "train.nodes=0", "rollout.nodes=1-2"], "it needs --rl-phase both"),
-    "staleness with elastic membership": ({"--rank-weights": "0,1,1"}, ["--master", "rl.max_staleness=1", "train.nodes=0",
-                                                                        "rollout.nodes=1-2", "coordination.elastic=true"],
-                                          "does not run with coordination.elastic=true yet"),
 }
 
 

@@ -147,7 +147,12 @@ def test_a_pipelined_cpu_run_rolls_out_on_the_checkpoint_one_before_and_corrects
         assert stats["is_correction"] == "tis", stats
         lagging = abs(stats["is_ratio_mean"] - 1) > 1e-3 or stats["is_ratio_max"] > 1.01
         assert lagging == (i > 1), stats
-    assert [it["staleness"] for it in status_json(log_path)["iterations"]] == [[0, 0], [1, 1], [1, 1]]
+    its = status_json(log_path)["iterations"]
+    assert [it["staleness"] for it in its] == [[0, 0], [1, 1], [1, 1]]
+    assert [it["is_ratio"]["correction"] for it in its] == ["tis"] * 3 and its[2]["is_ratio"]["max"] > 1.01, its
+    text = subprocess.run([sys.executable, "-m", "orchestrator", "status", f"--log-path={log_path}"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "staleness" in text and "IS ratio" in text and "no training in flight" in text, text
 
 
 def test_the_update_options_away_from_their_defaults_run_two_iterations_on_two_ranks(demo_data, tmp_path):

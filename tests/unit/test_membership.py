@@ -52,6 +52,19 @@ def test_a_rank_lost_while_the_group_trains_gets_the_step_trained_again_as_the_n
     assert judge(Members(), c, position=(3, Phase.PUBLISH)) == MarkOut(c)
 
 
+def test_pipelined_a_rollout_node_lost_while_training_runs_in_the_background_is_marked_out_a_training_node_ends_it():
+    apart = placement.resolve(num_nodes=3, gpus_per_node=0, train_mapping="", rollout_mapping="", train_nodes="0-1",
+                              rollout_nodes="2")
+    rollout_node, training_node = silent(2, phase="1:rollout", iteration=4), silent(1, phase="1:rollout", iteration=4)
+    background = {"position": (4, Phase.ROLLOUT), "released": 3, "where": apart}
+    assert membership.on_silent(Members(), rollout_node, num_nodes=3, min_nodes=1, placement=apart, position=(4, Phase.ROLLOUT),
+                                train_released=3, train_round=0, training_in_flight=3) == MarkOut(rollout_node)
+    action = membership.on_silent(Members(), training_node, num_nodes=3, min_nodes=1, placement=apart,
+                                  position=(4, Phase.ROLLOUT), train_released=3, train_round=0, training_in_flight=3)
+    assert isinstance(action, EndAttempt) and "trained iteration 3 in the background" in action.reason
+    assert judge(Members(), training_node, **background) == MarkOut(training_node)  # nothing in flight: as in lockstep
+
+
 def test_entering_training_takes_the_declared_round_and_the_master_declares_one_for_ranks_gone_since():
     m = out(2)
     assert membership.train_round(m, 3, frozenset({2}), is_master=True) == TrainRound(0, frozenset({2}))

@@ -23,8 +23,12 @@ def run_eval_share(ctx: PhaseContext) -> dict | None:
 def aggregate_results(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     if not ctx.plan["eval"]["enabled"]:
         return {}
-    note_reward_errors(ctx, "eval", merge_split(ctx, "eval"))
+    m = merge_split(ctx, "eval")
+    note_reward_errors(ctx, "eval", m)
     metrics = ctx.workload.metrics(ctx, ctx.it.aggregate("eval"))
+    policies = m.extra.get("policy_iterations")
+    if ctx.config.rl.max_staleness and policies:  # the checkpoint evaluated lags the iteration (rl.md, "Asynchronous RL")
+        metrics["policy_iteration"] = policies[0]
     summary.update(ctx.layout, ctx.iteration, evaluated=True, metrics=metrics)
     summary.append_metrics(ctx.layout, ctx.iteration, metrics)
     ctx.log.info("eval of iteration %d: %s", ctx.iteration, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
