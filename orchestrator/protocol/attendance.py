@@ -64,6 +64,8 @@ class Entry:
     iteration: int
     phase: Phase
     plan: dict | None
+    rejoined: bool = False
+    """Admitted back into a running attempt (elastic), not at its start."""
 
 
 class Attendance:
@@ -284,7 +286,7 @@ class Attendance:
             iteration = self._await_admission()
             self._start_heartbeat()
             self._start_monitor()
-            return Entry(start.attempt, iteration, Phase.SYNC_START, None)
+            return Entry(start.attempt, iteration, Phase.SYNC_START, None, rejoined=True)
         self._start_monitor()
         return Entry(start.attempt, start.iteration, start.phase, start.plan)
 

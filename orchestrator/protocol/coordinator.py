@@ -66,6 +66,8 @@ class Coordinator(Attendance):
         """Master: the last iteration whose training it released (no retrain after that)."""
         self._published: int | None = None
         """Master: the last iteration whose checkpoint it published (phase 11 released)."""
+        self._training: int | None = None
+        """rl.max_staleness >= 1: the iteration this node trains in the background, None when none."""
 
     # -- where the rank is, and what phases may tell it ----------------------------------------
 
@@ -104,6 +106,7 @@ class Coordinator(Attendance):
 
     def training_in_flight(self, iteration: int | None) -> None:
         """rl.max_staleness >= 1: the iteration this node trains while the rank walks on (None: none)."""
+        self._training = iteration
         if self.heartbeat is not None:
             self.heartbeat.update(training=iteration)
 
@@ -222,8 +225,9 @@ class Coordinator(Attendance):
                 return False
             self.members.mark_out(rank, iteration=culprit.iteration, phase=culprit.phase, host=culprit.host, reason=culprit.error,
                                   nonce=self._nonces.get(rank))
+            trained = action.iteration or self.where[0]
             if action.retrain is not None:
-                self.members.declare_round(self.where[0], action.retrain)
+                self.members.declare_round(trained, action.retrain)
             self.members.write(self.attempt.members)
         self.monitor.forget(rank)
         self.events.emit(Event.OUT, iteration=culprit.iteration, phase=culprit.phase, who=rank, reason=culprit.error)
@@ -231,8 +235,10 @@ class Coordinator(Attendance):
         work = "they train this step again without it" if action.retrain else "its unfinished rollout work goes to them"
         log.warning("%s. coordination.elastic: the run goes on with ranks %s; %s. "
                     "Start the same command on that node to rejoin at the next iteration's start", culprit.describe(), survivors, work)
-        if action.retrain and self.cancel.cancel(Retrain(
-                f"rank {rank} was lost while iteration {self.where[0]} trained: ranks {survivors} train it again "
+        # A training in the background is trained again only where it runs (the master may only roll out).
+        here = action.iteration is None or bool(self.full_placement.train_workers_on(self.rank))
+        if action.retrain and here and self.cancel.cancel(Retrain(
+                f"rank {rank} was lost while iteration {trained} trained: ranks {survivors} train it again "
                 f"(round {action.retrain}) from the same checkpoint")):
             self.monitor.on_cancel()
         return True
@@ -243,6 +249,12 @@ class Coordinator(Attendance):
         if not self.config.rl.max_staleness or self._train_released is None:
             return None
         return self._train_released if self._train_released != self._published else None
+
+    def enter_train_round(self, iteration: int) -> None:
+        """Train ``iteration`` again in the background as the round the master declared
+        (rl.max_staleness >= 1; at phase 10 ``set_position`` does this)."""
+        with self._members_lock:
+            self._enter_train_round(iteration)
 
     def _enter_train_round(self, iteration: int) -> None:
         """Elastic, at each start of phase 10 (holding the members lock): the round of this
@@ -264,14 +276,16 @@ class Coordinator(Attendance):
 
     def _members_news(self, members: Members) -> OrchestratorError | None:
         """Worker's monitor, elastic: what the master's membership record means for this process."""
-        news = membership.worker_news(members, self.rank, self.nonce, self.where, train_round=self.train_round, out=self.out)
+        training = self._training  # a training in the background is this node's, wherever the rank walks
+        position = (training, Phase.TRAIN) if training is not None else self.where
+        news = membership.worker_news(members, self.rank, self.nonce, position, train_round=self.train_round, out=self.out)
         iteration, phase = self.where
         if isinstance(news, membership.Dropped):
             return MarkedOut(f"rank {self.rank} on host {identity.host()} was silent past coordination.node_timeout_s at iteration "
                              f"{iteration}, phase {_label(phase)}, and the run went on without it: stopping its work; it rejoins at "
                              f"the next iteration's start")
         if isinstance(news, membership.TrainAgain):
-            return Retrain(f"rank(s) {ranks_text(news.lost)} were lost while iteration {iteration} trained: training it again "
+            return Retrain(f"rank(s) {ranks_text(news.lost)} were lost while iteration {position[0]} trained: training it again "
                            f"(round {news.round}) from the same checkpoint without them")
         return None
 
@@ -331,6 +345,7 @@ class Coordinator(Attendance):
         self.lease = self.monitor = self.heartbeat = self.events = None
         self.attempt_id, self.cancel, self.hosts = None, cancel, {}
         self.members, self.out, self.train_round, self._train_released, self._published = Members(), frozenset(), 0, None, None
+        self._training = None
 
     def close(self, state: HeartbeatState) -> None:
         if self.monitor is not None:

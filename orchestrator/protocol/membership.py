@@ -10,8 +10,9 @@ after SIGCONT, which rejoins with a new one) is a request to come back. The mast
 at the start of the next iteration (phase 0) and records that in ``admitted``.
 
 A rank lost while the group trains (phase 10, before the master released it) leaves a step
-the others cannot finish (with rl.max_staleness >= 1, where the training runs on from phase 10
-to 11 in the background, the attempt ends instead; rollout nodes come and go as in lockstep): the master declares a new training round of that iteration
+the others cannot finish (with rl.max_staleness >= 1 the training runs on from phase 10 to 11 in
+the background: a rank of its group lost then has it trained again there, by the ranks that
+train, while the others walk on): the master declares a new training round of that iteration
 (``train_round``: the iteration, the round, the ranks out), and every rank stops its
 trainers and trains the step again, from the same checkpoint, without it.
 
@@ -41,6 +42,9 @@ class MarkOut:
 
     culprit: Culprit
     retrain: int | None = None
+    iteration: int | None = None
+    """The iteration trained again, when it is not the master's (a training in the
+    background, rl.max_staleness >= 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +59,8 @@ def on_silent(members: Members, culprit: Culprit, *, num_nodes: int, min_nodes: 
               training_in_flight: int | None = None) -> MarkOut | EndAttempt:
     """Master: a worker went silent past the node timeout (``culprit``, kind dead).
     ``training_in_flight`` (rl.max_staleness >= 1): the iteration the group trains in the
-    background while the ranks walk a later rollout; a rank of that group lost then ends the
-    attempt (the step is not trained again in the background; a rerun resumes it)."""
+    background while the ranks walk a later rollout; a rank of that group lost then has that
+    step trained again in the background without it, as the next round."""
     rank = culprit.rank
     out = set(members.out) | {rank}
     left = num_nodes - len(out)
@@ -66,9 +70,7 @@ def on_silent(members: Members, culprit: Culprit, *, num_nodes: int, min_nodes: 
     if not placement.without(out).train_workers:
         return EndAttempt(f"rank {rank} went silent and the ranks left hold no train worker: the attempt ends")
     if training_in_flight is not None and placement.train_workers_on(rank):
-        return EndAttempt(f"rank {rank} went silent while it trained iteration {training_in_flight} in the background "
-                          f"(rl.max_staleness): that step is not trained again without it; the attempt ends, and a rerun "
-                          f"of the same commands resumes it")
+        return MarkOut(culprit, train_round + 1, iteration=training_in_flight)
     iteration, phase = position
     retrain = phase is Phase.TRAIN and train_released != iteration
     return MarkOut(culprit, train_round + 1 if retrain else None)

@@ -6,7 +6,9 @@ the rank's training thread (the work itself is in the train worker processes; th
 waits for them, as phase 10 does in lockstep), and phase 11 waits for it before the
 checkpoint is published. Whatever ends the training ends the rank at once, wherever it is:
 a failure cancels the rank's token, as a dead child does. A rank resumed between the two
-phases has nothing in flight: phase 11 trains there and then (or finds the checkpoint made).
+phases has nothing in flight: phase 11 trains there and then (or finds the checkpoint made),
+unless it was admitted back into the running attempt (elastic) after that training started
+without it.
 
 The thread lives as long as the rank: the train workers it starts get SIGKILL from the
 kernel when the *thread* that started them ends (``PR_SET_PDEATHSIG``, node/procs.py), and
@@ -43,11 +45,18 @@ class InflightTraining:
         self._thread: threading.Thread | None = None
         self._future: Future | None = None
         self._iteration: int | None = None
+        self._rejoined = False
+        """Admitted back into a running attempt, and no training launched since (elastic)."""
 
     @property
-    def iteration(self) -> int | None:
-        """The iteration training in the background, None when none is."""
-        return self._iteration if self._future is not None and not self._future.done() else None
+    def pending(self) -> int | None:
+        """The iteration launched and not yet finished (phase 11), None when none is."""
+        return self._iteration
+
+    def entered(self, *, rejoined: bool) -> None:
+        """The rank enters an attempt's walk: at its start, or admitted back into it."""
+        self.forget()
+        self._rejoined = rejoined
 
     def launch(self, ctx: PhaseContext, work: Work) -> None:
         """Phase 10: hand ``work`` (this node's part of the training) to the training thread.
@@ -57,7 +66,7 @@ class InflightTraining:
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="training", daemon=True)
             self._thread.start()
-        self._future, self._iteration = Future(), ctx.iteration
+        self._future, self._iteration, self._rejoined = Future(), ctx.iteration, False
         self._on_change(ctx.iteration)
         self._jobs.put((self._future, dataclasses.replace(ctx, run=run), work))
 
@@ -66,6 +75,9 @@ class InflightTraining:
         bound the wait: the monitor cancels the rank), or run it here when none is in flight
         (the rank resumed after phase 10)."""
         future = self._future
+        if (future is None or self._iteration != ctx.iteration) and self._rejoined:
+            ctx.log.info("iteration %d trains without this rank: it was admitted back after that training started", ctx.iteration)
+            return
         if future is None or self._iteration != ctx.iteration:
             self.forget()
             ctx.log.info("no training of iteration %d in flight on this rank (resumed after phase 10): training it now",
@@ -92,7 +104,8 @@ class InflightTraining:
                 ctx.cancel.cancel(e if isinstance(e, OrchestratorError) else _failed(ctx.iteration, e))
             else:
                 future.set_result(None)
-            self._on_change(None)
+            if future is self._future:  # not a try a retrain replaced (its successor is in flight)
+                self._on_change(None)
 
 
 def _failed(iteration: int, e: BaseException) -> TrainingFailed:

@@ -107,6 +107,7 @@ class Rank:
                 try:
                     start = self.coordinator.join(self._resume_point, self._adopt_absent)
                     log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
+                    self.training.entered(rejoined=start.rejoined)
                     self._publish_notes()
                     self._walk(start.iteration, start.phase, start.plan)
                     break
@@ -288,7 +289,7 @@ class Rank:
                 except Exception as e:  # noqa: BLE001 - whatever the work raised as it was cancelled
                     if not isinstance(self.cancel.reason, Retrain) or isinstance(e, (Interrupted, StopRequested)):
                         raise
-                    self._retrain(self.cancel.reason)
+                    self._retrain(self.cancel.reason, redo=(iteration, phase))
                     group_start, group_budget = None, 0.0  # phase 10 follows a barrier: the redo gets its own budget
 
     def _phase(self, iteration: int, phase: Phase, plan: dict, group_start: float | None,
@@ -327,12 +328,20 @@ class Rank:
             raise StopRequested(f"stopped on request after iteration {iteration}, phase {phase.label}")
         return plan, None, 0.0
 
-    def _retrain(self, e: Retrain) -> None:
+    def _retrain(self, e: Retrain, redo: tuple[int, Phase]) -> None:
         """Elastic: a rank was lost while the group trained. Stop this node's trainers (a
         collective with the lost one never ends) and its engines, and train the step again
-        with the ranks left; the engines start again when a phase needs them."""
+        with the ranks left; the engines start again when a phase needs them. ``redo``: the
+        phase the rank does again. A training in the background (rl.max_staleness >= 1) is
+        launched again there, as the round the master declared, unless the redo launches it."""
         log.warning("%s", e)
+        pending = self.training.pending
         self.coordinator.rearm(self._start_over(e))
+        if pending is not None and redo != (pending, Phase.TRAIN):
+            self.coordinator.enter_train_round(pending)
+            plan = fsio.read_record(self.layout.iteration(pending).plan) or {"iteration": pending}
+            launch, _ = phases.PIPELINED[Phase.TRAIN](self.training)
+            launch(self._ctx(pending, Phase.TRAIN, plan))
 
     def _ctx(self, iteration: int, phase: Phase, plan: dict) -> PhaseContext:
         return PhaseContext(

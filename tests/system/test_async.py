@@ -32,22 +32,22 @@ def flags(cluster, roles: list[str], *, train_s: float = 1.0, extra: list[str] =
                      extra=[*roles, f"rehearsal.train_s={train_s}", "rehearsal.task_s=0.1", "checkpoint.keep_last=10", *extra])
 
 
-def summaries(layout) -> list[dict]:
-    return [fsio.read_record(layout.iteration(i).summary) for i in range(1, ITERATIONS + 1)]
+def summaries(layout, iterations: int = ITERATIONS) -> list[dict]:
+    return [fsio.read_record(layout.iteration(i).summary) for i in range(1, iterations + 1)]
 
 
-def assert_complete_within_the_bound(layout) -> None:
+def assert_complete_within_the_bound(layout, iterations: int = ITERATIONS) -> None:
     """Every iteration trained once on all its tasks, each counted once, from the checkpoint
     one before the one it trains from (staleness 1), the first from the base model."""
-    for i in range(1, ITERATIONS + 1):
+    for i in range(1, iterations + 1):
         ids = aggregate_task_ids(layout, i)
         assert sorted(ids) == [f"train-{i:06d}-{k:06d}" for k in range(TASKS)], f"iteration {i}: tasks missing or counted twice"
         records = [json.loads(line) for line in layout.iteration(i).aggregate("train").read_text().splitlines()]
         assert {r["policy_iteration"] for r in records} == {max(0, i - 2)}, i
         marker = fsio.read_record(layout.checkpoint(i) / "marker.json")
         assert marker["iteration"] == i and marker["records"] == TASKS
-    assert [s["staleness"] for s in summaries(layout)] == [[0, 0]] + [[1, 1]] * (ITERATIONS - 1)
-    assert all(s["complete"] for s in summaries(layout))
+    assert [s["staleness"] for s in summaries(layout, iterations)] == [[0, 0]] + [[1, 1]] * (iterations - 1)
+    assert all(s["complete"] for s in summaries(layout, iterations))
 
 
 def wait_mid_rollout(layout, rank: int, iteration: int) -> None:
@@ -182,3 +182,29 @@ def test_killed_during_the_overlap_and_resumed_on_fewer_nodes_it_continues_with_
     assert cluster.wait_all(again, timeout=120) == [0, 0], "\n".join(p.output() for p in again)
     assert "their records so far are kept" in again[0].output()
     assert_complete_within_the_bound(layout)
+
+
+def test_elastic_a_training_node_killed_while_it_trains_in_the_background_has_the_step_trained_again_without_it(cluster):
+    """Nodes 0 and 1 train, node 2 rolls out. Rank 1 dies while iteration 1 trains in the
+    background (the ranks walk the rollout of iteration 2): the master declares a second round
+    of that training, which node 0 trains again without it while node 2 rolls out on; the same
+    command brings rank 1 back at the next iteration, and every iteration keeps the bound."""
+    run = run_flags(cluster.log_path, weights="0,0,1", max_iterations=3,
+                    extra=["rl.max_staleness=1", "train.nodes=0-1", "rollout.nodes=2", "rehearsal.train_s=8", "rehearsal.task_s=0.1",
+                           "checkpoint.keep_last=10", "coordination.elastic=true"])
+    layout = cluster.layout
+    procs = [cluster.start(r, run, {"ORCHESTRATOR_FAULT": "hold@2:1"} if r == 1 else None) for r in range(3)]
+    wait_state(layout, 1, "held", timeout=60)
+    assert (heartbeat(layout, 1) or {}).get("training") == 1 and (heartbeat(layout, 0) or {}).get("training") == 1
+    os.kill(procs[1].pid, signal.SIGKILL)
+    assert procs[1].wait(timeout=10) == -9
+    procs[1] = cluster.start(1, run)  # at once: it asks to rejoin, silent, before the master marks it out
+    members = lambda: fsio.read_record(layout.attempt(sorted(p.name for p in layout.attempts.iterdir())[-1]).members) or {}  # noqa: E731
+    wait_for(lambda: members().get("train_round"), NODE_TIMEOUT_S + 5, "the master to declare a second round")
+    assert members()["train_round"] | {"at": 0} == {"iteration": 1, "round": 1, "out": [1], "at": 0}
+    assert not layout.checkpoint(1).exists()
+    assert cluster.wait_all(procs, timeout=120) == [0, 0, 0], "\n".join(p.output() for p in procs)
+    assert "training iteration 1 again (round 1) with ranks 0,2" in procs[0].output()
+    assert [(e["event"], e["rank"]) for e in members()["events"]] == [("out", 1), ("rejoined", 1)]
+    assert_complete_within_the_bound(layout, iterations=3)
+    assert not list(layout.checkpoint(1).parent.glob(".*.tmp")), "a try's staging directory is left"

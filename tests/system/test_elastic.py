@@ -221,3 +221,42 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
     # trained it again; three trained iteration 4.
     assert updates == [("2", "1"), ("2", "2"), ("3", "3"), ("2", "3"), ("3", "4")], updates
     assert not list(layout.checkpoint(3).parent.glob(".*.tmp")), "a try's staging directory is left"
+
+
+def test_rl_pipelined_a_training_node_killed_mid_update_in_the_background_is_trained_around_and_rejoins(demo_data, tmp_path):
+    """rl.max_staleness=1, nodes 0 and 1 train (one gloo group), node 2 rolls out. Rank 1's
+    node is killed while its trainer is in the update of iteration 1, which runs in the
+    background as the ranks walk the rollout of iteration 2: rank 0's trainer loses its peer,
+    the master declares a second round, and node 0 trains iteration 1 again alone while node 2
+    rolls out on. Rank 1, started again at once, rejoins at iteration 3 and trains with it."""
+    cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
+    layout = cluster.layout
+    flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
+             "--rank-weights=0,0,1", "--eval-interval=4", "--max-iterations=3", "rl.train_tasks=64", "rl.samples_per_prompt=2",
+             "rollout.max_inflight=16", "rollout.prompts_per_request=4", "rl.eval_tasks=16", "rl.eval_samples=1", "rl.epochs=2",
+             "rl.micro_batch=2", "coordination.heartbeat_interval_s=0.5", "coordination.node_timeout_s=6",
+             "coordination.join_timeout_s=120", "coordination.elastic=true", "checkpoint.keep_last=4",
+             "rl.max_staleness=1", "train.nodes=0-1", "rollout.nodes=2"]
+    procs = cluster.start_all(flags)
+    try:
+        def in_update():
+            assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
+            return trainer_in_update(cluster.log_path, 1, 1)
+
+        wait_for(in_update, 180, "train worker 1 in the update of iteration 1")
+        kill_tree(procs[1].pid)
+        assert procs[1].wait(timeout=10) == -9
+        procs[1] = cluster.start(1, flags)  # at once: it asks to rejoin, silent, before the master marks it out
+        assert cluster.wait_all(procs, timeout=240) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
+    finally:
+        cluster.kill_all()
+    members = fsio.read_record(layout.attempt(sorted(p.name for p in layout.attempts.iterdir())[-1]).members)
+    assert [(e["event"], e["rank"]) for e in members["events"]] == [("out", 1), ("rejoined", 1)]
+    assert members["events"][1]["iteration"] == 3
+    assert "training iteration 1 again (round 1) with ranks 0,2" in procs[0].output()
+    sizes = [json.loads((layout.checkpoint(i) / "train_stats.json").read_text())["world_size"] for i in (1, 2, 3)]
+    assert sizes == [1, 1, 2], sizes
+    for i in (1, 2, 3):
+        ids = aggregate_task_ids(layout, i)
+        assert len(ids) == len(set(ids)) == 64
+    assert [it["staleness"] for it in status_json(cluster.log_path)["iterations"]] == [[0, 0], [1, 1], [1, 1]]
