@@ -107,7 +107,7 @@ def view(snap: dict) -> Group:
     pipe = snap.get("pipeline")
     if pipe:
         training = (f"iteration {pipe['training']} trains in the background on rank(s) {','.join(map(str, pipe['training_ranks']))}"
-                    + (f", on trajectories {'-'.join(map(str, sorted(set(pipe['staleness']))))} checkpoint(s) old"
+                    + (f", on trajectories {_staleness(pipe['staleness'])} checkpoint(s) old"
                        if pipe["staleness"] else "") if pipe["training"] else "no training in flight")
         parts.append(line(f"pipelined (rl.max_staleness={pipe['max_staleness']}): the ranks walk iteration {pipe['iteration']}, "
                           f"phase {pipe['phase']}; {training}"))
@@ -130,7 +130,7 @@ def view(snap: dict) -> Group:
         columns, optional = [*ITERATION_COLUMNS[:-1], "staleness", "IS ratio", ITERATION_COLUMNS[-1]], [*optional, "IS ratio"]
         for row, it in zip(its, snap["iterations"]):
             ratio = it.get("is_ratio") or {}
-            row[-1:-1] = ["-".join(map(str, sorted(set(it.get("staleness") or [])))),
+            row[-1:-1] = [_staleness(it.get("staleness")),
                           f"{ratio['mean']:.3f} (max {ratio['max']:.2f})" if ratio.get("mean") is not None else ""]
     if its:
         parts.append(terminal.FittedTable(columns, its, optional, elsewhere=ELSEWHERE))
@@ -177,6 +177,11 @@ def time_line(iteration: int, timing: dict) -> str:
         shown.append(f"other {_duration(rest)}")
     line = f"last iteration {iteration} took {_duration(timing['total_s'])}: {', '.join(shown)}"
     return line + (f"; engines (slowest): {', '.join(engine)}" if engine else "")
+
+
+def _staleness(span: list[int] | None) -> str:
+    """[fewest, most] checkpoints behind as ``1`` or ``0-1``; empty when unknown."""
+    return "-".join(map(str, sorted(set(span or []))))
 
 
 def _rate(tasks_per_s: float | None) -> str:

@@ -82,6 +82,7 @@ def iteration_rows(layout: RunLayout, evals: list[dict], trains: list[dict], seg
     for i in numbers:
         s = summaries.get(i) or {}
         e = by_eval.get(i, {})
+        ratio = s.get("is_ratio") or {}
         rows.append({
             "iteration": i,
             "tasks_per_rank": s.get("tasks_per_rank"),
@@ -95,9 +96,9 @@ def iteration_rows(layout: RunLayout, evals: list[dict], trains: list[dict], seg
             "eval_pass_at_k": e.get("pass_at_k"),
             "checkpoint": s.get("checkpoint"),
             "staleness": s.get("staleness"),
-            "is_ratio_mean": (s.get("is_ratio") or {}).get("mean"),
-            "is_ratio_max": (s.get("is_ratio") or {}).get("max"),
-            "is_capped_fraction": (s.get("is_ratio") or {}).get("capped_fraction"),
+            "is_ratio_mean": ratio.get("mean"),
+            "is_ratio_max": ratio.get("max"),
+            "is_capped_fraction": ratio.get("capped_fraction"),
             "complete": bool(s.get("complete")),
             "master_s": master_s.get(i),
             "timing": times.get(i),

@@ -75,10 +75,11 @@ class InflightTraining:
         bound the wait: the monitor cancels the rank), or run it here when none is in flight
         (the rank resumed after phase 10)."""
         future = self._future
-        if (future is None or self._iteration != ctx.iteration) and self._rejoined:
-            ctx.log.info("iteration %d trains without this rank: it was admitted back after that training started", ctx.iteration)
-            return
         if future is None or self._iteration != ctx.iteration:
+            if self._rejoined:
+                ctx.log.info("iteration %d trains without this rank: it was admitted back after that training started",
+                             ctx.iteration)
+                return
             self.forget()
             ctx.log.info("no training of iteration %d in flight on this rank (resumed after phase 10): training it now",
                          ctx.iteration)

@@ -7,10 +7,11 @@ master once every rank has arrived; what it returns is released to all ranks.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 from orchestrator.phase_table import Phase
 from orchestrator.runtime.context import PhaseContext
+from orchestrator.runtime.inflight_training import InflightTraining
 from orchestrator.runtime.phases import aggregate, engine, evaluation, prepare, publish, rollout, sync, train
 
 Work = Callable[[PhaseContext], "dict | None"]
@@ -43,20 +44,12 @@ def no_decision(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     return {}
 
 
-class Training(Protocol):
-    """The rank's training in flight (runtime/inflight_training.py)."""
-
-    def launch(self, ctx: PhaseContext, work: Work) -> None: ...
-
-    def finish(self, ctx: PhaseContext, work: Work) -> None: ...
-
-
-def _launch_training(training: Training) -> tuple[Work, Decide]:
+def _launch_training(training: InflightTraining) -> tuple[Work, Decide]:
     """Phase 10: every rank hands its part of the training to its training thread, and goes on."""
     return (lambda ctx: training.launch(ctx, train.train)), no_decision
 
 
-def _publish_after_training(training: Training) -> tuple[Work, Decide]:
+def _publish_after_training(training: InflightTraining) -> tuple[Work, Decide]:
     """Phase 11: every rank waits for its part of the training; once all arrived, every part
     is done, and the master publishes the checkpoint as the phase's decision."""
     return (lambda ctx: training.finish(ctx, train.train)), lambda ctx, arrivals: publish.publish_checkpoint(ctx) or {}
@@ -64,7 +57,7 @@ def _publish_after_training(training: Training) -> tuple[Work, Decide]:
 
 # rl.max_staleness >= 1: (work, decide) of the phases the pipelined order splits the training
 # over (protocol/schedule.py); every rank does the work, whatever the phase table's actor.
-PIPELINED: dict[Phase, Callable[[Training], tuple[Work, Decide]]] = {
+PIPELINED: dict[Phase, Callable[[InflightTraining], tuple[Work, Decide]]] = {
     Phase.TRAIN: _launch_training,
     Phase.PUBLISH: _publish_after_training,
 }

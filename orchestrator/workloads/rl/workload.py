@@ -110,8 +110,12 @@ class RLWorkload:
 
     def checkpoint(self) -> Path:
         """What the policy is now: the published checkpoint, else the base model."""
+        return self._policy()[0]
+
+    def _policy(self) -> tuple[Path, int]:
+        """The published checkpoint and its iteration, else the base model and 0 (one read of current.json)."""
         current = fsio.read_record(self.layout.current_checkpoint)
-        return self.layout.root / current["path"] if current else self.config.model_path
+        return (self.layout.root / current["path"], current["iteration"]) if current else (self.config.model_path, 0)
 
     def verified_checkpoint(self) -> Path:
         """The current policy, checked against its manifest (the base model has none), with this
@@ -183,8 +187,8 @@ class RLWorkload:
             return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
 
         scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
-        current = fsio.read_record(self.layout.current_checkpoint)  # what the engines serve: phase 1 or 6 moved them to it
-        record = functools.partial(self._record, policy=str(self.checkpoint()), policy_iteration=current["iteration"] if current else 0)
+        policy, policy_iteration = self._policy()  # what the engines serve: phase 1 or 6 moved them to it
+        record = functools.partial(self._record, policy=str(policy), policy_iteration=policy_iteration)
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[split].texts, self.by_id[split], record,
                              prompts_per_request=self.prompts_per_request(sampling["n"]))
 
