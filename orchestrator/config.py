@@ -230,6 +230,9 @@ MaxPromptTokens = Annotated[int, msgspec.Meta(ge=0)]
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 OLD_LOGPROBS = ("trainer", "engine")
+LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+RATIO_LEVELS = ("token", "sequence")
+OVERLONG = ("keep", "mask", "penalty")
 IS_CORRECTIONS = ("auto", "none", "tis", "mis")
 ISCorrection = Annotated[str, _one_of(IS_CORRECTIONS, "corrections")]
 ISCap = Annotated[float, _limit("{key} must be >= 1, got {value}", ge=1)]
@@ -291,6 +294,26 @@ class RLConfig:
     pass over every sample before the first step) or engine (the engine's, kept in each
     record: no such pass; sound when the engine serves the trainer's weights at a close
     precision, as the embedded engine does in fp32). docs/rl.md."""
+    loss_agg: Annotated[str, _one_of(LOSS_AGGS, "aggregations")] = "token_mean"
+    """How a step's per-token losses become one: token_mean (the mean over the step's tokens),
+    seq_mean_token_sum (each sequence's token sum, averaged over sequences: Dr. GRPO),
+    seq_mean_token_mean (each sequence's token mean, averaged: GRPO's paper, GSPO). docs/rl.md."""
+    ratio_level: Annotated[str, _one_of(RATIO_LEVELS, "levels")] = "token"
+    """The PPO ratio per token, or per sequence (GSPO: the geometric mean of its tokens'
+    ratios, clipped as one; use small clips, e.g. rl.clip_eps_low=0.0003, rl.clip_eps_high=0.0004)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: groups whose rewards do not vary (no advantage) leave the
+    update, and the rollout draws further prompts until rl.train_tasks informative groups are
+    in hand or rl.max_resample_rounds rounds are spent."""
+    max_resample_rounds: NonNegativeInt = 2
+    """With rl.filter_groups: how many further rounds of prompts an iteration's rollout may draw."""
+    overlong: Annotated[str, _one_of(OVERLONG, "choices")] = "keep"
+    """Completions cut at rl.max_tokens: keep (trained as any), mask (out of the loss: DAPO's
+    overlong filtering), penalty (every reward shaped by its length: DAPO's soft overlong
+    punishment, falling from 0 to -1 over the last rl.overlong_buffer tokens)."""
+    overlong_buffer: NonNegativeInt = 0
+    """With rl.overlong=penalty: the tokens before rl.max_tokens over which the penalty ramps
+    (0: a quarter of rl.max_tokens)."""
     max_grad_norm: MaxGradNorm = 1.0
     max_staleness: NonNegativeInt = 0
     """How many checkpoints a trajectory may lag behind the update that trains on it. 0:
@@ -316,6 +339,9 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, "rl")
+        if self.overlong_buffer > self.max_tokens:
+            raise ConfigError(f"rl.overlong_buffer={self.overlong_buffer} is longer than rl.max_tokens={self.max_tokens}: the "
+                              f"penalty ramps over the last rl.overlong_buffer tokens of a completion; set it at most rl.max_tokens")
         if self.old_logprobs == "engine" and self.correction != "none":
             raise ConfigError(f"rl.is_correction={self.correction} weighs by the trainer's log-probs over the engine's, and "
                               f"rl.old_logprobs=engine makes them the same: nothing is left to correct; set one of them back")
@@ -325,6 +351,11 @@ class RLConfig:
             rewards.parse(self.reward)  # importing it is the preflight's (it depends on the node)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    @property
+    def overlong_ramp(self) -> int:
+        """rl.overlong_buffer resolved: 0 is a quarter of rl.max_tokens (at least 1)."""
+        return self.overlong_buffer or max(1, self.max_tokens // 4)
 
     @property
     def correction(self) -> str:

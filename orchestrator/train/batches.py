@@ -45,6 +45,7 @@ class Batches:
 
     completions: list[list[grpo.Completion]]
     pad_id: int
+    loss_agg: str = "token_mean"
     old: dict = field(default_factory=dict)
     ref: dict | None = None
     weights: dict | None = None
@@ -54,12 +55,17 @@ class Batches:
 
     def collate(self, keys: list[plan.Key], device) -> grpo.Batch:
         """The batch of these samples; an empty pass is sample (0, 0), weighed by zero."""
-        return grpo.collate([self.completions[k][s] for k, s in keys or [(0, 0)]], self.pad_id).to(device)
+        return grpo.collate([self.completions[k][s] for k, s in keys or [(0, 0)]], self.pad_id, self.loss_agg).to(device)
 
     def lined_up(self, keys: list[plan.Key], which: dict):
         import torch
 
         return torch.cat([which[key] for key in keys])
+
+
+def trained_records(records: list[grpo.Record], config: TrainConfig) -> list[grpo.Record]:
+    """The records the update trains on: all, or with ``filter_groups`` the informative ones."""
+    return [r for r in records if grpo.informative(r)] if config.filter_groups else records
 
 
 def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> tuple[Batches, plan.Lengths]:
@@ -70,10 +76,13 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
     _check_vocabulary(records, vocab, config.init_checkpoint)
     if config.engine_logprobs_needed:
         _check_behaviour_logprobs(records, config.engine_logprobs_needed)
-    completions = [grpo.encode_record(policy.tokenizer, r, config.advantage) for r in records]
+    shaping = grpo.Shaping(config.overlong, config.max_tokens, config.overlong_buffer)
+    completions = [grpo.encode_record(policy.tokenizer, r, config.advantage, shaping) for r in records]
+    masked = config.overlong == "mask"
     lengths = plan.Lengths(rows=[[len(c.prompt_ids) + len(c.completion_ids) for c in group] for group in completions],
-                           completions=[[len(c.completion_ids) for c in group] for group in completions])
-    batches = Batches(completions, policy.pad_id)
+                           completions=[[len(c.completion_ids) for c in group] for group in completions],
+                           trained=[[c.trained for c in group] for group in completions] if masked else None)
+    batches = Batches(completions, policy.pad_id, config.loss_agg)
     passes = plan.logprob_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, budget=config.micro_batch_tokens)
     if config.old_logprobs == "engine":  # the engine's: no forward pass
         batches.old = {key: _engine_logprobs(batches, key, policy.device) for keys in passes for key in keys}

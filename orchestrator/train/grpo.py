@@ -165,6 +165,27 @@ def group_advantages(rewards: Sequence[float], kind: str = "grpo") -> list[float
 # --- batching ------------------------------------------------------------------------------
 
 
+OVERLONG = ("keep", "mask", "penalty")
+
+
+def overlong_penalty(length: int, *, max_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025), added to a sample's reward: 0 up to
+    ``max_tokens - buffer`` tokens, then falling linearly to -1 at ``max_tokens``; -1 past it."""
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    if length > max_tokens:
+        return -1.0
+    return (start - length) / buffer
+
+
+def informative(record: Record) -> bool:
+    """Whether the group's rewards vary: a group whose samples all scored alike has zero
+    advantage, and ``rl.filter_groups`` leaves it out of the update."""
+    rewards = [s.reward for s in record.samples]
+    return max(rewards) != min(rewards)
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     """One sample as token ids, with its group-normalised advantage."""
@@ -174,22 +195,41 @@ class Completion:
     advantage: float
     behaviour_logprobs: tuple[float, ...] | None = None
     """The engine's log-prob of each completion token (None: not recorded)."""
+    trained: bool = True
+    """False: the sample's tokens are in the batch (the group's advantage counts it) but out
+    of the loss (``rl.overlong=mask`` on a completion cut at ``rl.max_tokens``)."""
 
 
-def encode_record(tokenizer, record: Record, advantage: str = "grpo") -> list[Completion]:
+@dataclass(frozen=True, slots=True)
+class Shaping:
+    """What the update does with completions cut at ``max_tokens`` (``rl.overlong``)."""
+
+    overlong: str = "keep"
+    max_tokens: int = 0
+    buffer: int = 0
+
+
+def encode_record(tokenizer, record: Record, advantage: str = "grpo", shaping: Shaping = Shaping()) -> list[Completion]:
     """The record's samples as token ids, in sample order: the engine's ids when the record
-    has them, else its text tokenized (layout: module docstring)."""
-    advantages = group_advantages([s.reward for s in record.samples], advantage)
+    has them, else its text tokenized (layout: module docstring). With ``penalty`` each
+    reward takes :func:`overlong_penalty` of its length before the advantages; with ``mask``
+    a sample cut at the length limit (``finish_reason == "length"``) is not trained."""
     if record.prompt_token_ids is not None:
-        return [Completion(record.prompt_token_ids, s.token_ids, a, s.logprobs) for s, a in zip(record.samples, advantages)]
-    prompt = tuple(tokenizer(record.prompt)["input_ids"])
-    texts = [s.text for s in record.samples]
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    out = []
-    for sample, ids, advantage in zip(record.samples, encoded, advantages):
-        ids = list(ids) + ([tokenizer.eos_token_id] if sample.finish_reason == "stop" else [])
-        out.append(Completion(prompt, tuple(ids), advantage))
-    return out
+        prompt = record.prompt_token_ids
+        ids = [s.token_ids for s in record.samples]
+    else:
+        prompt = tuple(tokenizer(record.prompt)["input_ids"])
+        encoded = tokenizer([s.text for s in record.samples], add_special_tokens=False)["input_ids"]
+        ids = [tuple(e) + ((tokenizer.eos_token_id,) if s.finish_reason == "stop" else ()) for s, e in zip(record.samples, encoded)]
+    rewards = [s.reward for s in record.samples]
+    if shaping.overlong == "penalty":
+        rewards = [r + overlong_penalty(len(i), max_tokens=shaping.max_tokens, buffer=shaping.buffer) for r, i in zip(rewards, ids)]
+    advantages = group_advantages(rewards, advantage)
+    return [Completion(prompt, i, a, s.logprobs, trained=not (shaping.overlong == "mask" and s.finish_reason == "length"))
+            for s, i, a in zip(record.samples, ids, advantages)]
+
+
+LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,16 +238,43 @@ class Batch:
     attention_mask: "torch.Tensor"  # [B, T] long
     target_mask: "torch.Tensor"  # [B, T-1] bool: input_ids[:, 1:] is a completion token
     advantages: "torch.Tensor"  # [N] float32, one per completion token
+    lengths: "torch.Tensor"  # [B] long: each row's completion tokens
+    scale: "torch.Tensor | None" = None
+    """[N] float32, each token's factor in the loss's sum (:func:`token_scale`); None: all 1."""
 
     @property
     def num_tokens(self) -> int:
         return self.advantages.numel()
 
     def to(self, device) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask, self.advantages)))
+        return Batch(*(None if t is None else t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask,
+                                                                      self.advantages, self.lengths, self.scale)))
 
 
-def collate(completions: Sequence[Completion], pad_id: int) -> Batch:
+def token_scale(completions: Sequence[Completion], loss_agg: str) -> list[float] | None:
+    """Each completion token's factor in the loss's sum, which the step's normaliser then
+    divides (train/plan.py: its tokens, or its sequences):
+
+    - ``token_mean``: 1, the mean over the step's tokens (a long completion weighs more);
+    - ``seq_mean_token_sum``: 1 over the step's sequences: each sequence's token sum, averaged
+      (Dr. GRPO's unbiased sum, Liu et al. 2025, with a constant in place of its max length);
+    - ``seq_mean_token_mean``: ``1 / length``, the mean of each sequence's token mean (the
+      original GRPO and GSPO aggregation: every sequence weighs the same).
+
+    A token of an untrained sample (``Completion.trained``) has 0. None when every factor is 1.
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}, got {loss_agg!r}")
+    if loss_agg != "seq_mean_token_mean" and all(c.trained for c in completions):
+        return None
+    out = []
+    for c in completions:
+        n = len(c.completion_ids)
+        out.extend([(1.0 / n if loss_agg == "seq_mean_token_mean" else 1.0) if c.trained else 0.0] * n)
+    return out
+
+
+def collate(completions: Sequence[Completion], pad_id: int, loss_agg: str = "token_mean") -> Batch:
     """Right-pad completions into one batch (right padding keeps the default position ids right)."""
     import torch
 
@@ -223,7 +290,10 @@ def collate(completions: Sequence[Completion], pad_id: int) -> Batch:
         # target position t predicts input_ids[t + 1]: the completion starts at len(prompt) - 1
         target_mask[i, len(c.prompt_ids) - 1 : len(row) - 1] = True
         advantages.extend([c.advantage] * len(c.completion_ids))
-    return Batch(input_ids, attention_mask, target_mask, torch.tensor(advantages, dtype=torch.float32))
+    lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.long)
+    scale = token_scale(completions, loss_agg)
+    return Batch(input_ids, attention_mask, target_mask, torch.tensor(advantages, dtype=torch.float32), lengths,
+                 None if scale is None else torch.tensor(scale, dtype=torch.float32))
 
 
 # --- log-probs and loss --------------------------------------------------------------------
@@ -241,15 +311,47 @@ def completion_logprobs(model, batch: Batch) -> "torch.Tensor":
     return picked.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps: float, clip_eps_high: float | None = None):
-    """Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``, ``ratio = exp(new -
-    old)``; ``eps_high`` defaults to ``eps`` (symmetric). A larger ``eps_high`` is DAPO's
-    clip-higher (Yu et al. 2025): room for unlikely tokens to gain, against entropy collapse."""
+RATIO_LEVELS = ("token", "sequence")
+MAX_LOG_RATIO = 10.0
+"""The sequence-level log-ratio is capped here (as verl's GSPO does), so that exp stays finite."""
+
+
+def log_ratio(logprobs, old_logprobs, *, level: str = "token", lengths=None):
+    """Per token, the log of the PPO ratio the clip applies to.
+
+    - ``token``: ``new - old`` of the token (PPO, GRPO).
+    - ``sequence``: GSPO's (Zheng et al. 2025) length-normalised sequence ratio,
+      ``log s = mean over the sequence of (new - old)``, the same on each of its tokens, in
+      its per-token form ``new - sg(new) + sg(log s)``: the value is ``log s`` and the
+      gradient of a token that of its own log-prob, weighed by ``s``. ``lengths``: each
+      sequence's tokens, in the flat tensors' order (module docstring); capped at
+      ``MAX_LOG_RATIO``.
+    """
     import torch
 
-    ratio = (logprobs - old_logprobs).exp()
+    if level == "token":
+        return logprobs - old_logprobs
+    if level != "sequence":
+        raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}, got {level!r}")
+    d = (logprobs - old_logprobs).detach()
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=d.device), lengths.to(d.device))
+    means = torch.zeros(len(lengths), dtype=d.dtype, device=d.device).index_add_(0, seq, d) / lengths.clamp(min=1).to(d.dtype)
+    return (logprobs - logprobs.detach() + means[seq]).clamp(max=MAX_LOG_RATIO)
+
+
+def surrogate(ratio, advantages, clip_eps: float, clip_eps_high: float | None = None):
+    """Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``; ``eps_high``
+    defaults to ``eps`` (symmetric). A larger ``eps_high`` is DAPO's clip-higher (Yu et al.
+    2025): room for unlikely tokens to gain, against entropy collapse."""
+    import torch
+
     high = clip_eps if clip_eps_high is None else clip_eps_high
     return torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + high) * advantages)
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps: float, clip_eps_high: float | None = None):
+    """:func:`surrogate` of the token ratio ``exp(new - old)``."""
+    return surrogate((logprobs - old_logprobs).exp(), advantages, clip_eps, clip_eps_high)
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -307,11 +409,17 @@ class LossParts:
 
 def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: float = 0.0, ref_logprobs=None,
               normalizer: float | None = None, weights=None, clip_eps_high: float | None = None,
-              kl_estimator: str = "k3") -> LossParts:
-    """Token-mean over the batch of ``-weights * clipped_surrogate + kl_coef * k3``; with
-    ``normalizer`` the tokens' sum divided by it instead (a micro-batch's share of a larger
-    batch's mean). ``weights``: per-token importance weights (:func:`is_weights`), or None.
-    ``clip_eps_high``: the upper clip (default ``clip_eps``); ``kl_estimator``: k1, k2 or k3.
+              kl_estimator: str = "k3", ratio_level: str = "token", lengths=None, scale=None,
+              loss_agg: str = "token_mean") -> LossParts:
+    """The loss ``-weights * surrogate + kl_coef * kl``, per token, aggregated by ``loss_agg``.
+
+    ``weights``: per-token importance weights (:func:`is_weights`), or None.
+    ``clip_eps_high``: the upper clip (default ``clip_eps``); ``kl_estimator``: k1, k2 or k3;
+    ``ratio_level``: token or sequence (:func:`log_ratio`, which needs ``lengths``: each
+    sequence's tokens, as ``Batch.lengths``). ``scale``: each token's factor in the sum
+    (:func:`token_scale`; None: 1). The sum is divided by ``normalizer`` when given (a
+    micro-batch's share of a larger batch, in tokens or sequences as ``loss_agg`` counts),
+    else by this batch's tokens (``token_mean``) or sequences (the others).
 
     The KL term is on only with ``kl_coef > 0`` and reference log-probs. A batch without
     completion tokens gives a zero loss that is still attached to the graph, so every rank
@@ -319,7 +427,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: f
     """
     import torch
 
-    per_token = -clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high)
+    ratio = log_ratio(logprobs, old_logprobs, level=ratio_level, lengths=lengths).exp()
+    per_token = -surrogate(ratio, advantages, clip_eps, clip_eps_high)
     if weights is not None:
         per_token = per_token * weights
     kl = None
@@ -327,9 +436,13 @@ def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: f
         estimate = kl_estimate(logprobs, ref_logprobs, kl_estimator)
         per_token = per_token + kl_coef * estimate
         kl = estimate.detach().mean().item() if estimate.numel() else 0.0
+    if scale is not None:
+        per_token = per_token * scale
     n = per_token.numel()
     with torch.no_grad():
-        ratio = (logprobs - old_logprobs).exp()
+        ratio = ratio.detach()
         clipped = (ratio < 1 - clip_eps) | (ratio > 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
         clip_fraction = clipped.float().mean().item() if n else 0.0
-    return LossParts(per_token.sum() / (max(n, 1) if normalizer is None else normalizer), kl, clip_fraction, n)
+    if normalizer is None:
+        normalizer = max(n if loss_agg == "token_mean" else len(lengths), 1)
+    return LossParts(per_token.sum() / normalizer, kl, clip_fraction, n)

@@ -7,9 +7,11 @@ The update does not depend on how many train workers there are, nor on the budge
   and cuts that order into steps of ``batch_records`` records; the last may be shorter.
 - Record k belongs to train worker ``k % world_size``: that worker computes its old and
   reference log-probs once, and trains on it in every step that holds it.
-- The loss of a step is the token mean over the whole step, every worker's part included:
-  each worker sums its tokens' losses and divides by ``step_tokens / world_size``, so that
-  the gradient mean DDP and FSDP take over the workers is that token mean.
+- The loss of a step is the mean over the whole step, every worker's part included, of its
+  tokens (``rl.loss_agg=token_mean``) or its sequences (the others): each worker sums its
+  tokens' losses, scaled (grpo.token_scale), and divides by ``step_tokens / world_size`` or
+  ``step_samples / world_size``, so that the gradient mean DDP and FSDP take over the
+  workers is that mean. Samples out of the loss (``Lengths.trained``) count in neither.
 - A worker packs its samples of a step, in order, into micro-batches whose padded size
   (rows x longest row) stays within ``micro_batch_tokens`` (0: one micro-batch); a single
   sample longer than the budget is a micro-batch of its own.
@@ -39,10 +41,19 @@ class Lengths:
 
     rows: list[list[int]]
     completions: list[list[int]]
+    trained: list[list[bool]] | None = None
+    """Per record, per sample: whether it is in the loss (None: all are)."""
 
     def __post_init__(self) -> None:
         if not self.rows:
             raise ValueError("no records to train on")
+
+    def counted(self, record: int) -> tuple[int, int]:
+        """The record's (completion tokens, samples) in the loss's normaliser."""
+        if self.trained is None:
+            return sum(self.completions[record]), len(self.completions[record])
+        pairs = [c for c, t in zip(self.completions[record], self.trained[record]) if t]
+        return sum(pairs), len(pairs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +61,13 @@ class Step:
     micro_batches: list[list[Key]]
     """This worker's micro-batches, padded with empty ones to the step's ``slots``."""
     tokens: int
-    """Completion tokens of the whole step, over all workers: the loss's normaliser."""
+    """Completion tokens of the whole step, over all workers, that the loss counts."""
+    samples: int = 0
+    """Samples of the whole step, over all workers, that the loss counts."""
+
+    def normalizer(self, loss_agg: str, world_size: int) -> float:
+        """What each worker divides its part of the loss by (module docstring)."""
+        return max(self.tokens if loss_agg == "token_mean" else self.samples, 1) / world_size
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -106,8 +123,8 @@ def update_plan(lengths: Lengths, *, world_size: int, rank: int, batch_records: 
             per_worker = [pack(_samples([k for k in chunk if owner(k, world_size) == w], lengths), lengths.rows, budget) for w in range(world_size)]
             slots = max(1, *map(len, per_worker))
             mine = per_worker[rank]
-            tokens = sum(c for k in chunk for c in lengths.completions[k])
-            steps.append(Step(mine + [[] for _ in range(slots - len(mine))], tokens))
+            counted = [lengths.counted(k) for k in chunk]
+            steps.append(Step(mine + [[] for _ in range(slots - len(mine))], sum(c[0] for c in counted), sum(c[1] for c in counted)))
         plan.append(steps)
     return plan
 

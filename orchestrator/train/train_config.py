@@ -76,6 +76,23 @@ class TrainConfig:
     """Weigh each token's loss by exp(init policy's log-prob - the engine's), the engine's from
     each sample's ``logprobs``: truncated at ``is_cap`` (tis), or 0 past it (mis)."""
     is_cap: ISCap = 2.0
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    """How the per-token losses of a step become one (grpo.token_scale)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The PPO ratio per token, or GSPO's length-normalised one per sequence (grpo.log_ratio)."""
+    overlong: Literal["keep", "mask", "penalty"] = "keep"
+    """Completions cut at ``max_tokens``: trained as any (keep), out of the loss (mask); or
+    every reward shaped by its length (penalty, grpo.overlong_penalty)."""
+    overlong_buffer: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """With ``penalty``: the tokens before ``max_tokens`` over which it ramps to -1."""
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The rollout's longest completion (needed by ``penalty``)."""
+    filter_groups: bool = False
+    """Leave out of the update the groups whose rewards do not vary (zero advantage)."""
+
+    def __post_init__(self) -> None:
+        if self.overlong == "penalty" and not self.overlong_buffer <= self.max_tokens:
+            raise ValueError(f"overlong=penalty needs 1 <= overlong_buffer <= max_tokens, got {self.overlong_buffer} and {self.max_tokens}")
 
     @property
     def uses_kl(self) -> bool:

@@ -9,7 +9,7 @@ import logging
 import time
 
 from orchestrator.train import checkpoint_writer, grpo, parallel, plan
-from orchestrator.train.batches import Batches, prepare, read_records
+from orchestrator.train.batches import Batches, prepare, read_records, trained_records
 from orchestrator.train.policy import Policy
 from orchestrator.train.train_config import TrainConfig
 
@@ -39,34 +39,37 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
     rdv = policy.rdv
     lap = _Laps()
     records = read_records(config.data)
+    kept = trained_records(records, config)
     source = policy.load(config)
     torch.manual_seed(config.seed)  # after loading, which may draw from it: memory and checkpoint alike
     policy.holds = None  # from here until the update is complete, memory holds no known iteration
     for group in policy.optimizer.param_groups:
         group["lr"] = config.lr
     lap("load")
-    batches, lengths = prepare(policy, config, records)
-    steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.micro_batch,
-                             budget=config.micro_batch_tokens, seed=config.seed, epochs=config.epochs)
-    lap("prepare")
+    if kept:
+        batches, lengths = prepare(policy, config, kept)
+        steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.micro_batch,
+                                 budget=config.micro_batch_tokens, seed=config.seed, epochs=config.epochs)
+        lap("prepare")
+        sync = parallel.Sync(policy.model, strategy=config.strategy, device=policy.device)
+        log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if policy.continued_from is None else
+                 f"optimizer continued from step {policy.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
+        log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s%s", rdv.rank, len(kept), config.epochs, len(steps[0]),
+                 config.micro_batch, config.strategy, config.mixed_precision, ", activation checkpointing" if config.activation_checkpointing else "")
+        per_step, memory = _optimizer_steps(policy, config, batches, steps, sync)
+        del sync
+        lap("steps")
+    else:  # every worker reads the same records, so every worker takes this branch alike
+        log.warning("iteration %d: none of the %d groups has rewards that vary, and rl.filter_groups leaves them all out: "
+                    "the policy and optimizer stay as they are", config.iteration, len(records))
+        batches, lengths, steps, memory = None, None, [[]], {}
+        per_step = {key: [] for key in _PER_STEP}
 
-    sync = parallel.Sync(policy.model, strategy=config.strategy, device=policy.device)
-    log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if policy.continued_from is None else
-             f"optimizer continued from step {policy.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
-    log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s%s", rdv.rank, len(records), config.epochs, len(steps[0]),
-             config.micro_batch, config.strategy, config.mixed_precision, ", activation checkpointing" if config.activation_checkpointing else "")
-    per_step, memory = _optimizer_steps(policy, config, batches, steps, sync)
-    del sync
-    lap("steps")
-
-    stats = _stats(policy, config, records, lengths, steps, source, per_step)
-    defaults = {"advantage": "grpo", "clip": [config.clip_eps] * 2, "kl_estimator": "k3", "old_logprobs": "trainer"}
-    chosen = {"advantage": config.advantage, "clip": list(config.clip), "kl_estimator": config.kl_estimator,
-              "old_logprobs": config.old_logprobs}
-    stats |= {k: v for k, v in chosen.items() if v != defaults[k]}  # only the options away from their defaults
+    stats = _stats(policy, config, records, kept, lengths, steps, source, per_step)
+    stats |= _options(config)
     if config.is_correction != "none":
         stats |= {"is_correction": config.is_correction, "is_cap": config.is_cap,
-                  **{k: round(v, 6) for k, v in batches.is_stats.items()}}
+                  **{k: round(v, 6) for k, v in (batches.is_stats if batches else {}).items()}}
     checkpoint_writer.write(policy, config, stats, started)
     lap("checkpoint")
     policy.holds = config.iteration
@@ -77,6 +80,21 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
     return stats, lap.seconds, memory
 
 
+_PER_STEP = ("loss", "kl", "clip_fraction", "grad_norm", "tokens", "micro_batches")
+
+
+def _options(config: TrainConfig) -> dict:
+    """The update's options away from their defaults, as ``train_stats.json`` names them."""
+    chosen = {"advantage": (config.advantage, "grpo"), "clip": (list(config.clip), [config.clip_eps] * 2),
+              "kl_estimator": (config.kl_estimator, "k3"), "old_logprobs": (config.old_logprobs, "trainer"),
+              "loss_agg": (config.loss_agg, "token_mean"), "ratio_level": (config.ratio_level, "token"),
+              "overlong": (config.overlong, "keep"), "filter_groups": (config.filter_groups, False)}
+    out = {key: value for key, (value, default) in chosen.items() if value != default}
+    if config.overlong == "penalty":
+        out["overlong_buffer"] = config.overlong_buffer
+    return out
+
+
 def _optimizer_steps(policy: Policy, config: TrainConfig, batches: Batches, steps: list[list[plan.Step]],
                      sync: parallel.Sync) -> tuple[dict[str, list], dict]:
     """Every epoch's steps. Returns each step's loss, KL, clip fraction, gradient norm, tokens
@@ -84,7 +102,7 @@ def _optimizer_steps(policy: Policy, config: TrainConfig, batches: Batches, step
     last step (when the optimizer state is complete)."""
     rank = policy.rdv.rank
     autocast = parallel.autocast(policy.device, strategy=config.strategy, mixed_precision=config.mixed_precision)
-    per_step: dict[str, list] = {"loss": [], "kl": [], "clip_fraction": [], "grad_norm": [], "tokens": [], "micro_batches": []}
+    per_step: dict[str, list] = {key: [] for key in _PER_STEP}
     memory: dict = {}
     for epoch, epoch_steps in enumerate(steps):
         for number, step in enumerate(epoch_steps):
@@ -113,13 +131,14 @@ def _step(policy: Policy, config: TrainConfig, batches: Batches, step: plan.Step
     device = policy.device
     policy.optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(4, dtype=torch.float64, device=device)
-    normalizer = max(step.tokens, 1) / policy.rdv.world_size
+    world_size = policy.rdv.world_size
+    normalizer = step.normalizer(config.loss_agg, world_size)
     for slot, keys in enumerate(step.micro_batches):
         with sync.micro_batch(last=slot == len(step.micro_batches) - 1):
             parts = _micro_batch_loss(config, batches, keys, sync, autocast, normalizer, device)
             (parts.loss if keys else parts.loss * 0.0).backward()
         if keys:
-            sums += torch.tensor([parts.loss.item() * normalizer, (parts.kl or 0.0) * parts.tokens,
+            sums += torch.tensor([parts.loss.item() / world_size, (parts.kl or 0.0) * parts.tokens,
                                   parts.clip_fraction * parts.tokens, parts.tokens], dtype=torch.float64, device=device)
     grad_norm = sync.clip_grad_norm(config.max_grad_norm)
     policy.optimizer.step()
@@ -138,24 +157,26 @@ def _micro_batch_loss(config: TrainConfig, batches: Batches, keys: list[plan.Key
     weights = (batches.lined_up(keys, batches.weights) if keys else None) if batches.weights is not None else None
     low, high = config.clip
     return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=low, clip_eps_high=high, kl_coef=config.kl_coef,
-                          ref_logprobs=ref_lp, normalizer=normalizer, weights=weights, kl_estimator=config.kl_estimator)
+                          ref_logprobs=ref_lp, normalizer=normalizer, weights=weights, kl_estimator=config.kl_estimator,
+                          ratio_level=config.ratio_level, lengths=batch.lengths, scale=batch.scale, loss_agg=config.loss_agg)
 
 
 def _over_all_workers(sums) -> tuple[float, float, float, int]:
-    """Every worker's sums added up: the step's token means of the loss, k3 and clipping, and its tokens."""
+    """Every worker's sums added up: the step's loss, its token means of the KL estimate and
+    clipping, and its tokens."""
     import torch.distributed as dist
 
     dist.all_reduce(sums)
     total = max(sums[3].item(), 1.0)
-    loss, kl, clip_fraction = (x / total for x in sums[:3].tolist())
-    return loss, kl, clip_fraction, int(sums[3].item())
+    kl, clip_fraction = (x / total for x in sums[1:3].tolist())
+    return sums[0].item(), kl, clip_fraction, int(sums[3].item())
 
 
-def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], lengths: plan.Lengths, steps: list[list[plan.Step]],
-           source: str, per_step: dict[str, list]) -> dict:
+def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept: list[grpo.Record], lengths: plan.Lengths | None,
+           steps: list[list[plan.Step]], source: str, per_step: dict[str, list]) -> dict:
     """What ``train_stats.json`` says of the update; ``seconds`` is set just before it is written."""
     samples = [s for r in records for s in r.samples]
-    return {
+    stats = {
         "iteration": config.iteration,
         "world_size": policy.rdv.world_size,
         "strategy": config.strategy,
@@ -163,9 +184,9 @@ def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], leng
         "activation_checkpointing": config.activation_checkpointing,
         "records": len(records),
         "samples": len(samples),
-        "completion_tokens": sum(map(sum, lengths.completions)),
+        "completion_tokens": sum(map(sum, lengths.completions)) if lengths else 0,
         "mean_reward": sum(s.reward for s in samples) / len(samples),
-        "zero_advantage_groups": sum(1 for r in records if _all_equal(r)),
+        "zero_advantage_groups": sum(1 for r in records if not grpo.informative(r)),
         "records_tokenized_from_text": sum(1 for r in records if r.prompt_token_ids is None),
         "epochs": config.epochs,
         "steps_per_epoch": len(steps[0]),
@@ -176,11 +197,12 @@ def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], leng
         **per_step,
         "seconds": None,
     }
-
-
-def _all_equal(record: grpo.Record) -> bool:
-    rewards = [s.reward for s in record.samples]
-    return max(rewards) == min(rewards)
+    if config.filter_groups:
+        stats["filtered_groups"] = len(records) - len(kept)
+    truncated = sum(1 for s in samples if s.finish_reason == "length")
+    if config.overlong != "keep":
+        stats["overlong_samples"] = truncated  # masked, or penalised by their length (with the others past the ramp's start)
+    return stats
 
 
 def _peak_rss_bytes() -> int:

@@ -234,22 +234,61 @@ def test_importance_correction_without_the_engines_logprobs_is_bad_input_naming_
     assert "record t0 sample 0" in result.stderr and "rl.is_correction=none" in result.stderr
 
 
+def _with_cut_samples(work: Path) -> Path:
+    """The aggregate with engine log-probs, its completions of 4 tokens or more cut at the
+    length limit (finish_reason "length", no EOS), so that rl.overlong has samples to act on."""
+    path = work / "agg-cut.jsonl"
+    if not path.exists():
+        lines = []
+        for line in _with_engine_logprobs(work).read_text().splitlines():
+            record = json.loads(line)
+            for s in record["samples"]:
+                if len(s["token_ids"]) >= 4:
+                    s.update(finish_reason="length", token_ids=s["token_ids"][:-1], logprobs=s["logprobs"][:-1])
+            lines.append(json.dumps(record))
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 OPTIONS = {
     "rloo-k2-clip-higher": {"advantage": "rloo", "kl_estimator": "k2", "clip_eps_high": 0.28},
     "dr-grpo-k1-engine-old": {"advantage": "dr_grpo", "kl_estimator": "k1", "old_logprobs": "engine"},
+    "seq-sum-mask-filter": {"loss_agg": "seq_mean_token_sum", "overlong": "mask", "filter_groups": True, "max_tokens": 4},
+    "gspo-seq-mean-penalty": {"ratio_level": "sequence", "loss_agg": "seq_mean_token_mean", "clip_eps_low": 0.003, "clip_eps_high": 0.004,
+                              "overlong": "penalty", "max_tokens": 4, "overlong_buffer": 2},
 }
+UNREPORTED = ("clip_eps_low", "clip_eps_high", "max_tokens")  # "clip" says the first two
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_each_update_option_gives_the_same_update_at_any_worker_count(work, trained, ddp_two, name):
-    options = {**OPTIONS[name], "data": str(_with_engine_logprobs(work))}
+    options = {**OPTIONS[name], "data": str(_with_cut_samples(work) if "overlong" in OPTIONS[name] else _with_engine_logprobs(work))}
     two = trained(f"{name}-ddp-2", 2, strategy="ddp", **options)
     three = trained(f"{name}-fsdp-3-24", 3, strategy="fsdp", micro_batch_tokens=24, **options)
     stats = json.loads((two / "train_stats.json").read_text())
-    assert {k: stats[k] for k in ("advantage", "kl_estimator")} == {k: options[k] for k in ("advantage", "kl_estimator")}
-    assert stats.get("old_logprobs", "trainer") == options.get("old_logprobs", "trainer")
+    reported = {k: v for k, v in OPTIONS[name].items() if k not in UNREPORTED}
+    assert {k: stats.get(k) for k in reported} == reported
+    if "overlong" in options:
+        assert stats["overlong_samples"] > 0, stats
+    if options.get("filter_groups"):
+        assert stats["filtered_groups"] == 1 and stats["zero_advantage_groups"] == 1, stats  # task t4: every sample wrong
     for prefix in ("model", "optimizer/adamw"):
         worst, where = _worst_relative_difference(_tensors(two, prefix), _tensors(three, prefix))
         assert worst <= IS_TOLERANCE, f"{prefix}: {where} differs by {worst:.2e} (relative norm)"
     worst, where = _worst_relative_difference(_tensors(ddp_two, "model"), _tensors(two, "model"))
     assert worst > 1e-4, "the options changed nothing: the comparison would prove nothing"
+
+
+def test_a_step_with_no_informative_group_leaves_the_policy_as_it_was(work, trained):
+    path = work / "agg-flat.jsonl"
+    records = [json.loads(line) for line in (work / "agg.jsonl").read_text().splitlines()]
+    for r in records:
+        for s in r["samples"]:
+            s["reward"] = 1.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = trained("flat-filtered", 2, strategy="ddp", data=str(path), filter_groups=True)
+    stats = json.loads((out / "train_stats.json").read_text())
+    assert stats["filtered_groups"] == 12 and stats["steps_per_epoch"] == 0 and stats["loss"] == []
+    init = {k: v for k, v in load_file(work / "init" / "model.safetensors").items()}
+    worst, where = _worst_relative_difference(init, _tensors(out, "model"))
+    assert worst == 0.0, f"{where} moved by {worst:.2e}"

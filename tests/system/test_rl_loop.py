@@ -155,16 +155,33 @@ def test_a_pipelined_cpu_run_rolls_out_on_the_checkpoint_one_before_and_corrects
     assert "staleness" in text and "IS ratio" in text and "no training in flight" in text, text
 
 
-def test_the_update_options_away_from_their_defaults_run_two_iterations_on_two_ranks(demo_data, tmp_path):
-    options = ["rl.advantage=rloo", "rl.clip_eps_high=0.28", "rl.kl_coef=0.01", "rl.kl_estimator=k2", "rl.old_logprobs=engine"]
+UPDATE_OPTIONS = {
+    "rloo-k2-engine-seq-sum-mask-filter": (
+        ["rl.advantage=rloo", "rl.clip_eps_high=0.28", "rl.kl_coef=0.01", "rl.kl_estimator=k2", "rl.old_logprobs=engine",
+         "rl.loss_agg=seq_mean_token_sum", "rl.overlong=mask", "rl.filter_groups=true"],
+        {"advantage": "rloo", "clip": [0.2, 0.28], "kl_estimator": "k2", "old_logprobs": "engine", "loss_agg": "seq_mean_token_sum",
+         "overlong": "mask", "filter_groups": True}),
+    "gspo-seq-mean-penalty": (
+        ["rl.ratio_level=sequence", "rl.loss_agg=seq_mean_token_mean", "rl.clip_eps_low=0.003", "rl.clip_eps_high=0.004",
+         "rl.overlong=penalty", "rl.overlong_buffer=2"],
+        {"ratio_level": "sequence", "loss_agg": "seq_mean_token_mean", "clip": [0.003, 0.004], "overlong": "penalty",
+         "overlong_buffer": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(UPDATE_OPTIONS))
+def test_the_update_options_away_from_their_defaults_run_two_iterations_on_two_ranks(demo_data, tmp_path, name):
+    options, reported = UPDATE_OPTIONS[name]
     log_path = tmp_path / "run"
     result = _local(_flags(demo_data, log_path, num_nodes=2, weights="1,1", extra=["--max-iterations=2", *options]))
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
     for i in (1, 2):
         stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
-        assert (stats["advantage"], stats["clip"], stats["kl_estimator"], stats["old_logprobs"]) == ("rloo", [0.2, 0.28], "k2", "engine")
-        assert stats["kl"] and all(k is not None for k in stats["kl"]), stats
+        assert {k: stats.get(k) for k in reported} == reported, stats
+        if "rl.kl_coef=0.01" in options:
+            assert stats["kl"] and all(k is not None for k in stats["kl"]), stats
+        assert "overlong_samples" in stats
         assert len(_aggregate(layout, i)) == 8
 
 

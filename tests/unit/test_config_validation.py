@@ -46,6 +46,11 @@ BOUNDS = {
     "rl closed interval": ("rl.max_reward_error_fraction=2", "rl.max_reward_error_fraction must be in [0, 1], got 2.0"),
     "rl pair": ("rl.eval_temperature=-1", "rl.temperature and rl.eval_temperature must be >= 0"),
     "rl list": ('rl.stop=["a", ""]', "rl.stop must be non-empty strings, got ['a', '']"),
+    "rl aggregation": ("rl.loss_agg=seq_sum", "rl.loss_agg='seq_sum': valid aggregations are token_mean, seq_mean_token_sum, seq_mean_token_mean"),
+    "rl ratio level": ("rl.ratio_level=group", "rl.ratio_level='group': valid levels are token, sequence"),
+    "rl overlong": ("rl.overlong=drop", "rl.overlong='drop': valid choices are keep, mask, penalty"),
+    "rl overlong buffer": ("rl.overlong_buffer=9", "rl.overlong_buffer=9 is longer than rl.max_tokens=8: the penalty ramps over "
+                           "the last rl.overlong_buffer tokens of a completion; set it at most rl.max_tokens"),
     "data": ("data.id_key=", "data.id_key must not be empty"),
     "train choice": ("train.strategy=zero", "train.strategy='zero': valid strategies are ddp, fsdp"),
     "train trainer bound": ("train.micro_batch_tokens=-1", "train.micro_batch_tokens must be >= 0 (0: no limit), got -1"),

@@ -342,3 +342,102 @@ def test_clip_higher_lets_a_positive_advantage_gain_up_to_its_own_bound():
     assert surrogate.tolist() == pytest.approx([1.25, 1.28, -0.8])  # min(1.25, 1.25), min(1.5, 1.28), min(-0.7, -0.8)
     parts = grpo.grpo_loss(new, old, torch.ones(3), clip_eps=0.2, clip_eps_high=0.28)
     assert parts.clip_fraction == pytest.approx(2 / 3)  # 1.5 above 1.28, 0.7 below 0.8
+
+
+# --- loss aggregation, sequence ratio, overlong shaping, group filter ----------------------
+
+
+def _two_sequences():
+    """Two completions of 1 and 3 tokens with advantages 2 and -1; at ratio 1 their per-token
+    losses are -A: [-2], [1, 1, 1]."""
+    completions = [_completion([5], [7], 2.0), _completion([5], [7, 8, 9], -1.0)]
+    return completions, grpo.collate(completions, pad_id=0)
+
+
+@pytest.mark.parametrize("loss_agg, expected", [
+    ("token_mean", (-2 + 1 + 1 + 1) / 4),  # every token alike
+    ("seq_mean_token_sum", (-2 + 3) / 2),  # each sequence's sum, averaged over the 2
+    ("seq_mean_token_mean", (-2 / 1 + 3 / 3) / 2),  # each sequence's mean, averaged
+])
+def test_loss_aggregations_by_hand(loss_agg, expected):
+    completions, batch = _two_sequences()
+    lp = torch.tensor([-1.0, -0.5, -0.7, -0.2])
+    scale = grpo.token_scale(completions, loss_agg)
+    parts = grpo.grpo_loss(lp, lp, batch.advantages, clip_eps=0.2, lengths=batch.lengths, loss_agg=loss_agg,
+                           scale=None if scale is None else torch.tensor(scale))
+    assert parts.loss.item() == pytest.approx(expected)
+    # A step's share: the sum over this batch divided by the normaliser the plan gives.
+    shared = grpo.grpo_loss(lp, lp, batch.advantages, clip_eps=0.2, lengths=batch.lengths, normalizer=8.0,
+                            scale=None if scale is None else torch.tensor(scale))
+    assert shared.loss.item() == pytest.approx(expected * (4 if loss_agg == "token_mean" else 2) / 8)
+
+
+def test_token_scales_by_hand_and_an_untrained_sample_weighs_nothing():
+    completions, _ = _two_sequences()
+    assert grpo.token_scale(completions, "token_mean") is None
+    assert grpo.token_scale(completions, "seq_mean_token_sum") is None
+    assert grpo.token_scale(completions, "seq_mean_token_mean") == pytest.approx([1.0, 1 / 3, 1 / 3, 1 / 3])
+    cut = [completions[0], grpo.Completion((5,), (7, 8, 9), -1.0, trained=False)]
+    assert grpo.token_scale(cut, "token_mean") == [1.0, 0.0, 0.0, 0.0]
+    assert grpo.token_scale(cut, "seq_mean_token_mean") == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="loss_agg"):
+        grpo.token_scale(completions, "sum")
+
+
+def test_the_sequence_ratio_is_each_sequences_geometric_mean_and_clips_whole_sequences():
+    _, batch = _two_sequences()
+    old = torch.zeros(4)
+    new = torch.tensor([0.1, 0.3, -0.3, 0.6], requires_grad=True)  # sequence means 0.1 and 0.2
+    log_r = grpo.log_ratio(new, old, level="sequence", lengths=batch.lengths)
+    assert log_r.tolist() == pytest.approx([0.1, 0.2, 0.2, 0.2])
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    parts = grpo.grpo_loss(new, old, adv, clip_eps=0.1, ratio_level="sequence", lengths=batch.lengths, loss_agg="seq_mean_token_mean",
+                           scale=torch.tensor([1.0, 1 / 3, 1 / 3, 1 / 3]))
+    # sequence 1: ratio e^0.1 = 1.105 > 1.1, clipped: -1.1; sequence 2: e^0.2 clipped too: -1.1
+    assert parts.loss.item() == pytest.approx(-1.1) and parts.clip_fraction == 1.0
+    parts.loss.backward()
+    assert new.grad.tolist() == pytest.approx([0.0] * 4)  # clipped with a positive advantage: no gradient
+    new.grad = None
+    parts = grpo.grpo_loss(new, old, adv, clip_eps=0.3, ratio_level="sequence", lengths=batch.lengths, loss_agg="seq_mean_token_mean",
+                           scale=torch.tensor([1.0, 1 / 3, 1 / 3, 1 / 3]))
+    s1, s2 = math.exp(0.1), math.exp(0.2)
+    assert parts.loss.item() == pytest.approx(-(s1 + s2) / 2)
+    parts.loss.backward()
+    # GSPO's gradient: each token's log-prob gradient weighed by its sequence's ratio, over its length
+    assert new.grad.tolist() == pytest.approx([-s1 / 2, -s2 / 6, -s2 / 6, -s2 / 6])
+    # The token level keeps each token's own ratio.
+    assert grpo.log_ratio(new, old).tolist() == pytest.approx([0.1, 0.3, -0.3, 0.6])
+
+
+def test_overlong_penalty_by_hand():
+    ramp = [grpo.overlong_penalty(n, max_tokens=8, buffer=4) for n in (3, 4, 5, 6, 8, 9)]
+    assert ramp == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+
+
+def _cut_record():
+    """A group of 3: a right answer of 2 tokens, a right one cut at 4 tokens, a wrong one of 3."""
+    return grpo.parse_record({"task_id": "t", "prompt": "p", "prompt_token_ids": [1], "samples": [
+        {"text": "a", "token_ids": [4, 2], "reward": 1.0, "finish_reason": "stop"},
+        {"text": "b", "token_ids": [5, 5, 5, 5], "reward": 1.0, "finish_reason": "length"},
+        {"text": "c", "token_ids": [6, 6, 2], "reward": 0.0, "finish_reason": "stop"}]})
+
+
+def test_overlong_shaping_penalises_by_length_before_the_advantages_or_masks_the_cut():
+    record = _cut_record()
+    penalty = grpo.encode_record(None, record, "dr_grpo", grpo.Shaping("penalty", max_tokens=4, buffer=2))
+    shaped = [1.0 + 0.0, 1.0 - 1.0, 0.0 - 0.5]  # lengths 2, 4, 3 with the ramp over tokens 3-4
+    mean = sum(shaped) / 3
+    assert [c.advantage for c in penalty] == pytest.approx([r - mean for r in shaped])
+    assert all(c.trained for c in penalty)
+    masked = grpo.encode_record(None, record, "dr_grpo", grpo.Shaping("mask", max_tokens=4, buffer=2))
+    assert [c.trained for c in masked] == [True, False, True]
+    assert [c.advantage for c in masked] == pytest.approx([1 / 3, 1 / 3, -2 / 3])  # the cut one still counts in the group
+    kept = grpo.encode_record(None, record, "dr_grpo")
+    assert [c.advantage for c in kept] == [c.advantage for c in masked] and all(c.trained for c in kept)
+
+
+def test_a_group_is_informative_when_its_rewards_vary():
+    assert grpo.informative(_cut_record())
+    flat = grpo.parse_record({"task_id": "t", "prompt": "p", "samples": [
+        {"text": "a", "reward": 1.0, "finish_reason": "stop"}, {"text": "b", "reward": 1.0, "finish_reason": "stop"}]})
+    assert not grpo.informative(flat)

@@ -83,3 +83,16 @@ def test_shuffle_depends_on_seed_and_epoch_and_nothing_else():
 def test_no_records_is_an_error():
     with pytest.raises(ValueError, match="no records"):
         plan.Lengths([], [])
+
+
+def test_the_normaliser_counts_the_trained_tokens_or_sequences_of_the_whole_step():
+    lengths = plan.Lengths(rows=[[5, 7], [4]], completions=[[2, 4], [1]], trained=[[True, False], [True]])
+    assert lengths.counted(0) == (2, 1) and lengths.counted(1) == (1, 1)
+    for world in (1, 2):
+        steps = [plan.update_plan(lengths, world_size=world, rank=r, batch_records=2, budget=0, seed=0, epochs=1)[0][0]
+                 for r in range(world)]
+        assert {(s.tokens, s.samples) for s in steps} == {(3, 2)}
+        assert steps[0].normalizer("token_mean", world) == 3 / world
+        assert steps[0].normalizer("seq_mean_token_mean", world) == 2 / world
+    untouched = plan.Lengths(rows=[[5, 7]], completions=[[2, 4]])
+    assert untouched.counted(0) == (6, 2)
