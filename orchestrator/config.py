@@ -508,6 +508,31 @@ class CheckpointConfig:
         _check_fields(self, "checkpoint")
 
 
+TRACKING_BACKENDS = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrackingConfig:
+    """Experiment tracking: the master logs every iteration's figures to these backends as
+    well as to the run's own files (docs/operations.md, "Experiment tracking")."""
+
+    backends: list[str] = field(default_factory=list)
+    """Any of tensorboard, wandb, mlflow: tracking.backends=tensorboard,wandb (empty: none).
+    They need the optional packages: pip install 'orchestrator[tracking]'."""
+    project: str = "orchestrator"
+    """The wandb project, the mlflow experiment."""
+    run_name: str = ""
+    """The tracked run's name (empty: the last part of --log-path)."""
+
+    def __post_init__(self) -> None:
+        names = [n.strip() for item in self.backends for n in item.split(",") if n.strip()]
+        unknown = [n for n in names if n not in TRACKING_BACKENDS]
+        if unknown:
+            raise ConfigError(f"tracking.backends names {', '.join(map(repr, unknown))}: the backends are "
+                              f"{', '.join(TRACKING_BACKENDS)}, e.g. tracking.backends=tensorboard,wandb")
+        self.backends = list(dict.fromkeys(names))
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """The base model the run starts from (docs/data.md, "Where the model comes from")."""
@@ -544,6 +569,7 @@ class RunConfig:
     train: TrainPlacementConfig = field(default_factory=TrainPlacementConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         for name in ("data_path", "log_path"):

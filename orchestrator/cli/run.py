@@ -31,4 +31,9 @@ def run(**params) -> None:
     from orchestrator import workloads
     from orchestrator.runtime.runner import Rank
 
-    sys.exit(Rank(config, workloads.make).run())
+    tracker = None
+    if config.is_master and config.tracking.backends:
+        from orchestrator.tracking.tracker import Tracker
+
+        tracker = Tracker(config)
+    sys.exit(Rank(config, workloads.make, tracker=tracker).run())

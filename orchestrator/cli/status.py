@@ -75,6 +75,16 @@ ITERATION_COLUMNS_LEFT_OUT_FIRST = ["taken from", "done/rank", "tasks/rank"]
 ELSEWHERE = "--json shows them"
 
 
+def _tracking(t: dict) -> str:
+    said = []
+    for name, b in sorted(t["backends"].items()):
+        if b.get("ok"):
+            said.append(f"{name} up to iteration {b['iteration']}" if b.get("iteration") else f"{name} (nothing logged yet)")
+        else:
+            said.append(f"{name} FAILED ({b.get('error')}): the run goes on without it")
+    return f"tracking {t['run_name']}: " + "; ".join(said)
+
+
 def view(snap: dict) -> Group:
     """The status screen as one rich renderable."""
     m = snap["master"]
@@ -111,6 +121,8 @@ def view(snap: dict) -> Group:
                        if pipe["staleness"] else "") if pipe["training"] else "no training in flight")
         parts.append(line(f"pipelined (rl.max_staleness={pipe['max_staleness']}): the ranks walk iteration {pipe['iteration']}, "
                           f"phase {pipe['phase']}; {training}"))
+    if snap.get("tracking"):
+        parts.append(line(_tracking(snap["tracking"])))
     e = snap["eta"]
     if e:
         late = " (overdue)" if e["elapsed_s"] > e["typical_s"] else ""

@@ -212,16 +212,18 @@ class EventReader:
     every rank, spans included (the report), not only the times in the master's lines and the
     workers' ``timing`` lines (status)."""
 
-    def __init__(self, layout: RunLayout, timeline: bool = False):
+    def __init__(self, layout: RunLayout, timeline: bool = False, master_only: bool = False):
         self.layout = layout
         self.timeline = timeline
+        self.master_only = master_only
+        """Read the master's logs only (its phase times, and its own timing events)."""
         self._tails: dict[Path, _Tail] = {}
 
     def read(self) -> list[RankLog]:
         """A fold of every event log, oldest attempt first, then by rank."""
         out = []
         for attempt in attempt_ids(self.layout):
-            for rank in event_ranks(self.layout, attempt):
+            for rank in [MASTER] if self.master_only else event_ranks(self.layout, attempt):
                 log = self._advance(self.layout.attempt(attempt).events(rank), attempt, rank)
                 if log is not None:
                     out.append(log)

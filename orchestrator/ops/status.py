@@ -100,7 +100,7 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
         if s is not None:
             iterations.append({**{k: s.get(k) for k in ("iteration", "tasks_per_rank", "tasks_done_per_rank", "tasks_taken_per_rank",
                                                          "trajectories", "evaluated", "metrics", "checkpoint", "complete",
-                                                         "reward_errors", "prompts_too_long", "staleness", "is_ratio")},
+                                                         "reward_errors", "prompts_too_long", "staleness", "is_ratio", "update")},
                                "timing": times.get(i)})
     barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks, members.out) if not current.released else None
     gone = None if current.released else all_gone(ranks, now)
@@ -123,7 +123,15 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
         "notes": (fsio.read_record(attempt.notes) or {}).get("notes", []),
         "iterations": iterations,
         "pipeline": pipeline(fp.get("max_staleness") or 0, ranks, iterations),
+        "tracking": tracking(layout),
     }
+
+
+def tracking(layout: RunLayout) -> dict | None:
+    """Experiment tracking as the master last wrote it (tracking.backends): per backend
+    ``{ok, iteration, where, error}``; None without tracking."""
+    state = fsio.read_record(layout.tracking / "state.json")
+    return {"run_name": state.get("run_name"), "backends": state.get("backends") or {}} if state else None
 
 
 def pipeline(max_staleness: int, ranks: list[dict], iterations: list[dict]) -> dict | None:

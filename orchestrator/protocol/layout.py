@@ -41,6 +41,8 @@
     doctor/session.json                       `doctor` master: the current doctor session (id, addresses, open/closed)
     doctor/<S>/r<R>.json, replace.json, new.json, result.json, {new,replace}-acks/r<R>.json   `doctor` session S: facts, probes, answers, verdict
     report/                                   `orchestrator report`: charts, report.json, index.html (default --out)
+    tracking/state.json                       master: experiment tracking, each backend's state and the tracked run's ids
+    tracking/tensorboard/, tracking/wandb/, tracking/mlflow/   master: what each tracking backend writes (tracking.backends)
 
 Sync files live under ``attempts/<A>/``: a file from another attempt can never release a
 barrier of this one (fencing). Work products live under ``iterations/`` and
@@ -151,6 +153,10 @@ class RunLayout:
     @property
     def report(self) -> Path:
         return self.root / "report"
+
+    @property
+    def tracking(self) -> Path:
+        return self.root / "tracking"
 
     def engine_dir(self, rank: int) -> Path:
         return self.root / "engines" / f"r{rank:05d}"

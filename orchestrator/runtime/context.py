@@ -67,6 +67,16 @@ class SerialPipe:
         self._batches = None
 
 
+class Tracker(Protocol):
+    """What the runner asks of experiment tracking (tracking/tracker.py): ``poke`` after an
+    iteration's last barrier and at each attempt's start (it logs what is complete, off the
+    barriers' path), ``close`` once the rank ends."""
+
+    def poke(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Workload(Protocol):
     min_chunk_tasks: int
     """The smallest chunk of tasks worth handing out (what one engine request carries)."""

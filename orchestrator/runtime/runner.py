@@ -44,7 +44,7 @@ from orchestrator.protocol.schedule import first_point, next_point, schedule
 from orchestrator.protocol.schema import Progress
 from orchestrator.protocol.waiting import CancelToken, Deadline
 from orchestrator.runtime import phases
-from orchestrator.runtime.context import PhaseContext, RunView, Workload
+from orchestrator.runtime.context import PhaseContext, RunView, Tracker, Workload
 from orchestrator.runtime.inflight_training import InflightTraining
 
 log = logging.getLogger("orchestrator")
@@ -53,9 +53,11 @@ log = logging.getLogger("orchestrator")
 # -- the rank ---------------------------------------------------------------------------------
 
 class Rank:
-    def __init__(self, config: RunConfig, make_workload: Callable[[RunConfig, Children], Workload]):
+    def __init__(self, config: RunConfig, make_workload: Callable[[RunConfig, Children], Workload],
+                 tracker: Tracker | None = None):
         """``make_workload`` builds the compute behind the phases (``workloads.make``): the
-        runner itself knows none."""
+        runner itself knows none. ``tracker``: the master's experiment tracking, told after
+        each iteration's last barrier (tracking/tracker.py)."""
         self.config = config
         self.layout = RunLayout(config.log_path)
         self.cancel = CancelToken()
@@ -66,6 +68,7 @@ class Rank:
         """rl.max_staleness >= 1: this node's training of phase 10, running on while the rank
         walks a later iteration's rollout (protocol/schedule.py)."""
         self._noted = False  # the workload's notes are logged once, however many attempts follow
+        self.tracker = tracker
 
     def _resume_point(self) -> tuple[int, Phase, dict | None]:
         fsio.refresh_dir(self.layout.control)
@@ -109,6 +112,7 @@ class Rank:
                     log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
                     self.training.entered(rejoined=start.rejoined)
                     self._publish_notes()
+                    self._track()  # what an earlier start completed but did not log
                     self._walk(start.iteration, start.phase, start.plan)
                     break
                 except Exception as e:  # noqa: BLE001 - whatever the work raised as it was cancelled
@@ -136,6 +140,12 @@ class Rank:
             self.cancel.cancel(OrchestratorError("rank is ending"))
             self._stop_children()
             self.coordinator.close(state)
+            if self.tracker is not None:
+                self.tracker.close()
+
+    def _track(self) -> None:
+        if self.tracker is not None:
+            self.tracker.poke()
 
     def _publish_notes(self) -> None:
         """Master: say once in its log, and in every attempt's notes for `status`, where the
@@ -324,6 +334,8 @@ class Rank:
         decision = self.coordinator.barrier(iteration, phase, payload, deadline, lambda arrivals: decide(ctx, arrivals))
         if "plan" in decision:
             plan = decision["plan"]
+        if phase is Phase.SYNC_END:
+            self._track()  # the iteration is complete
         if decision.get("stop"):
             raise StopRequested(f"stopped on request after iteration {iteration}, phase {phase.label}")
         return plan, None, 0.0

@@ -299,16 +299,24 @@ def collate(completions: Sequence[Completion], pad_id: int, loss_agg: str = "tok
 # --- log-probs and loss --------------------------------------------------------------------
 
 
-def completion_logprobs(model, batch: Batch) -> "torch.Tensor":
-    """``log p(token | prefix)`` of every completion token, flat [N], in float32.
+def completion_logprobs(model, batch: Batch, *, entropy: bool = False):
+    """``log p(token | prefix)`` of every completion token, flat [N], in float32; with
+    ``entropy`` also the policy's entropy at each of those positions (detached, [N]).
 
     Only the completion positions' logits go through log_softmax, which keeps the [N, vocab]
     float32 copy as small as the completions are.
     """
+    import torch
+
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     picked = logits[:, :-1][batch.target_mask].float()
     targets = batch.input_ids[:, 1:][batch.target_mask]
-    return picked.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    logp = picked.log_softmax(-1)
+    chosen = logp.gather(-1, targets[:, None]).squeeze(-1)
+    if not entropy:
+        return chosen
+    with torch.no_grad():
+        return chosen, -(logp.exp() * logp).sum(-1)
 
 
 RATIO_LEVELS = ("token", "sequence")

@@ -80,7 +80,7 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
     return stats, lap.seconds, memory
 
 
-_PER_STEP = ("loss", "kl", "clip_fraction", "grad_norm", "tokens", "micro_batches")
+_PER_STEP = ("loss", "kl", "clip_fraction", "entropy", "grad_norm", "tokens", "micro_batches")
 
 
 def _options(config: TrainConfig) -> dict:
@@ -109,8 +109,9 @@ def _optimizer_steps(policy: Policy, config: TrainConfig, batches: Batches, step
             sums, grad_norm = _step(policy, config, batches, step, sync, autocast)
             if not memory and epoch == len(steps) - 1 and number == len(epoch_steps) - 1:
                 memory = parallel.storage_bytes(policy.model, policy.optimizer)
-            loss, kl, clip_fraction, tokens = _over_all_workers(sums)
-            for key, value in zip(per_step, (loss, kl if config.uses_kl else None, clip_fraction, grad_norm, tokens, len(step.micro_batches))):
+            loss, kl, clip_fraction, entropy, tokens = _over_all_workers(sums)
+            for key, value in zip(per_step, (loss, kl if config.uses_kl else None, clip_fraction, entropy, grad_norm, tokens,
+                                             len(step.micro_batches))):
                 per_step[key].append(value)
             if rank == 0:
                 log.info(
@@ -130,16 +131,17 @@ def _step(policy: Policy, config: TrainConfig, batches: Batches, step: plan.Step
 
     device = policy.device
     policy.optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
     world_size = policy.rdv.world_size
     normalizer = step.normalizer(config.loss_agg, world_size)
     for slot, keys in enumerate(step.micro_batches):
         with sync.micro_batch(last=slot == len(step.micro_batches) - 1):
-            parts = _micro_batch_loss(config, batches, keys, sync, autocast, normalizer, device)
+            parts, entropy = _micro_batch_loss(config, batches, keys, sync, autocast, normalizer, device)
             (parts.loss if keys else parts.loss * 0.0).backward()
         if keys:
             sums += torch.tensor([parts.loss.item() / world_size, (parts.kl or 0.0) * parts.tokens,
-                                  parts.clip_fraction * parts.tokens, parts.tokens], dtype=torch.float64, device=device)
+                                  parts.clip_fraction * parts.tokens, parts.tokens, entropy.sum().item()], dtype=torch.float64,
+                                 device=device)
     grad_norm = sync.clip_grad_norm(config.max_grad_norm)
     policy.optimizer.step()
     return sums, grad_norm
@@ -147,29 +149,31 @@ def _step(policy: Policy, config: TrainConfig, batches: Batches, step: plan.Step
 
 def _micro_batch_loss(config: TrainConfig, batches: Batches, keys: list[plan.Key], sync: parallel.Sync, autocast,
                       normalizer: float, device):
-    """The GRPO loss of one micro-batch under the model being trained; an empty one (a worker
-    with no part in this step) still runs the forward, so every worker joins the reduction."""
+    """The GRPO loss of one micro-batch under the model being trained, and the policy's entropy
+    at each of its tokens; an empty one (a worker with no part in this step) still runs the
+    forward, so every worker joins the reduction."""
     batch = batches.collate(keys, device)
     with autocast:
-        new_lp = grpo.completion_logprobs(sync.module, batch)
+        new_lp, entropy = grpo.completion_logprobs(sync.module, batch, entropy=True)
     old_lp = batches.lined_up(keys, batches.old) if keys else new_lp.detach()
     ref_lp = (batches.lined_up(keys, batches.ref) if keys else new_lp.detach()) if batches.ref is not None else None
     weights = (batches.lined_up(keys, batches.weights) if keys else None) if batches.weights is not None else None
     low, high = config.clip
     return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=low, clip_eps_high=high, kl_coef=config.kl_coef,
                           ref_logprobs=ref_lp, normalizer=normalizer, weights=weights, kl_estimator=config.kl_estimator,
-                          ratio_level=config.ratio_level, lengths=batch.lengths, scale=batch.scale, loss_agg=config.loss_agg)
+                          ratio_level=config.ratio_level, lengths=batch.lengths, scale=batch.scale,
+                          loss_agg=config.loss_agg), (entropy if keys else entropy[:0])
 
 
-def _over_all_workers(sums) -> tuple[float, float, float, int]:
-    """Every worker's sums added up: the step's loss, its token means of the KL estimate and
-    clipping, and its tokens."""
+def _over_all_workers(sums) -> tuple[float, float, float, float, int]:
+    """Every worker's sums added up: the step's loss, its token means of the KL estimate,
+    clipping and entropy, and its tokens."""
     import torch.distributed as dist
 
     dist.all_reduce(sums)
     total = max(sums[3].item(), 1.0)
     kl, clip_fraction = (x / total for x in sums[1:3].tolist())
-    return sums[0].item(), kl, clip_fraction, int(sums[3].item())
+    return sums[0].item(), kl, clip_fraction, sums[4].item() / total, int(sums[3].item())
 
 
 def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept: list[grpo.Record], lengths: plan.Lengths | None,
@@ -184,7 +188,9 @@ def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept
         "activation_checkpointing": config.activation_checkpointing,
         "records": len(records),
         "samples": len(samples),
-        "completion_tokens": sum(map(sum, lengths.completions)) if lengths else 0,
+        "completion_tokens": sum(map(sum, lengths.completions)) if lengths else 0,  # of the samples trained
+        "trained_samples": sum(len(r.samples) for r in kept),
+        "sampled_tokens": sum(len(s.token_ids) for s in samples if s.token_ids is not None),  # every sample with the engine's ids
         "mean_reward": sum(s.reward for s in samples) / len(samples),
         "zero_advantage_groups": sum(1 for r in records if not grpo.informative(r)),
         "records_tokenized_from_text": sum(1 for r in records if r.prompt_token_ids is None),

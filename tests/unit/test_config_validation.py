@@ -51,6 +51,8 @@ BOUNDS = {
     "rl overlong": ("rl.overlong=drop", "rl.overlong='drop': valid choices are keep, mask, penalty"),
     "rl overlong buffer": ("rl.overlong_buffer=9", "rl.overlong_buffer=9 is longer than rl.max_tokens=8: the penalty ramps over "
                            "the last rl.overlong_buffer tokens of a completion; set it at most rl.max_tokens"),
+    "tracking": ("tracking.backends=tensorboard,swanlab", "tracking.backends names 'swanlab': the backends are tensorboard, wandb, "
+                 "mlflow, e.g. tracking.backends=tensorboard,wandb"),
     "data": ("data.id_key=", "data.id_key must not be empty"),
     "train choice": ("train.strategy=zero", "train.strategy='zero': valid strategies are ddp, fsdp"),
     "train trainer bound": ("train.micro_batch_tokens=-1", "train.micro_batch_tokens must be >= 0 (0: no limit), got -1"),
@@ -118,6 +120,8 @@ def test_nan_is_outside_every_bound(key):
     ("rollout.engine_args= --enforce-eager ", "rollout", "engine_args", "--enforce-eager"),
     ('rl.stop=["</answer>", "\\n"]', "rl", "stop", ["</answer>", "\n"]),
     ("rl.stop=</s>", "rl", "stop", ["</s>"]),
+    ("tracking.backends=tensorboard, mlflow", "tracking", "backends", ["tensorboard", "mlflow"]),
+    ('tracking.backends=["wandb"]', "tracking", "backends", ["wandb"]),
 ])
 def test_an_override_of_each_type_converts(override, section, name, value):
     got = getattr(_build(override)[section], name)
@@ -169,7 +173,7 @@ def test_the_valid_keys_are_the_fields_of_every_section_in_order():
     keys = config.valid_override_keys()
     assert keys[:2] == ["seed", "coordination.heartbeat_interval_s"]
     sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(f.default_factory)]
-    assert sections == ["coordination", "deadlines", "rehearsal", "model", "rl", "data", "train", "rollout", "checkpoint"]
+    assert sections == ["coordination", "deadlines", "rehearsal", "model", "rl", "data", "train", "rollout", "checkpoint", "tracking"]
     expected = ["seed"] + [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(_run(), s))]
     assert keys == expected
 

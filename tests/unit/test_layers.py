@@ -15,7 +15,7 @@ LAYERS = [
     {"orchestrator.data", "orchestrator.preflight"},
     {"orchestrator.runtime"},
     {"orchestrator.workloads", "orchestrator.engine", "orchestrator.train", "orchestrator.demo"},
-    {"orchestrator.ops"},
+    {"orchestrator.ops", "orchestrator.tracking"},
     {"orchestrator.cli", "orchestrator.__main__"},
 ]
 

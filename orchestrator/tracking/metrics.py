@@ -1,0 +1,64 @@
+"""One iteration's figures as experiment trackers take them: flat names, numbers only.
+
+Read from the iteration's ``summary.json`` once it is complete (the update's figures are
+copied there at publish, the eval metrics at eval) and from the master's phase times. The
+names follow the peers' habits (verl, prime-rl), grouped by a prefix::
+
+    reward/mean                        the train rollout's mean reward
+    eval/accuracy, eval/pass_at_K         when the iteration was evaluated (also eval/response_length, eval/tokens_per_s)
+    train/loss, train/kl, train/entropy, train/clip_fraction, train/grad_norm   means over the update's steps
+    train/is_ratio_mean, train/is_ratio_max, train/is_capped_fraction           with rl.is_correction
+    rollout/response_length, rollout/tokens_per_s, rollout/zero_advantage_groups, rollout/filtered_groups,
+    rollout/overlong_samples, rollout/staleness
+    timing_s/<phase>, timing_s/iteration     the master's seconds in each phase, and their sum
+"""
+
+from __future__ import annotations
+
+import math
+
+from orchestrator.data import summary
+from orchestrator.phase_table import Phase
+from orchestrator.protocol.layout import RunLayout
+
+
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float] | None = None) -> dict[str, float] | None:
+    """The figures of ``iteration``, or None while it is not complete. ``phases``: the master's
+    seconds per phase label (``1:rollout``), as ops/timing.py gives them."""
+    s = summary.read(layout, iteration)
+    if not s or not s.get("complete"):
+        return None
+    out: dict[str, object] = {}
+    update = s.get("update") or {}
+    out["reward/mean"] = update.get("mean_reward")
+    for key in ("loss", "kl", "entropy", "clip_fraction", "grad_norm"):
+        out[f"train/{key}"] = update.get(key)
+    ratio = s.get("is_ratio") or {}
+    out |= {"train/is_ratio_mean": ratio.get("mean"), "train/is_ratio_max": ratio.get("max"),
+            "train/is_capped_fraction": ratio.get("capped_fraction")}
+    out["rollout/response_length"] = update.get("response_length")
+    for key in ("zero_advantage_groups", "filtered_groups", "overlong_samples"):
+        out[f"rollout/{key}"] = update.get(key)
+    staleness = s.get("staleness")
+    if isinstance(staleness, list) and staleness:
+        out["rollout/staleness"] = staleness[-1]
+    metrics = s.get("metrics") or {}
+    if metrics:
+        out["eval/accuracy"] = metrics.get("accuracy")
+        out[f"eval/pass_at_{metrics.get('k')}"] = metrics.get("pass_at_k")
+        out["eval/response_length"] = metrics.get("response_length")
+        out["eval/tokens_per_s"] = metrics.get("tokens_per_s")
+    phases = phases or {}
+    rollout_s = phases.get(Phase.ROLLOUT.label)
+    sampled = (update.get("response_length") or 0) * (update.get("samples") or 0)
+    if rollout_s and sampled:
+        out["rollout/tokens_per_s"] = sampled / rollout_s
+    for label, seconds in phases.items():
+        out[f"timing_s/{label.split(':', 1)[-1]}"] = seconds
+    if phases:
+        out["timing_s/iteration"] = sum(phases.values())
+    return {k: v for k, value in out.items() if (v := _number(value)) is not None}
