@@ -144,6 +144,12 @@ def view(snap: dict) -> Group:
             ratio = it.get("is_ratio") or {}
             row[-1:-1] = [_staleness(it.get("staleness")),
                           f"{ratio['mean']:.3f} (max {ratio['max']:.2f})" if ratio.get("mean") is not None else ""]
+    if any((it.get("update") or {}).get("filtered_groups") is not None for it in snap["iterations"]):  # rl.filter_groups
+        columns, optional = [*columns[:-1], "filtered", columns[-1]], [*optional, "filtered"]
+        for row, it in zip(its, snap["iterations"]):
+            update, drawn = it.get("update") or {}, it.get("resample") or {}
+            rounds = f", {drawn['rounds']} more round(s)" if drawn.get("rounds") else ""
+            row[-1:-1] = [f"{update['filtered_groups']}/{update['records']}{rounds}" if update.get("filtered_groups") is not None else ""]
     if its:
         parts.append(terminal.FittedTable(columns, its, optional, elsewhere=ELSEWHERE))
     timed = [it for it in snap["iterations"] if it.get("complete") and it.get("timing") and it["timing"]["phases"]]

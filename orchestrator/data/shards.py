@@ -46,22 +46,31 @@ def iter_valid_lines(path: Path) -> Iterator[tuple[int, bytes, dict]]:
 class ShardWriter:
     """Appends records to a shard; reopening resumes after the last complete record."""
 
-    def __init__(self, path: Path, batch: int = 16):
+    def __init__(self, path: Path, batch: int = 16, mark: Callable[[dict], bool] | None = None):
+        """``mark(record)``: which records' task ids :attr:`marked` keeps (those already in the
+        shard included)."""
         self.path = path
         self.batch = batch
+        self.mark = mark
         self.task_ids: set[str] = set()
+        self.marked: set[str] = set()
         path.parent.mkdir(parents=True, exist_ok=True)
         good = 0
         if path.exists():
             for good, _raw, record in iter_valid_lines(path):
-                self.task_ids.add(record["task_id"])
+                self._add(record)
         self._f = open(path, "ab")
         self._f.truncate(good)
         self._pending = 0
 
+    def _add(self, record: dict) -> None:
+        self.task_ids.add(record["task_id"])
+        if self.mark is not None and self.mark(record):
+            self.marked.add(record["task_id"])
+
     def append(self, record: dict) -> None:
         self._f.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-        self.task_ids.add(record["task_id"])
+        self._add(record)
         self._pending += 1
         if self._pending >= self.batch:
             self.flush()

@@ -263,9 +263,13 @@ def finished_chunks(it: IterationLayout, split: str, rank: int) -> set[int]:
     return set((fsio.read_record(it.done_chunks(split, rank)) or {}).get("chunks", []))
 
 
-def note_finished(it: IterationLayout, split: str, rank: int, chunks: set[int]) -> None:
-    """Elastic: ``rank`` has every record of ``chunks`` fsynced in its shard."""
-    fsio.write_record(it.done_chunks(split, rank), {"rank": rank, "chunks": sorted(chunks)})
+def note_finished(it: IterationLayout, split: str, rank: int, chunks: set[int], informative: dict[int, int] | None = None) -> None:
+    """``rank`` has every record of ``chunks`` fsynced in its shard (elastic, and the rounds of
+    rl.filter_groups); ``informative``: per chunk, its informative groups (data/resample.py)."""
+    body: dict = {"rank": rank, "chunks": sorted(chunks)}
+    if informative is not None:
+        body["informative"] = {str(k): n for k, n in sorted(informative.items())}
+    fsio.write_record(it.done_chunks(split, rank), body)
 
 
 def owners(it: IterationLayout, split: str, chunks: list[Chunk]) -> list[int | None]:

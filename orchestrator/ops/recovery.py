@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from orchestrator import records
-from orchestrator.data import shards, work
+from orchestrator.data import resample, shards, work
 from orchestrator.errors import BadInput
 from orchestrator.ops import status
 from orchestrator.protocol import fsio
@@ -178,7 +178,11 @@ def salvage(log_path: Path, iteration: int, apply: bool, split: str = "train") -
     existing = shards.sealed(it.aggregate(split))
     if existing is not None and not existing.extra.get("partial"):
         raise BadInput(f"iteration {iteration} already has a full {split} aggregate ({existing.count} records): nothing to salvage")
-    sources = [(f"rank {r}", work.shard_of(it, split, r)) for r in _rollout_ranks(it, split, plan[split])]
+    # With rl.filter_groups, the resample rounds the rollout reached too (data/resample.py).
+    parts = [p for p in resample.planned(plan) if p == split or it.shard(p, 0).parent.is_dir()] if split == "train" else [split]
+    sources = [(f"rank {r}" if p == split else f"rank {r} ({p})", work.shard_of(it, p, r))
+               for p in parts for r in _rollout_ranks(it, p, plan[p])]
+    per_rank = [n for p in parts for n in plan[p]["per_rank"]]
     preview = {label: _shard_state(shard) for label, shard in sources}
     result = {"iteration": iteration, "split": split, "planned": sum(per_rank),
               "per_rank": {label: s["records"] for label, s in preview.items()},

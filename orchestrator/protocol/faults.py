@@ -13,6 +13,8 @@
 - ``hold-after-steal``: the same, once that claim is written, before any of the chunk's records.
 - ``hold-after-batch``: the same, once the rank's first batch of records in that phase (1 or
   6) is durable, before the rest: a rank caught part-way through its rollout.
+- ``hold-after-round-batch``: the same, in a resample round of rl.filter_groups (phase 1): once
+  the rank's first batch of that round's records is durable.
 - ``raise``: raise an exception inside that phase's work.
 
 Each fires once per process: a rank that starts an attempt again (a master that takes its
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 ENV = "ORCHESTRATOR_FAULT"
 HOLD_LIMIT_S = 300.0
-ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-in-steal", "hold-after-steal", "hold-after-batch", "raise")
+ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-in-steal", "hold-after-steal", "hold-after-batch", "hold-after-round-batch", "raise")
 
 
 class InjectedFault(RuntimeError):

@@ -29,7 +29,9 @@
     iterations/<I>/rollout/<split>/r<R>.adopted.jsonl   master: rank R's records, copied when the run went on without it
     iterations/<I>/claims/<split>/c<K>.<G>.json   the rank that took chunk K (O_EXCL; generation G after a void claim)
     iterations/<I>/claims/<split>/adopted.json    master: chunks made of the unfinished work of ranks no longer in the run
-    iterations/<I>/claims/<split>/done.r<R>.json  rank R: the chunks it has finished (elastic: nobody seals before all are)
+    iterations/<I>/claims/<split>/done.r<R>.json  rank R: the chunks it has finished (elastic, and the resample rounds: nobody
+                                              moves on before all are), with their informative groups (rl.filter_groups)
+    (<split>: train, eval, and train-r<K> for resample round K of rl.filter_groups, data/resample.py)
     iterations/<I>/aggregate/<split>.jsonl    master: merged shards
     iterations/<I>/aggregate/<split>.manifest.json      master: seal of the aggregate
     iterations/<I>/train_config.json          master: the training config decision

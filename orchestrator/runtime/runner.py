@@ -32,7 +32,7 @@ from orchestrator.errors import (
     RunFinished,
     StopRequested,
 )
-from orchestrator.data import work
+from orchestrator.data import resample, work
 from orchestrator.node import placement
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Barrier, Phase
@@ -85,9 +85,14 @@ class Rank:
         """Master, before the attempt starts: when it resumes inside a split's rollout whose
         plan gives work to ranks this run does not have (resumed on fewer nodes), keep their
         records and hand their unfinished tasks to this run's ranks (data/work.py)."""
-        split = "train" if phase <= Phase.ROLLOUT else "eval" if phase in (Phase.EVAL_DECIDE, Phase.EVAL) else None
-        if split is None or not plan or not plan[split]["enabled"]:
+        if not plan:
             return
+        splits = resample.planned(plan) if phase <= Phase.ROLLOUT else ["eval"] if phase in (Phase.EVAL_DECIDE, Phase.EVAL) else []
+        for split in splits:  # a resample round not opened yet too: its absent ranks' tasks wait in new chunks
+            if plan[split]["enabled"]:
+                self._adopt_absent_of(iteration, split, plan, placed)
+
+    def _adopt_absent_of(self, iteration: int, split: str, plan: dict, placed: placement.Placement) -> None:
         cfg = self.config
         ids = self.workload.task_ids(split, iteration)[: plan[split]["total"]]
         it = self.layout.iteration(iteration)

@@ -17,7 +17,9 @@ from orchestrator.data import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.train import optimizer_state
-from tests.harness import NODE_TIMEOUT_S, hold_after_first_batch, kill_tree, start_ranks, status_json, wait_for, wait_held_mid_rollout
+from orchestrator.phase_table import Phase
+from tests.harness import (NODE_TIMEOUT_S, heartbeat, hold_after_first_batch, kill_tree, start_ranks, status_json, wait_for,
+                           wait_held_mid_rollout)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -182,7 +184,8 @@ def test_the_update_options_away_from_their_defaults_run_two_iterations_on_two_r
         if "rl.kl_coef=0.01" in options:
             assert stats["kl"] and all(k is not None for k in stats["kl"]), stats
         assert "overlong_samples" in stats
-        assert len(_aggregate(layout, i)) == 8
+        rounds = (fsio.read_record(layout.iteration(i).summary).get("resample") or {}).get("rounds", 0)  # rl.filter_groups
+        assert len(_aggregate(layout, i)) == 8 * (rounds + 1)
 
 
 def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
@@ -234,6 +237,48 @@ def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, t
     assert len(ids) == 64 and len(set(ids)) == 64
     kept = [json.loads(line)["task_id"] for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
     assert kept[: len(partial)] == [json.loads(line)["task_id"] for line in partial]
+
+
+def test_filter_groups_draws_more_prompts_and_a_kill_9_mid_round_records_no_task_twice(demo_data, tmp_path):
+    """rl.filter_groups: the rollout draws resample rounds until rl.train_tasks informative
+    groups are in hand; every rank is killed with SIGKILL part-way through a round, and the
+    rerun finishes it: each drawn task is in the aggregate once, the uninformative groups are
+    left out of the update and counted in status."""
+    log_path = tmp_path / "run"
+    flags = _flags(demo_data, log_path, num_nodes=2, weights="1,1",
+                   extra=["--max-iterations=2", "rl.filter_groups=true", "rl.max_resample_rounds=3", "rl.train_tasks=16",
+                          "rl.samples_per_prompt=2", "coordination.work_stealing=false"])
+    procs = start_ranks(flags, 2, env_for={0: {"ORCHESTRATOR_FAULT": f"hold-after-round-batch@1:{int(Phase.ROLLOUT)}"}})
+    layout = RunLayout(log_path)
+    try:
+        wait_for(lambda: (hb := heartbeat(layout, 0)) and hb.get("state") == "held", 180, "rank 0 held in a resample round")
+        partial = layout.iteration(1).shard("train-r1", 0).read_text().splitlines()
+        assert partial, "rank 0 was held after a durable batch of round 1"
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    for p in procs:
+        p.wait(timeout=30)
+    result = _local(flags)
+    assert result.returncode == 0, result.stdout[-6000:]
+    for i in (1, 2):
+        summary = fsio.read_record(layout.iteration(i).summary)
+        drawn = summary["resample"]
+        ids = [r["task_id"] for r in _aggregate(layout, i)]
+        assert len(ids) == len(set(ids)) == drawn["tasks"] == 16 * (drawn["rounds"] + 1), (i, drawn, len(ids))
+        stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+        informative = sum(1 for r in _aggregate(layout, i) if len({s["reward"] for s in r["samples"]}) > 1)
+        assert drawn["informative"] == informative == stats["records"] - stats["filtered_groups"], (drawn, stats)
+    first = fsio.read_record(layout.iteration(1).summary)["resample"]
+    assert first["rounds"] >= 1
+    kept = layout.iteration(1).shard("train-r1", 0).read_text().splitlines()
+    assert kept[: len(partial)] == partial, "the records rank 0 had made durable before the kill are kept"
+    its = status_json(log_path)["iterations"]
+    assert [it["update"]["filtered_groups"] for it in its] == [json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+                                                               ["filtered_groups"] for i in (1, 2)]
+    text = subprocess.run([sys.executable, "-m", "orchestrator", "status", f"--log-path={log_path}"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "filtered" in text and "more round(s)" in text, text
 
 
 def test_a_pickle_where_a_shard_belongs_is_refused_and_never_unpickled(tmp_path):

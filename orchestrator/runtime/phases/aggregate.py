@@ -4,7 +4,7 @@ there exactly once: a chunk's records count from the rank that owns its claim (d
 
 from __future__ import annotations
 
-from orchestrator.data import shards, staleness, summary, work
+from orchestrator.data import resample, shards, staleness, summary, work
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
@@ -14,7 +14,19 @@ from orchestrator.runtime.phases import rollout
 def _sources(ctx: PhaseContext, split: str, owner: list[int | None]) -> list[tuple[str, object]]:
     """The shard of every rank that owns a chunk of the split (``owner``: :func:`work.owners`;
     of a rank the run went on without, the master's sealed copy of its records)."""
-    return [(f"rank {r}", work.shard_of(ctx.it, split, r)) for r in sorted({o for o in owner if o is not None})]
+    return [(_label(split, r), work.shard_of(ctx.it, split, r)) for r in sorted({o for o in owner if o is not None})]
+
+
+def _label(split: str, rank: int) -> str:
+    """How a source is named in errors and counts: ``rank 2``, or ``rank 2 (train-r1)`` for a
+    resample round's shard."""
+    return f"rank {rank}" if not resample.is_round(split) else f"rank {rank} ({split})"
+
+
+def _parts(ctx: PhaseContext, split: str) -> list[str]:
+    """The splits whose shards make ``split``'s aggregate: the train split and the resample
+    rounds it opened (rl.filter_groups), or the split alone."""
+    return rollout.opened_train_splits(ctx) if split == "train" else [split]
 
 
 def wait_for_seals(ctx: PhaseContext, split: str, sources: list[tuple[str, object]]) -> dict[str, shards.Manifest]:
@@ -48,43 +60,58 @@ def adopt_late(ctx: PhaseContext, split: str) -> None:
 def verify_seals(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     if not ctx.plan["train"]["enabled"]:
         return {}
-    adopt_late(ctx, "train")
-    owner = work.owners(ctx.it, "train", work.all_chunks(ctx.it, "train", ctx.plan["train"]))
-    return {"sealed": {label: m.count for label, m in wait_for_seals(ctx, "train", _sources(ctx, "train", owner)).items()}}
+    sealed = {}
+    for part in _parts(ctx, "train"):
+        adopt_late(ctx, part)
+        owner = work.owners(ctx.it, part, work.all_chunks(ctx.it, part, ctx.plan[part]))
+        sealed |= {label: m.count for label, m in wait_for_seals(ctx, part, _sources(ctx, part, owner)).items()}
+    return {"sealed": sealed}
 
 
 def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
-    """The split's aggregate: reused if sealed, else merged and checked against the plan."""
+    """The split's aggregate: reused if sealed, else merged and checked against the plan. The
+    train aggregate holds the records of every resample round the iteration opened, round
+    after round, each in its plan's order."""
     dest = ctx.it.aggregate(split)
     existing = shards.sealed(dest)
     if existing is not None and not existing.extra.get("partial"):
         return existing  # a salvaged partial one is replaced by the full merge
-    adopt_late(ctx, split)
-    planned = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
-    chunks = work.all_chunks(ctx.it, split, ctx.plan[split])
-    owner = work.owners(ctx.it, split, chunks)  # final: every rank has sealed
-    sources = _sources(ctx, split, owner)
-    wait_for_seals(ctx, split, sources)
-    chunk_of = {planned[t]: k for t, k in work.task_chunks(chunks).items()}
-    position = {task_id: t for t, task_id in enumerate(planned)}  # the aggregate is in the plan's order
+    sources, keepers, position, done, planned = [], {}, {}, None, 0
+    for part in _parts(ctx, split):
+        adopt_late(ctx, part)
+        ids = ctx.workload.task_ids(part, ctx.iteration)[: ctx.plan[part]["total"]]
+        chunks = work.all_chunks(ctx.it, part, ctx.plan[part])
+        owner = work.owners(ctx.it, part, chunks)  # final: every rank has sealed
+        part_sources = _sources(ctx, part, owner)
+        wait_for_seals(ctx, part, part_sources)
+        sources += part_sources
+        chunk_of = {ids[t]: k for t, k in work.task_chunks(chunks).items()}
+        keepers |= {task_id: _label(part, owner[k]) for task_id, k in chunk_of.items() if owner[k] is not None}
+        position |= {task_id: planned + t for t, task_id in enumerate(ids)}  # the aggregate is in the plans' order
+        planned += len(ids)
+        part_done = work_done(chunks, owner, max(len(ctx.plan[part]["per_rank"]), ctx.config.num_nodes))
+        done = part_done if done is None else {k: _added(done[k], part_done[k]) for k in done}
 
     def keep(label: str, record: dict) -> bool:
-        k = chunk_of.get(record["task_id"])
-        return k is not None and label == f"rank {owner[k]}"
+        return keepers.get(record["task_id"]) == label
 
     # A shard read cut short or stale (sshfs, NFS) fails its checksum: read it again before
     # calling it damaged.
     m = fsio.retry_transient(
         lambda: shards.merge(sources, dest, keep, lambda record: position[record["task_id"]], split=split, iteration=ctx.iteration,
-                             partial=False, work=work_done(chunks, owner, max(len(ctx.plan[split]["per_rank"]), ctx.config.num_nodes))),
+                             partial=False, work=done),
         f"merging the {split} shards of iteration {ctx.iteration}", transient=(shards.ShardError,))
-    if m.count != len(planned):
+    if m.count != planned:
         shards.manifest_path(dest).unlink()
         dest.unlink()
         raise shards.ShardError(
-            f"{split} aggregate of iteration {ctx.iteration} has {m.count} trajectories but the plan has {len(planned)} tasks"
+            f"{split} aggregate of iteration {ctx.iteration} has {m.count} trajectories but the plan has {planned} tasks"
         )
     return m
+
+
+def _added(a: list[int], b: list[int]) -> list[int]:
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(max(len(a), len(b)))]
 
 
 def work_done(chunks: list[work.Chunk], owner: list[int | None], num_ranks: int) -> dict:
@@ -130,3 +157,17 @@ def merge_train_shards(ctx: PhaseContext) -> None:
         ctx.log.warning("left out %d train records of chunks done twice (a void claim whose rank went on)", m.extra["dropped"])
     note_reward_errors(ctx, "train", m)
     ctx.log.info("aggregated %d train trajectories (%d tasks) of iteration %d", trajectories, m.count, ctx.iteration)
+    if len(resample.planned(ctx.plan)) > 1:
+        note_resampling(ctx)
+
+
+def note_resampling(ctx: PhaseContext) -> None:
+    """rl.filter_groups: the rounds the iteration rolled out, the tasks they drew and how many
+    of their groups are informative, into the summary (``resample``)."""
+    parts = _parts(ctx, "train")
+    counts = [resample.informative_count(ctx.it, part, ctx.plan[part], ctx.workload.task_ids(part, ctx.iteration)) for part in parts]
+    entry = {"rounds": len(parts) - 1, "tasks": sum(ctx.plan[part]["total"] for part in parts),
+             "informative": sum(c or 0 for c in counts), "wanted": ctx.plan["train"]["total"]}
+    summary.update(ctx.layout, ctx.iteration, resample=entry)
+    ctx.log.info("rl.filter_groups: %d informative groups of %d wanted, from %d tasks in %d resample round(s)", entry["informative"],
+                 entry["wanted"], entry["tasks"], entry["rounds"])

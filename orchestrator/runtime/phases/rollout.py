@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from orchestrator import terminal
-from orchestrator.data import shards, work
+from orchestrator.data import resample, shards, work
 from orchestrator.node import placement
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
@@ -65,7 +65,10 @@ def _refresh(ctx: PhaseContext, split: str, claims: work.Ledger) -> bool:
     return True
 
 
-def generate_shard(ctx: PhaseContext, split: str) -> None:
+def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
+    """This rank's part of ``split``. ``gated`` (the train rounds of rl.filter_groups): like
+    elastic, the rank notes each chunk it finishes, with its informative groups, and leaves
+    only once every chunk of the split is finished, when the next round can be decided."""
     path = ctx.it.shard(split, ctx.rank)
     _offset, count = ctx.share(split)
     if shards.sealed(path) is not None:
@@ -78,10 +81,17 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
         return
     ids = ctx.workload.task_ids(split, ctx.iteration)
     elastic = ctx.config.coordination.elastic
+    tracked = elastic or gated  # finished chunks noted, and the phase waits for every chunk
     claims = ledger(ctx, split)
     moved = work.task_chunks(claims.chunks)  # a task of an adopted rank's chunk may be another chunk's now
-    finished = work.finished_chunks(ctx.it, split, ctx.rank) if elastic else set()
-    with shards.ShardWriter(path) as writer, contextlib.closing(ctx.workload.rollout_pipe(ctx, split)) as pipe:
+    finished = work.finished_chunks(ctx.it, split, ctx.rank) if tracked else set()
+    mark = resample.informative if gated else None
+
+    def note() -> None:
+        counts = resample.chunk_counts(claims.chunks, ids, moved, writer.marked, finished) if gated else None
+        work.note_finished(ctx.it, split, ctx.rank, finished, counts)
+
+    with shards.ShardWriter(path, mark=mark) as writer, contextlib.closing(ctx.workload.rollout_pipe(ctx, split)) as pipe:
         queue = claims.owned()
         done = len(writer.task_ids)
         if done:
@@ -110,8 +120,10 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
                         pipe.submit(todo)
                     else:
                         finished.add(chunk.index)
+                        if tracked:
+                            note()  # done before a restart: the others (and this rank's wait) see it finished
                 if not pipe.outstanding:
-                    if not pending and (not elastic or not claims.open_chunks()):
+                    if not pending and (not tracked or not claims.open_chunks()):
                         break
                     # A claim is settling (see whether it is void), or (elastic) others still work:
                     # a rank marked out meanwhile leaves chunks for this one.
@@ -131,12 +143,12 @@ def generate_shard(ctx: PhaseContext, split: str) -> None:
                 bar.update(done, total)
                 if first_batch:
                     first_batch = False
-                    ctx.fault_point("hold-after-batch")
-                if elastic:
+                    ctx.fault_point("hold-after-round-batch" if resample.is_round(split) else "hold-after-batch")
+                if tracked:
                     finished |= _settled(unfinished, batch)
-                    work.note_finished(ctx.it, split, ctx.rank, finished)
-        if elastic:
-            work.note_finished(ctx.it, split, ctx.rank, finished)  # chunks found with nothing left to do
+                    note()
+        if tracked:
+            note()  # chunks found with nothing left to do
 
 
 def _settled(unfinished: dict[int, set[str]], batch: list[dict]) -> set[int]:
@@ -160,11 +172,33 @@ def seal_shard(ctx: PhaseContext, split: str) -> dict:
 
 
 def generate_train_shard(ctx: PhaseContext) -> None:
-    if ctx.plan["train"]["enabled"]:
-        generate_shard(ctx, "train")
+    """The train split; with rl.filter_groups, then each resample round the ones before it
+    call for (data/resample.py)."""
+    if not ctx.plan["train"]["enabled"]:
+        return
+    rounds = resample.planned(ctx.plan)
+    generate_shard(ctx, "train", gated=len(rounds) > 1)
+    done = 0
+    while True:
+        opens = resample.next_round_opens(ctx.it, ctx.plan, done, lambda split: ctx.workload.task_ids(split, ctx.iteration))
+        if opens is None:  # a chunk is not finished yet (this rank's work was adopted): the phase deadline bounds the wait
+            ctx.cancel.sleep(ctx.config.coordination.poll_max_s)
+            continue
+        if not opens:
+            return
+        done += 1
+        ctx.log.info("fewer than %d informative groups so far (rl.filter_groups): rolling out resample round %d of %d",
+                     ctx.plan["train"]["total"], done, len(rounds) - 1)
+        generate_shard(ctx, rounds[done], gated=True)
+
+
+def opened_train_splits(ctx: PhaseContext) -> list[str]:
+    """The train splits this iteration rolled out: ``train``, and the resample rounds it opened."""
+    return resample.opened(ctx.it, ctx.plan, lambda split: ctx.workload.task_ids(split, ctx.iteration))
 
 
 def seal_train_shard(ctx: PhaseContext) -> dict | None:
-    if ctx.plan["train"]["enabled"]:
-        return seal_shard(ctx, "train")
-    return None
+    if not ctx.plan["train"]["enabled"]:
+        return None
+    seals = [seal_shard(ctx, split) for split in opened_train_splits(ctx)]
+    return seals[0] if len(seals) == 1 else {**seals[0], "rounds": seals[1:]}

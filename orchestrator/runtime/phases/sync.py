@@ -4,7 +4,8 @@ checkpoints retention no longer keeps, and marks the iteration complete."""
 from __future__ import annotations
 
 from orchestrator.config import RolloutSplit
-from orchestrator.data import retention, summary, work
+from orchestrator.config import Workload
+from orchestrator.data import resample, retention, summary, work
 from orchestrator.phase_table import RLPhase, eval_due
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
@@ -29,6 +30,17 @@ def make_plan(ctx: PhaseContext) -> dict:
         total = ctx.workload.tasks_per_iteration(split) if enabled else 0
         plan[split] = {"enabled": enabled, **work.plan_split(total, weights, stealing=c.work_stealing, chunk_tasks=c.chunk_tasks,
                                                             min_chunk_tasks=ctx.workload.min_chunk_tasks)}
+    if train and cfg.workload is Workload.RL and cfg.rl.filter_groups:  # each resample round a split of its own (data/resample.py)
+        rounds = 0
+        for k in range(1, cfg.rl.max_resample_rounds + 1):
+            total = ctx.workload.tasks_per_iteration(resample.split_of(k))
+            if not total:
+                break  # the train file has no task left that earlier rounds did not draw
+            plan[resample.split_of(k)] = {"enabled": True, **work.plan_split(total, weights, stealing=c.work_stealing,
+                                                                              chunk_tasks=c.chunk_tasks,
+                                                                              min_chunk_tasks=ctx.workload.min_chunk_tasks)}
+            rounds = k
+        plan["train"]["resample_rounds"] = rounds
     return plan
 
 

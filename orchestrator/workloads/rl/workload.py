@@ -18,7 +18,7 @@ from pathlib import Path
 
 from orchestrator import rewards
 from orchestrator.config import RunConfig
-from orchestrator.data import checkpoints, prompts, retention
+from orchestrator.data import checkpoints, prompts, resample, retention
 from orchestrator.engine.client import EngineClient
 from orchestrator.node.procs import Children
 from orchestrator.protocol import fsio
@@ -82,11 +82,15 @@ class RLWorkload:
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
         self._verified = checkpoints.Verified()
+        self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
         self.trainers = NodeTrainers(children, keep_alive=config.train.keep_alive, train_timeout_s=self.rl.train_timeout_s)
 
     # -- tasks -------------------------------------------------------------------------------
 
     def tasks_per_iteration(self, split: str) -> int:
+        if resample.is_round(split):  # what the train file holds beyond the rounds before it
+            k = int(split[len(resample.PREFIX):])
+            return max(0, min(self.rl.train_tasks, len(self.tasks["train"]) - k * self.tasks_per_iteration("train")))
         return min(self._wanted(split), len(self.tasks[split]))  # fewer than asked: notes() says so
 
     def prompts_too_long(self, split: str) -> int:
@@ -100,6 +104,18 @@ class RLWorkload:
         return self.rl.train_tasks if split == "train" else self.rl.eval_tasks
 
     def task_ids(self, split: str, iteration: int) -> list[str]:
+        key = (split, iteration)
+        if key not in self._ids:
+            self._ids = {k: v for k, v in self._ids.items() if k[1] >= iteration - 1}  # keep the last iterations' only
+            self._ids[key] = self._task_ids(split, iteration)
+        return self._ids[key]
+
+    def _task_ids(self, split: str, iteration: int) -> list[str]:
+        if resample.is_round(split):  # rl.filter_groups: further train tasks, none an earlier round drew
+            k = int(split[len(resample.PREFIX):])
+            drawn = {t for j in range(k) for t in self.task_ids(resample.split_of(j), iteration)}
+            rest = [t["id"] for t in self.tasks["train"] if t["id"] not in drawn]
+            return random.Random(f"{self.config.seed}:train:{iteration}:round{k}").sample(rest, min(self.tasks_per_iteration(split), len(rest)))
         ids = [t["id"] for t in self.tasks[split]]
         n = self.tasks_per_iteration(split)
         if split == "eval":
@@ -173,7 +189,7 @@ class RLWorkload:
         """The rollout's requests in flight on this node's engines (``rollout.max_inflight``
         sequences on each), answered as scored records in durable batches. The engines start
         with the first task (a node without engines never gets one)."""
-        train = split == "train"
+        train = resample.base(split) == "train"
         sampling = {"n": self.rl.samples_per_prompt if train else self.rl.eval_samples,
                     "temperature": self.rl.temperature if train else self.rl.eval_temperature,
                     "top_p": self.rl.top_p, "max_tokens": self.rl.max_tokens, "stop": self.rl.stop, "logprobs": 0,
@@ -189,7 +205,8 @@ class RLWorkload:
         scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
         policy, policy_iteration = self._policy()  # what the engines serve: phase 1 or 6 moved them to it
         record = functools.partial(self._record, policy=str(policy), policy_iteration=policy_iteration)
-        return RLRolloutPipe(ctx, split, start, scorer, self.prompts[split].texts, self.by_id[split], record,
+        tasks = resample.base(split)
+        return RLRolloutPipe(ctx, split, start, scorer, self.prompts[tasks].texts, self.by_id[tasks], record,
                              prompts_per_request=self.prompts_per_request(sampling["n"]))
 
     def prompts_per_request(self, samples: int) -> int:
