@@ -47,8 +47,17 @@ def _flags(data, log_path, *, num_nodes=3, weights="2,1,1", rl_phase="both", ext
 
 
 def _local(flags, timeout=240, env=None):
-    return subprocess.run([sys.executable, "-m", "orchestrator", "local", *flags], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    """`orchestrator local` to its end; past ``timeout`` every process it started is killed
+    (its ranks and their engines and trainers too), then the timeout is raised."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "local", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _sha(path):
