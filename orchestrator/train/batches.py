@@ -78,10 +78,10 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
         _check_behaviour_logprobs(records, config.engine_logprobs_needed)
     shaping = grpo.Shaping(config.overlong, config.max_tokens, config.overlong_buffer)
     completions = [grpo.encode_record(policy.tokenizer, r, config.advantage, shaping) for r in records]
-    masked = config.overlong == "mask"
+    masked = any(not c.trained or c.loss_mask is not None for group in completions for c in group)
     lengths = plan.Lengths(rows=[[len(c.prompt_ids) + len(c.completion_ids) for c in group] for group in completions],
                            completions=[[len(c.completion_ids) for c in group] for group in completions],
-                           trained=[[c.trained for c in group] for group in completions] if masked else None)
+                           trained=[[c.trained_tokens() for c in group] for group in completions] if masked else None)
     batches = Batches(completions, policy.pad_id, config.loss_agg)
     passes = plan.logprob_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, budget=config.micro_batch_tokens)
     if config.old_logprobs == "engine":  # the engine's: no forward pass
@@ -132,6 +132,9 @@ def _importance_weights(batches: Batches, config: TrainConfig, device) -> tuple[
     for key, old in batches.old.items():
         behaviour = _engine_logprobs(batches, key, old.device).to(old.dtype)
         weights[key], ratio = grpo.is_weights(old, behaviour, mode=config.is_correction, cap=config.is_cap)
+        mask = batches.completions[key[0]][key[1]].loss_mask
+        if mask is not None:  # an observation's tokens were not sampled: no ratio of theirs counts
+            ratio = ratio[torch.tensor(mask, dtype=torch.bool, device=ratio.device)]
         if ratio.numel():
             sums += torch.stack([ratio.double().sum(), torch.tensor(float(ratio.numel()), dtype=torch.float64, device=device),
                                  (ratio > config.is_cap).double().sum()])

@@ -14,6 +14,10 @@ itself, so that the PPO ratio compares like with like; the engine's ``logprobs``
 ``token_ids`` entry, the log-prob of each sampled token under the policy that sampled it) are
 read for the importance-sampling correction (``is_weights``), and ignored without it.
 
+A multi-turn sample (one that an environment answered between turns) carries ``loss_mask``, one 0 or 1 per
+``token_ids`` entry: its ids are every turn's sampled ids and, between them, the ids of the
+environment's observations, which are context, not trained (0); its ``logprobs`` hold 0.0 there.
+
 Token layout of one sample: the trainer trains on the ids the engine sampled, never on the
 text re-tokenized (a BPE tokenizer can tokenize a sampled text differently, which would
 silently break the importance ratio): ``prompt_token_ids``, then the sample's ``token_ids``,
@@ -54,6 +58,9 @@ class Sample:
     """The ids the engine sampled; None in a record written without them."""
     logprobs: tuple[float, ...] | None = None
     """The engine's log-prob of each of ``token_ids``; None when the record has none that fit."""
+    loss_mask: tuple[int, ...] | None = None
+    """Per id of ``token_ids``: 1 where the engine sampled it (trained), 0 where it is context
+    the rollout put there (an environment's observation in a multi-turn sample); None: all 1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +88,16 @@ def _logprobs(value, ids: tuple[int, ...] | None) -> tuple[float, ...] | None:
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value):
         return None
     return tuple(float(x) for x in value)
+
+
+def _loss_mask(value, ids: tuple[int, ...] | None, i: int) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if ids is None:
+        raise ValueError(f"samples[{i}].loss_mask needs the sample's token_ids (and the record's prompt_token_ids)")
+    if not isinstance(value, list) or len(value) != len(ids) or not all(m in (0, 1) and not isinstance(m, bool) for m in value):
+        raise ValueError(f"samples[{i}].loss_mask must be a list of 0 and 1, one per token id ({len(ids)})")
+    return None if all(value) else tuple(value)
 
 
 def parse_record(obj: object) -> Record:
@@ -112,7 +129,8 @@ def parse_record(obj: object) -> Record:
             if s.get("token_ids") is None:
                 raise ValueError(f"samples[{i}].token_ids is missing, but the record has prompt_token_ids")
             ids = _token_ids(s["token_ids"], f"samples[{i}].token_ids")
-        samples.append(Sample(s["text"], float(reward), s["finish_reason"], ids, _logprobs(s.get("logprobs"), ids)))
+        samples.append(Sample(s["text"], float(reward), s["finish_reason"], ids, _logprobs(s.get("logprobs"), ids),
+                              _loss_mask(s.get("loss_mask"), ids, i)))
     return Record(obj["task_id"], obj["prompt"], tuple(samples), prompt_ids)
 
 
@@ -198,6 +216,14 @@ class Completion:
     trained: bool = True
     """False: the sample's tokens are in the batch (the group's advantage counts it) but out
     of the loss (``rl.overlong=mask`` on a completion cut at ``rl.max_tokens``)."""
+    loss_mask: tuple[int, ...] | None = None
+    """Per completion token, whether it is in the loss (``Sample.loss_mask``); None: all are."""
+
+    def trained_tokens(self) -> int:
+        """How many of its tokens the loss counts."""
+        if not self.trained:
+            return 0
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +251,8 @@ def encode_record(tokenizer, record: Record, advantage: str = "grpo", shaping: S
     if shaping.overlong == "penalty":
         rewards = [r + overlong_penalty(len(i), max_tokens=shaping.max_tokens, buffer=shaping.buffer) for r, i in zip(rewards, ids)]
     advantages = group_advantages(rewards, advantage)
-    return [Completion(prompt, i, a, s.logprobs, trained=not (shaping.overlong == "mask" and s.finish_reason == "length"))
+    return [Completion(prompt, i, a, s.logprobs, trained=not (shaping.overlong == "mask" and s.finish_reason == "length"),
+                       loss_mask=s.loss_mask)
             for s, i, a in zip(record.samples, ids, advantages)]
 
 
@@ -241,6 +268,8 @@ class Batch:
     lengths: "torch.Tensor"  # [B] long: each row's completion tokens
     scale: "torch.Tensor | None" = None
     """[N] float32, each token's factor in the loss's sum (:func:`token_scale`); None: all 1."""
+    mask: "torch.Tensor | None" = None
+    """[N] float32, 1 for a token in the loss and 0 for one out of it; None: all are in."""
 
     @property
     def num_tokens(self) -> int:
@@ -248,7 +277,19 @@ class Batch:
 
     def to(self, device) -> "Batch":
         return Batch(*(None if t is None else t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask,
-                                                                      self.advantages, self.lengths, self.scale)))
+                                                                      self.advantages, self.lengths, self.scale, self.mask)))
+
+
+def token_mask(completions: Sequence[Completion]) -> list[float] | None:
+    """Per completion token, 1 when the loss counts it and 0 when not (an untrained sample, an
+    observation's token); None when the loss counts every token."""
+    if all(c.trained and c.loss_mask is None for c in completions):
+        return None
+    out: list[float] = []
+    for c in completions:
+        out.extend(([0.0] * len(c.completion_ids)) if not c.trained else
+                   ([1.0] * len(c.completion_ids)) if c.loss_mask is None else [float(m) for m in c.loss_mask])
+    return out
 
 
 def token_scale(completions: Sequence[Completion], loss_agg: str) -> list[float] | None:
@@ -261,16 +302,22 @@ def token_scale(completions: Sequence[Completion], loss_agg: str) -> list[float]
     - ``seq_mean_token_mean``: ``1 / length``, the mean of each sequence's token mean (the
       original GRPO and GSPO aggregation: every sequence weighs the same).
 
-    A token of an untrained sample (``Completion.trained``) has 0. None when every factor is 1.
+    A token out of the loss (:func:`token_mask`) has 0, and a sequence's length counts only
+    its tokens in the loss. None when every factor is 1.
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}, got {loss_agg!r}")
-    if loss_agg != "seq_mean_token_mean" and all(c.trained for c in completions):
-        return None
-    out = []
+    mask = token_mask(completions)
+    if loss_agg != "seq_mean_token_mean":
+        return mask
+    out: list[float] = []
+    start = 0
     for c in completions:
         n = len(c.completion_ids)
-        out.extend([(1.0 / n if loss_agg == "seq_mean_token_mean" else 1.0) if c.trained else 0.0] * n)
+        own = [1.0] * n if mask is None else mask[start : start + n]
+        start += n
+        trained = sum(own)
+        out.extend(m / trained if trained else 0.0 for m in own)
     return out
 
 
@@ -291,9 +338,10 @@ def collate(completions: Sequence[Completion], pad_id: int, loss_agg: str = "tok
         target_mask[i, len(c.prompt_ids) - 1 : len(row) - 1] = True
         advantages.extend([c.advantage] * len(c.completion_ids))
     lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.long)
-    scale = token_scale(completions, loss_agg)
+    scale, mask = token_scale(completions, loss_agg), token_mask(completions)
     return Batch(input_ids, attention_mask, target_mask, torch.tensor(advantages, dtype=torch.float32), lengths,
-                 None if scale is None else torch.tensor(scale, dtype=torch.float32))
+                 None if scale is None else torch.tensor(scale, dtype=torch.float32),
+                 None if mask is None else torch.tensor(mask, dtype=torch.float32))
 
 
 # --- log-probs and loss --------------------------------------------------------------------
@@ -324,7 +372,7 @@ MAX_LOG_RATIO = 10.0
 """The sequence-level log-ratio is capped here (as verl's GSPO does), so that exp stays finite."""
 
 
-def log_ratio(logprobs, old_logprobs, *, level: str = "token", lengths=None):
+def log_ratio(logprobs, old_logprobs, *, level: str = "token", lengths=None, mask=None):
     """Per token, the log of the PPO ratio the clip applies to.
 
     - ``token``: ``new - old`` of the token (PPO, GRPO).
@@ -332,7 +380,8 @@ def log_ratio(logprobs, old_logprobs, *, level: str = "token", lengths=None):
       ``log s = mean over the sequence of (new - old)``, the same on each of its tokens, in
       its per-token form ``new - sg(new) + sg(log s)``: the value is ``log s`` and the
       gradient of a token that of its own log-prob, weighed by ``s``. ``lengths``: each
-      sequence's tokens, in the flat tensors' order (module docstring); capped at
+      sequence's tokens, in the flat tensors' order (module docstring); ``mask``: 1 for
+      the tokens the mean takes (those in the loss), or None for all; capped at
       ``MAX_LOG_RATIO``.
     """
     import torch
@@ -343,7 +392,9 @@ def log_ratio(logprobs, old_logprobs, *, level: str = "token", lengths=None):
         raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}, got {level!r}")
     d = (logprobs - old_logprobs).detach()
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=d.device), lengths.to(d.device))
-    means = torch.zeros(len(lengths), dtype=d.dtype, device=d.device).index_add_(0, seq, d) / lengths.clamp(min=1).to(d.dtype)
+    weight = torch.ones_like(d) if mask is None else mask.to(d)
+    counted = torch.zeros(len(lengths), dtype=d.dtype, device=d.device).index_add_(0, seq, weight)
+    means = torch.zeros(len(lengths), dtype=d.dtype, device=d.device).index_add_(0, seq, d * weight) / counted.clamp(min=1)
     return (logprobs - logprobs.detach() + means[seq]).clamp(max=MAX_LOG_RATIO)
 
 
@@ -418,14 +469,15 @@ class LossParts:
 def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: float = 0.0, ref_logprobs=None,
               normalizer: float | None = None, weights=None, clip_eps_high: float | None = None,
               kl_estimator: str = "k3", ratio_level: str = "token", lengths=None, scale=None,
-              loss_agg: str = "token_mean") -> LossParts:
+              loss_agg: str = "token_mean", mask=None) -> LossParts:
     """The loss ``-weights * surrogate + kl_coef * kl``, per token, aggregated by ``loss_agg``.
 
     ``weights``: per-token importance weights (:func:`is_weights`), or None.
     ``clip_eps_high``: the upper clip (default ``clip_eps``); ``kl_estimator``: k1, k2 or k3;
     ``ratio_level``: token or sequence (:func:`log_ratio`, which needs ``lengths``: each
     sequence's tokens, as ``Batch.lengths``). ``scale``: each token's factor in the sum
-    (:func:`token_scale`; None: 1). The sum is divided by ``normalizer`` when given (a
+    (:func:`token_scale`; None: 1); ``mask``: which tokens are in the loss, for the
+    sequence ratio's mean (:func:`token_mask`). The sum is divided by ``normalizer`` when given (a
     micro-batch's share of a larger batch, in tokens or sequences as ``loss_agg`` counts),
     else by this batch's tokens (``token_mean``) or sequences (the others).
 
@@ -435,7 +487,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: f
     """
     import torch
 
-    ratio = log_ratio(logprobs, old_logprobs, level=ratio_level, lengths=lengths).exp()
+    ratio = log_ratio(logprobs, old_logprobs, level=ratio_level, lengths=lengths, mask=mask).exp()
     per_token = -surrogate(ratio, advantages, clip_eps, clip_eps_high)
     if weights is not None:
         per_token = per_token * weights
@@ -452,5 +504,6 @@ def grpo_loss(logprobs, old_logprobs, advantages, *, clip_eps: float, kl_coef: f
         clipped = (ratio < 1 - clip_eps) | (ratio > 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
         clip_fraction = clipped.float().mean().item() if n else 0.0
     if normalizer is None:
-        normalizer = max(n if loss_agg == "token_mean" else len(lengths), 1)
+        counted = n if mask is None else int(mask.sum().item())
+        normalizer = max(counted if loss_agg == "token_mean" else len(lengths), 1)
     return LossParts(per_token.sum() / normalizer, kl, clip_fraction, n)

@@ -41,8 +41,10 @@ class Lengths:
 
     rows: list[list[int]]
     completions: list[list[int]]
-    trained: list[list[bool]] | None = None
-    """Per record, per sample: whether it is in the loss (None: all are)."""
+    trained: list[list[int]] | None = None
+    """Per record, per sample: its tokens in the loss (fewer than its completion's when some
+    are out of it: rl.overlong=mask, an observation's tokens); a sample with none does not
+    count. None: every token of every sample."""
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -52,8 +54,7 @@ class Lengths:
         """The record's (completion tokens, samples) in the loss's normaliser."""
         if self.trained is None:
             return sum(self.completions[record]), len(self.completions[record])
-        pairs = [c for c, t in zip(self.completions[record], self.trained[record]) if t]
-        return sum(pairs), len(pairs)
+        return sum(self.trained[record]), sum(1 for t in self.trained[record] if t)
 
 
 @dataclass(frozen=True, slots=True)

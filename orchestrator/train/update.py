@@ -162,7 +162,7 @@ def _micro_batch_loss(config: TrainConfig, batches: Batches, keys: list[plan.Key
     return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=low, clip_eps_high=high, kl_coef=config.kl_coef,
                           ref_logprobs=ref_lp, normalizer=normalizer, weights=weights, kl_estimator=config.kl_estimator,
                           ratio_level=config.ratio_level, lengths=batch.lengths, scale=batch.scale,
-                          loss_agg=config.loss_agg), (entropy if keys else entropy[:0])
+                          loss_agg=config.loss_agg, mask=batch.mask), (entropy if keys else entropy[:0])
 
 
 def _over_all_workers(sums) -> tuple[float, float, float, float, int]:

@@ -250,19 +250,39 @@ def _with_cut_samples(work: Path) -> Path:
     return path
 
 
+def _with_observations(work: Path) -> Path:
+    """The aggregate with engine log-probs, as multi-turn samples: in each completion of 3
+    tokens or more, the second is an environment's observation (loss_mask 0, log-prob 0.0)."""
+    path = work / "agg-turns.jsonl"
+    if not path.exists():
+        lines = []
+        for line in _with_engine_logprobs(work).read_text().splitlines():
+            record = json.loads(line)
+            for s in record["samples"]:
+                if len(s["token_ids"]) >= 3:
+                    s["loss_mask"] = [0 if i == 1 else 1 for i in range(len(s["token_ids"]))]
+                    s["logprobs"][1] = 0.0
+            lines.append(json.dumps(record))
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 OPTIONS = {
     "rloo-k2-clip-higher": {"advantage": "rloo", "kl_estimator": "k2", "clip_eps_high": 0.28},
     "dr-grpo-k1-engine-old": {"advantage": "dr_grpo", "kl_estimator": "k1", "old_logprobs": "engine"},
     "seq-sum-mask-filter": {"loss_agg": "seq_mean_token_sum", "overlong": "mask", "filter_groups": True, "max_tokens": 4},
     "gspo-seq-mean-penalty": {"ratio_level": "sequence", "loss_agg": "seq_mean_token_mean", "clip_eps_low": 0.003, "clip_eps_high": 0.004,
                               "overlong": "penalty", "max_tokens": 4, "overlong_buffer": 2},
+    "multi-turn-gspo-tis": {"ratio_level": "sequence", "loss_agg": "seq_mean_token_mean", "is_correction": "tis"},
 }
 UNREPORTED = ("clip_eps_low", "clip_eps_high", "max_tokens")  # "clip" says the first two
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_each_update_option_gives_the_same_update_at_any_worker_count(work, trained, ddp_two, name):
-    options = {**OPTIONS[name], "data": str(_with_cut_samples(work) if "overlong" in OPTIONS[name] else _with_engine_logprobs(work))}
+    data = _with_cut_samples(work) if "overlong" in OPTIONS[name] else _with_observations(work) if "multi-turn" in name else \
+        _with_engine_logprobs(work)
+    options = {**OPTIONS[name], "data": str(data)}
     two = trained(f"{name}-ddp-2", 2, strategy="ddp", **options)
     three = trained(f"{name}-fsdp-3-24", 3, strategy="fsdp", micro_batch_tokens=24, **options)
     stats = json.loads((two / "train_stats.json").read_text())

@@ -441,3 +441,49 @@ def test_a_group_is_informative_when_its_rewards_vary():
     flat = grpo.parse_record({"task_id": "t", "prompt": "p", "samples": [
         {"text": "a", "reward": 1.0, "finish_reason": "stop"}, {"text": "b", "reward": 1.0, "finish_reason": "stop"}]})
     assert not grpo.informative(flat)
+
+
+# --- multi-turn samples: observation tokens in the context, out of the loss ------------------
+
+
+def test_a_multi_turn_sample_trains_on_exactly_its_sampled_ids_and_masks_the_observation():
+    """Turn 1 sampled "4" "2" (ids 2, 3: "42" would re-tokenize as the merged id 4), the
+    environment answered "+" (id 5, context only), turn 2 sampled "1" and EOS (7, 1)."""
+    tokenizer = _merging_bpe()
+    ids, mask = [2, 3, 5, 7, 1], [1, 1, 0, 1, 1]
+    assert tokenizer("42+1", add_special_tokens=False)["input_ids"] != ids[:4], "the text re-tokenizes into other ids"
+    line = {"task_id": "t", "prompt": "41+1=", "prompt_token_ids": [0, 2, 7, 5, 7, 6], "answer": "42",
+            "samples": [{"text": "42+1", "token_ids": ids, "loss_mask": mask, "logprobs": [-0.5, -0.2, 0.0, -0.1, -0.3],
+                         "reward": 1.0, "finish_reason": "stop"},
+                        {"text": "1", "token_ids": [7, 1], "reward": 0.0, "finish_reason": "stop"}]}
+    record = grpo.parse_record(json.loads(json.dumps(line)))
+    multi, single = grpo.encode_record(tokenizer, record)
+    assert multi.completion_ids == tuple(ids) and multi.loss_mask == tuple(mask) and multi.trained_tokens() == 4
+    batch = grpo.collate([multi, single], pad_id=1)
+    assert batch.input_ids[:, 1:][batch.target_mask].tolist() == ids + [7, 1], "the targets are the sampled ids and the observation's"
+    assert batch.mask.tolist() == [1, 1, 0, 1, 1, 1, 1] and batch.scale.tolist() == batch.mask.tolist()
+    # The loss and its gradient come from the sampled tokens only: at ratio 1 each token's loss
+    # is -A, and the observation's token has no gradient.
+    lp = torch.tensor([-0.5, -0.2, -3.0, -0.1, -0.3, -0.4, -0.6], requires_grad=True)
+    parts = grpo.grpo_loss(lp, lp.detach(), batch.advantages, clip_eps=0.2, scale=batch.scale, mask=batch.mask, lengths=batch.lengths)
+    a, b = batch.advantages[0].item(), batch.advantages[-1].item()
+    assert parts.loss.item() == pytest.approx(-(4 * a + 2 * b) / 6)  # 6 tokens in the loss, not 7
+    parts.loss.backward()
+    assert lp.grad[2].item() == 0.0 and all(g != 0 for i, g in enumerate(lp.grad.tolist()) if i != 2)
+    # The sequence ratio is the mean over the sampled tokens only.
+    new = torch.tensor([0.3, 0.3, 9.0, 0.3, 0.3, 0.0, 0.0])
+    assert grpo.log_ratio(new, torch.zeros(7), level="sequence", lengths=batch.lengths, mask=batch.mask)[:5].tolist() == pytest.approx([0.3] * 5)
+    # Per sequence, seq_mean_token_mean divides by the tokens in the loss.
+    assert grpo.token_scale([multi, single], "seq_mean_token_mean") == pytest.approx([0.25, 0.25, 0.0, 0.25, 0.25, 0.5, 0.5])
+
+
+@pytest.mark.parametrize("mask, complaint", [
+    ([1, 0], "loss_mask must be a list of 0 and 1, one per token id (3)"),
+    ([1, 2, 1], "loss_mask must be a list of 0 and 1"),
+    ([True, False, True], "loss_mask must be a list of 0 and 1"),
+])
+def test_a_bad_loss_mask_is_refused(mask, complaint):
+    line = {"task_id": "t", "prompt": "4", "prompt_token_ids": [0, 2],
+            "samples": [{"text": "4", "token_ids": [2, 5, 1], "loss_mask": mask, "reward": 1, "finish_reason": "stop"}]}
+    with pytest.raises(ValueError, match=re.escape(complaint)):
+        grpo.parse_record(line)
