@@ -234,37 +234,30 @@ def test_importance_correction_without_the_engines_logprobs_is_bad_input_naming_
     assert "record t0 sample 0" in result.stderr and "rl.is_correction=none" in result.stderr
 
 
-def _with_cut_samples(work: Path) -> Path:
-    """The aggregate with engine log-probs, its completions of 4 tokens or more cut at the
-    length limit (finish_reason "length", no EOS), so that rl.overlong has samples to act on."""
-    path = work / "agg-cut.jsonl"
+def _derived(work: Path, name: str, change) -> Path:
+    """The aggregate with engine log-probs, each sample passed through ``change`` (in place)."""
+    path = work / name
     if not path.exists():
-        lines = []
-        for line in _with_engine_logprobs(work).read_text().splitlines():
-            record = json.loads(line)
-            for s in record["samples"]:
-                if len(s["token_ids"]) >= 4:
-                    s.update(finish_reason="length", token_ids=s["token_ids"][:-1], logprobs=s["logprobs"][:-1])
-            lines.append(json.dumps(record))
-        path.write_text("\n".join(lines) + "\n")
+        records = [json.loads(line) for line in _with_engine_logprobs(work).read_text().splitlines()]
+        for record in records:
+            for sample in record["samples"]:
+                change(sample)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
-def _with_observations(work: Path) -> Path:
-    """The aggregate with engine log-probs, as multi-turn samples: in each completion of 3
-    tokens or more, the second is an environment's observation (loss_mask 0, log-prob 0.0)."""
-    path = work / "agg-turns.jsonl"
-    if not path.exists():
-        lines = []
-        for line in _with_engine_logprobs(work).read_text().splitlines():
-            record = json.loads(line)
-            for s in record["samples"]:
-                if len(s["token_ids"]) >= 3:
-                    s["loss_mask"] = [0 if i == 1 else 1 for i in range(len(s["token_ids"]))]
-                    s["logprobs"][1] = 0.0
-            lines.append(json.dumps(record))
-        path.write_text("\n".join(lines) + "\n")
-    return path
+def _cut(sample: dict) -> None:
+    """A completion of 4 tokens or more cut at the length limit (finish_reason "length", no EOS)."""
+    if len(sample["token_ids"]) >= 4:
+        sample.update(finish_reason="length", token_ids=sample["token_ids"][:-1], logprobs=sample["logprobs"][:-1])
+
+
+def _observed(sample: dict) -> None:
+    """A multi-turn sample: of 3 tokens or more, the second is an environment's observation
+    (loss_mask 0, log-prob 0.0)."""
+    if len(sample["token_ids"]) >= 3:
+        sample["loss_mask"] = [0 if i == 1 else 1 for i in range(len(sample["token_ids"]))]
+        sample["logprobs"][1] = 0.0
 
 
 OPTIONS = {
@@ -280,8 +273,8 @@ UNREPORTED = ("clip_eps_low", "clip_eps_high", "max_tokens")  # "clip" says the 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_each_update_option_gives_the_same_update_at_any_worker_count(work, trained, ddp_two, name):
-    data = _with_cut_samples(work) if "overlong" in OPTIONS[name] else _with_observations(work) if "multi-turn" in name else \
-        _with_engine_logprobs(work)
+    data = _derived(work, "agg-cut.jsonl", _cut) if "overlong" in OPTIONS[name] else \
+        _derived(work, "agg-turns.jsonl", _observed) if "multi-turn" in name else _with_engine_logprobs(work)
     options = {**OPTIONS[name], "data": str(data)}
     two = trained(f"{name}-ddp-2", 2, strategy="ddp", **options)
     three = trained(f"{name}-fsdp-3-24", 3, strategy="fsdp", micro_batch_tokens=24, **options)
