@@ -53,6 +53,10 @@ class EmptyPrompt(PromptRejected):
     """The prompt has no token (a tokenizer without BOS, an empty string): nothing to continue."""
 
 
+class UnknownToken(PromptRejected):
+    """A token-id prompt holds an id past the model's vocabulary."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens reached
@@ -282,13 +286,19 @@ class Sampler:
             s = self._token_strings[token_id] = self.tokenizer.decode([token_id])
         return s
 
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt)["input_ids"]
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """A text prompt tokenized; a token-id prompt as it is (checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if any(t >= vocab for t in prompt):
+            raise UnknownToken(f"token id {max(prompt)} of the prompt is past the model's vocabulary of {vocab}")
+        return list(prompt)
 
-    def request(self, prompts: list[str], params: SamplingParams) -> Request:
-        """``prompts`` encoded, ready to join a batch. Raises PromptTooLong when a prompt plus
-        ``max_tokens`` exceeds the context length, EmptyPrompt when a prompt has no token,
-        ValueError when there is no prompt."""
+    def request(self, prompts: list[str | list[int]], params: SamplingParams) -> Request:
+        """``prompts`` (text, or token ids) encoded, ready to join a batch. Raises PromptTooLong
+        when a prompt plus ``max_tokens`` exceeds the context length, EmptyPrompt when a prompt
+        has no token, UnknownToken when an id is past the vocabulary, ValueError when there is no prompt."""
         import torch
 
         if not prompts:

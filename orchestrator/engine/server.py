@@ -15,7 +15,9 @@ port, and that line says which). From then on ``GET /health`` answers 200.
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (non-streaming),
 and ``GET /stats`` (this engine's own: the scheduler's counters, ``scheduler.Stats``). A request
 that cannot be served as asked gets a 400 rather than a silent approximation: unknown
-fields, ``stream``, ``echo`` and token-id prompts included. SIGTERM or SIGINT stops the
+fields, ``stream`` and ``echo`` included. A prompt is text, or token ids (a list of them for
+several prompts), continued as they are, as vLLM does: what a multi-turn rollout sends, so
+that nothing it sampled is tokenized again. SIGTERM or SIGINT stops the
 server and the process exits 0. One log line per request goes to stderr; a completion's
 line also gives ``batch_requests``: the most requests that decoded in one step with it,
 itself included.
@@ -83,9 +85,14 @@ class RequestRejected(Exception):
         self.kind = kind
 
 
+Prompt = str | list[int]
+"""A prompt as text, or as token ids the engine continues as they are (a multi-turn rollout's
+context: never re-tokenized)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    prompts: list[str]
+    prompts: list[Prompt]
     params: SamplingParams
     return_token_ids: bool
 
@@ -115,6 +122,23 @@ def _field(body: dict, name: str, default, check, expected: str, *, nullable: bo
     return value
 
 
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
+
+
+def _prompts(prompt) -> list[Prompt]:
+    """As OpenAI's and vLLM's completions API take them: a string, a list of strings, a list of
+    token ids (one prompt), or a list of such lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(_token_ids(p) for p in prompt)):
+        return prompt
+    raise RequestRejected("'prompt' must be a string, a list of strings, a list of token ids (non-negative integers), or a "
+                          f"non-empty list of such lists, got {json.dumps(prompt)[:200]}")
+
+
 def parse_completion_request(body, served_model_name: str) -> CompletionRequest:
     """The request's prompts and sampling settings; raises RequestRejected (400 or 404)."""
     if not isinstance(body, dict):
@@ -129,15 +153,7 @@ def parse_completion_request(body, served_model_name: str) -> CompletionRequest:
         raise RequestRejected(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "NotFoundError")
     if "prompt" not in body:
         raise RequestRejected("'prompt' is required")
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = prompt
-    else:
-        raise RequestRejected(
-            "'prompt' must be a string or a non-empty list of strings (token-id prompts are not supported)"
-        )
+    prompts = _prompts(body["prompt"])
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

@@ -173,6 +173,20 @@ def test_completions_without_logprobs_have_null_logprobs(engine):
 
 
 @pytest.mark.timeout(20)
+def test_a_token_id_prompt_is_continued_as_its_text_would_be(engine, reference):
+    """The ids of a text prompt, sent as ids (one prompt, or a list of them), give the same
+    completions with the same seed: a multi-turn rollout sends its context as ids."""
+    _, tokenizer = reference
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    as_text = _complete(engine, prompt=PROMPTS[:2], n=2, max_tokens=5, seed=7, logprobs=0, return_token_ids=True)
+    as_ids = _complete(engine, prompt=ids, n=2, max_tokens=5, seed=7, logprobs=0, return_token_ids=True)
+    for a, b in zip(as_text["choices"], as_ids["choices"]):
+        assert (a["prompt_token_ids"], a["token_ids"], a["text"]) == (b["prompt_token_ids"], b["token_ids"], b["text"])
+    one = _complete(engine, prompt=ids[0], max_tokens=5, seed=7, return_token_ids=True)
+    assert one["choices"][0]["prompt_token_ids"] == ids[0]
+
+
+@pytest.mark.timeout(20)
 @pytest.mark.parametrize(
     "body, says",
     [
@@ -181,7 +195,9 @@ def test_completions_without_logprobs_have_null_logprobs(engine):
         ({"prompt": "1+1=", "echo": True}, "unsupported field(s): echo"),
         ({"max_tokens": 4}, "'prompt' is required"),
         ({"prompt": []}, "'prompt' must be"),
-        ({"prompt": [[1, 5, 6]]}, "token-id prompts are not supported"),
+        ({"prompt": [[1, -5, 6]]}, "'prompt' must be"),
+        ({"prompt": ["1+1=", [1, 5]]}, "'prompt' must be"),
+        ({"prompt": [1, 5, 999999]}, "past the model's vocabulary"),
         ({"prompt": "1+1=", "n": 0}, "n must be at least 1"),
         ({"prompt": "1+1=", "n": 1.5}, "'n' must be an integer"),
         ({"prompt": "1+1=", "temperature": -0.5}, "temperature must be >= 0"),
