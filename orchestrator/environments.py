@@ -17,12 +17,11 @@ the opening message, one turn, scored.
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from orchestrator import rewards
+from orchestrator import plugins, rewards
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,35 +56,21 @@ class Environment(Protocol):
         """The answer to the model's turn."""
 
 
-def check_messages(messages: object, what: str) -> list[dict]:
-    """``messages`` when it is a non-empty list of chat messages; ValueError naming ``what`` else."""
-    if not isinstance(messages, list) or not messages or not all(_message(m) for m in messages):
-        raise ValueError(f"{what} must be a non-empty list of chat messages {{'role': str, 'content': str}}, got {messages!r:.200}")
-    return messages
+_SPEC = {"key": "rl.environment", "form": "Class", "example": "mypkg.envs:Calculator"}
 
 
 def parse(spec: str) -> tuple[str, str]:
     """(module, class) of ``module:Class``; ValueError when it is not of that form."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"rl.environment={spec!r} is not of the form module:Class (e.g. orchestrator.demo.tools:Calculator)")
-    return module_name, attr
+    return plugins.parse(spec, **_SPEC)
 
 
 def load(spec: str) -> type:
     """The environment class ``module:Class`` names; ValueError says what is wrong."""
-    module_name, attr = parse(spec)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"rl.environment={spec!r}: cannot import {module_name}: {e}") from None
-    cls = getattr(module, attr, None)
-    if not isinstance(cls, type):
-        raise ValueError(f"rl.environment={spec!r}: {module_name} has no class {attr}")
+    cls = plugins.resolve(spec, **_SPEC, noun="class", accept=lambda x: isinstance(x, type))
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if missing:
-        raise ValueError(f"rl.environment={spec!r}: {attr} has no {' and no '.join(missing)} method: an environment has "
-                         f"reset() -> list of messages and step(completion) -> Step")
+        raise ValueError(f"rl.environment={spec!r}: {cls.__name__} has no {' and no '.join(missing)} method: an environment "
+                         f"has reset() -> list of messages and step(completion) -> Step")
     return cls
 
 

@@ -7,11 +7,12 @@ docs/rl.md describes the contract."""
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import re
 from fractions import Fraction
 from typing import Callable
+
+from orchestrator import plugins
 
 Reward = Callable[[dict, str], float]
 
@@ -143,24 +144,17 @@ def _math_verify(reference: str, predicted: str) -> bool | None:
         return None
 
 
+_SPEC = {"key": "rl.reward", "form": "function", "example": "orchestrator.rewards:exact_match"}
+
+
 def parse(spec: str) -> tuple[str, str]:
     """(module, function) of ``module:function``; ValueError when it is not of that form."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"rl.reward={spec!r} is not of the form module:function (e.g. orchestrator.rewards:exact_match)")
-    return module_name, attr
+    return plugins.parse(spec, **_SPEC)
 
 
 def load(spec: str) -> Reward:
     """The reward function ``module:function`` names; ValueError says what is wrong."""
-    module_name, attr = parse(spec)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"rl.reward={spec!r}: cannot import {module_name}: {e}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"rl.reward={spec!r}: {module_name} has no function {attr}")
+    fn = plugins.resolve(spec, **_SPEC, noun="function", accept=callable)
     if fn is math:
         _math_verify_module()
     return fn

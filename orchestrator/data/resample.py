@@ -20,6 +20,8 @@ master's sealed copy of its records.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from orchestrator.data import shards, work
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import IterationLayout
@@ -34,6 +36,11 @@ def split_of(round_: int) -> str:
 
 def is_round(split: str) -> bool:
     return split.startswith(PREFIX) and split[len(PREFIX):].isdigit()
+
+
+def round_of(split: str) -> int:
+    """The round a train split is (0 for ``train``)."""
+    return int(split[len(PREFIX):]) if is_round(split) else 0
 
 
 def base(split: str) -> str:
@@ -112,10 +119,21 @@ def next_round_opens(it: IterationLayout, plan: dict, round_: int, ids_of) -> bo
     return found < plan[TRAIN]["total"]
 
 
-def opened(it: IterationLayout, plan: dict, ids_of) -> list[str]:
-    """The train splits the iteration rolled out, once its rollout is over (every round decided)."""
-    splits = planned(plan)
-    k = 0
-    while next_round_opens(it, plan, k, ids_of):
-        k += 1
-    return splits[: k + 1]
+@dataclass(frozen=True, slots=True)
+class Rounds:
+    splits: list[str]
+    """The train splits the iteration rolled out: ``train``, then the resample rounds it opened."""
+    informative: int
+    """Their informative groups."""
+
+
+def opened(it: IterationLayout, plan: dict, ids_of) -> Rounds:
+    """What the iteration rolled out, once its rollout is over (every round decided): the same
+    rule as :func:`next_round_opens`, each round counted once."""
+    splits, found = planned(plan), 0
+    for k, split in enumerate(splits):
+        count = informative_count(it, split, plan[split], ids_of(split))
+        found += count or 0
+        if count is None or found >= plan[TRAIN]["total"] or k + 1 == len(splits):
+            return Rounds(splits[: k + 1], found)
+    raise AssertionError("planned() always holds the train split")

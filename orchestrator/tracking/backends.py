@@ -32,10 +32,10 @@ class TensorBoard:
 
     name = "tensorboard"
 
-    def __init__(self, directory: Path, run_name: str, config: dict, ids: dict):
+    def __init__(self, root: Path, run_name: str, project: str, config: dict, ids: dict):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        self.directory = directory
+        directory = root / "tensorboard"
         self.where = str(directory)
         self.logged, has_config = tensorboard_logged(directory)
         self.writer = SummaryWriter(log_dir=str(directory))
@@ -90,17 +90,17 @@ class Wandb:
 
     name = "wandb"
 
-    def __init__(self, directory: Path, run_name: str, config: dict, ids: dict, project: str):
+    def __init__(self, root: Path, run_name: str, project: str, config: dict, ids: dict):
         import wandb
 
         self.mode = _wandb_mode()
         run_id = ids.get("wandb") or uuid.uuid4().hex[:12]
         ids["wandb"] = run_id
-        directory.mkdir(parents=True, exist_ok=True)
-        self.logged = wandb_logged(directory / "wandb", run_id)
-        self.run = wandb.init(project=project, name=run_name, id=run_id, dir=str(directory), mode=self.mode, resume="allow",
+        root.mkdir(parents=True, exist_ok=True)
+        self.logged = wandb_logged(root / "wandb", run_id)  # wandb writes under <dir>/wandb/
+        self.run = wandb.init(project=project, name=run_name, id=run_id, dir=str(root), mode=self.mode, resume="allow",
                               config=config, settings=wandb.Settings(console="off", silent=True))
-        self.where = f"{directory / 'wandb'} ({self.mode}, run id {run_id})"
+        self.where = f"{root / 'wandb'} ({self.mode}, run id {run_id})"
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -143,10 +143,10 @@ class MLflow:
 
     name = "mlflow"
 
-    def __init__(self, directory: Path, run_name: str, config: dict, ids: dict, project: str):
+    def __init__(self, root: Path, run_name: str, project: str, config: dict, ids: dict):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
-            uri = directory.as_uri()
+            uri = (root / "mlflow").as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
@@ -201,12 +201,10 @@ def _flat(config: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+BACKENDS = {backend.name: backend for backend in (TensorBoard, Wandb, MLflow)}
+
+
 def open_backend(name: str, root: Path, run_name: str, project: str, config: dict, ids: dict):
-    """The backend ``name``, opened; raises whatever its package raises."""
-    if name == "tensorboard":
-        return TensorBoard(root / "tensorboard", run_name, config, ids)
-    if name == "wandb":
-        return Wandb(root, run_name, config, ids, project)
-    if name == "mlflow":
-        return MLflow(root / "mlflow", run_name, config, ids, project)
-    raise ValueError(f"no tracking backend {name!r}")
+    """The backend ``name``, opened (or continued: ``ids`` holds the tracked runs' ids, and
+    gains a new run's) under ``root`` (``<log-path>/tracking``); raises whatever its package raises."""
+    return BACKENDS[name](root, run_name, project, config, ids)

@@ -81,7 +81,7 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
     masked = any(not c.trained or c.loss_mask is not None for group in completions for c in group)
     lengths = plan.Lengths(rows=[[len(c.prompt_ids) + len(c.completion_ids) for c in group] for group in completions],
                            completions=[[len(c.completion_ids) for c in group] for group in completions],
-                           trained=[[c.trained_tokens() for c in group] for group in completions] if masked else None)
+                           trained_tokens=[[c.trained_tokens() for c in group] for group in completions] if masked else None)
     batches = Batches(completions, policy.pad_id, config.loss_agg)
     passes = plan.logprob_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, budget=config.micro_batch_tokens)
     if config.old_logprobs == "engine":  # the engine's: no forward pass

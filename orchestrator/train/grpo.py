@@ -305,9 +305,13 @@ def token_scale(completions: Sequence[Completion], loss_agg: str) -> list[float]
     A token out of the loss (:func:`token_mask`) has 0, and a sequence's length counts only
     its tokens in the loss. None when every factor is 1.
     """
+    return _scale(completions, loss_agg, token_mask(completions))
+
+
+def _scale(completions: Sequence[Completion], loss_agg: str, mask: list[float] | None) -> list[float] | None:
+    """:func:`token_scale`, given the completions' :func:`token_mask`."""
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}, got {loss_agg!r}")
-    mask = token_mask(completions)
     if loss_agg != "seq_mean_token_mean":
         return mask
     out: list[float] = []
@@ -338,7 +342,8 @@ def collate(completions: Sequence[Completion], pad_id: int, loss_agg: str = "tok
         target_mask[i, len(c.prompt_ids) - 1 : len(row) - 1] = True
         advantages.extend([c.advantage] * len(c.completion_ids))
     lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.long)
-    scale, mask = token_scale(completions, loss_agg), token_mask(completions)
+    mask = token_mask(completions)
+    scale = _scale(completions, loss_agg, mask)
     return Batch(input_ids, attention_mask, target_mask, torch.tensor(advantages, dtype=torch.float32), lengths,
                  None if scale is None else torch.tensor(scale, dtype=torch.float32),
                  None if mask is None else torch.tensor(mask, dtype=torch.float32))
@@ -363,9 +368,12 @@ def completion_logprobs(model, batch: Batch, *, entropy: bool = False):
     chosen = logp.gather(-1, targets[:, None]).squeeze(-1)
     if not entropy:
         return chosen
-    with torch.no_grad():
-        return chosen, -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():  # a slice of rows at a time: at most ENTROPY_ROWS x vocab more floats than the forward holds
+        return chosen, torch.cat([-(rows.exp() * rows).sum(-1) for rows in logp.detach().split(ENTROPY_ROWS)] or [logp.new_zeros(0)])
 
+
+ENTROPY_ROWS = 1024
+"""Rows of log-probs the entropy takes at a time (completion_logprobs)."""
 
 RATIO_LEVELS = ("token", "sequence")
 MAX_LOG_RATIO = 10.0

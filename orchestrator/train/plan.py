@@ -11,7 +11,7 @@ The update does not depend on how many train workers there are, nor on the budge
   tokens (``rl.loss_agg=token_mean``) or its sequences (the others): each worker sums its
   tokens' losses, scaled (grpo.token_scale), and divides by ``step_tokens / world_size`` or
   ``step_samples / world_size``, so that the gradient mean DDP and FSDP take over the
-  workers is that mean. Samples out of the loss (``Lengths.trained``) count in neither.
+  workers is that mean. Samples out of the loss (``Lengths.trained_tokens``) count in neither.
 - A worker packs its samples of a step, in order, into micro-batches whose padded size
   (rows x longest row) stays within ``micro_batch_tokens`` (0: one micro-batch); a single
   sample longer than the budget is a micro-batch of its own.
@@ -41,7 +41,7 @@ class Lengths:
 
     rows: list[list[int]]
     completions: list[list[int]]
-    trained: list[list[int]] | None = None
+    trained_tokens: list[list[int]] | None = None
     """Per record, per sample: its tokens in the loss (fewer than its completion's when some
     are out of it: rl.overlong=mask, an observation's tokens); a sample with none does not
     count. None: every token of every sample."""
@@ -52,9 +52,9 @@ class Lengths:
 
     def counted(self, record: int) -> tuple[int, int]:
         """The record's (completion tokens, samples) in the loss's normaliser."""
-        if self.trained is None:
+        if self.trained_tokens is None:
             return sum(self.completions[record]), len(self.completions[record])
-        return sum(self.trained[record]), sum(1 for t in self.trained[record] if t)
+        return sum(self.trained_tokens[record]), sum(1 for t in self.trained_tokens[record] if t)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[2] / "orchestrator"
 
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS = [
-    {"orchestrator", "orchestrator.defaults", "orchestrator.errors", "orchestrator.phase_table", "orchestrator.records", "orchestrator.rewards", "orchestrator.environments", "orchestrator.terminal"},
+    {"orchestrator", "orchestrator.defaults", "orchestrator.errors", "orchestrator.phase_table", "orchestrator.records", "orchestrator.rewards", "orchestrator.environments", "orchestrator.plugins", "orchestrator.terminal"},
     {"orchestrator.node"},
     {"orchestrator.config"},
     {"orchestrator.protocol"},

@@ -86,7 +86,7 @@ def test_no_records_is_an_error():
 
 
 def test_the_normaliser_counts_the_trained_tokens_or_sequences_of_the_whole_step():
-    lengths = plan.Lengths(rows=[[5, 7], [4]], completions=[[2, 4], [1]], trained=[[2, 0], [1]])
+    lengths = plan.Lengths(rows=[[5, 7], [4]], completions=[[2, 4], [1]], trained_tokens=[[2, 0], [1]])
     assert lengths.counted(0) == (2, 1) and lengths.counted(1) == (1, 1)
     for world in (1, 2):
         steps = [plan.update_plan(lengths, world_size=world, rank=r, batch_records=2, budget=0, seed=0, epochs=1)[0][0]

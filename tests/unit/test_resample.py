@@ -50,11 +50,11 @@ def test_the_next_round_opens_only_once_every_chunk_is_finished_and_too_few_grou
     _finish(it, "train", 1, informative=2)
     assert resample.informative_count(it, "train", plan["train"], IDS["train"]) == 3
     assert resample.next_round_opens(it, plan, 0, IDS.get) is True  # 3 of the 4 wanted
-    assert resample.opened(it, plan, IDS.get) == ["train", "train-r1"]
+    assert resample.opened(it, plan, IDS.get).splits == ["train", "train-r1"]
     _finish(it, "train-r1", 0, informative=0)
     _finish(it, "train-r1", 1, informative=2)
     assert resample.next_round_opens(it, plan, 1, IDS.get) is False  # no round 2 planned
-    assert resample.opened(it, plan, IDS.get) == ["train", "train-r1"]
+    assert resample.opened(it, plan, IDS.get).splits == ["train", "train-r1"]
 
 
 def test_enough_informative_groups_in_the_first_round_open_no_other(tmp_path):
@@ -62,7 +62,7 @@ def test_enough_informative_groups_in_the_first_round_open_no_other(tmp_path):
     _finish(it, "train", 0, informative=2)
     _finish(it, "train", 1, informative=2)
     assert resample.next_round_opens(it, plan, 0, IDS.get) is False
-    assert resample.opened(it, plan, IDS.get) == ["train"]
+    assert resample.opened(it, plan, IDS.get).splits == ["train"]
 
 
 def test_an_adopted_ranks_chunks_count_from_the_masters_copy_of_its_records(tmp_path):

@@ -23,12 +23,6 @@ def _label(split: str, rank: int) -> str:
     return f"rank {rank}" if not resample.is_round(split) else f"rank {rank} ({split})"
 
 
-def _parts(ctx: PhaseContext, split: str) -> list[str]:
-    """The splits whose shards make ``split``'s aggregate: the train split and the resample
-    rounds it opened (rl.filter_groups), or the split alone."""
-    return rollout.opened_train_splits(ctx) if split == "train" else [split]
-
-
 def wait_for_seals(ctx: PhaseContext, split: str, sources: list[tuple[str, object]]) -> dict[str, shards.Manifest]:
     """Every rank's seal of ``split``, as its arrival announced it. A manifest is a new file:
     on a network filesystem it can show up on the master's mount later than the arrival (a
@@ -61,23 +55,26 @@ def verify_seals(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     if not ctx.plan["train"]["enabled"]:
         return {}
     sealed = {}
-    for part in _parts(ctx, "train"):
+    for part in rollout.train_rounds(ctx).splits:
         adopt_late(ctx, part)
         owner = work.owners(ctx.it, part, work.all_chunks(ctx.it, part, ctx.plan[part]))
         sealed |= {label: m.count for label, m in wait_for_seals(ctx, part, _sources(ctx, part, owner)).items()}
     return {"sealed": sealed}
 
 
-def merge_split(ctx: PhaseContext, split: str) -> shards.Manifest:
-    """The split's aggregate: reused if sealed, else merged and checked against the plan. The
-    train aggregate holds the records of every resample round the iteration opened, round
-    after round, each in its plan's order."""
+def merge_split(ctx: PhaseContext, split: str, parts: list[str] | None = None) -> shards.Manifest:
+    """The split's aggregate: reused if sealed, else merged and checked against the plan.
+    ``parts``: the splits whose shards it is made of, round after round, each in its plan's
+    order (the train split: its resample rounds too, rl.filter_groups); None: the split alone,
+    or for ``train`` the rounds the iteration opened."""
     dest = ctx.it.aggregate(split)
     existing = shards.sealed(dest)
     if existing is not None and not existing.extra.get("partial"):
         return existing  # a salvaged partial one is replaced by the full merge
+    if parts is None:
+        parts = rollout.train_rounds(ctx).splits if split == "train" else [split]
     sources, keepers, position, done, planned = [], {}, {}, None, 0
-    for part in _parts(ctx, split):
+    for part in parts:
         adopt_late(ctx, part)
         ids = ctx.workload.task_ids(part, ctx.iteration)[: ctx.plan[part]["total"]]
         chunks = work.all_chunks(ctx.it, part, ctx.plan[part])
@@ -146,7 +143,8 @@ def note_reward_errors(ctx: PhaseContext, split: str, m: shards.Manifest) -> Non
 def merge_train_shards(ctx: PhaseContext) -> None:
     if not ctx.plan["train"]["enabled"]:
         return
-    m = merge_split(ctx, "train")
+    rounds = rollout.train_rounds(ctx)
+    m = merge_split(ctx, "train", rounds.splits)
     trajectories = m.extra.get("trajectories", m.count)
     done = m.extra.get("work") or {}
     policies = m.extra.get("policy_iterations")
@@ -158,16 +156,14 @@ def merge_train_shards(ctx: PhaseContext) -> None:
     note_reward_errors(ctx, "train", m)
     ctx.log.info("aggregated %d train trajectories (%d tasks) of iteration %d", trajectories, m.count, ctx.iteration)
     if len(resample.planned(ctx.plan)) > 1:
-        note_resampling(ctx)
+        note_resampling(ctx, rounds)
 
 
-def note_resampling(ctx: PhaseContext) -> None:
+def note_resampling(ctx: PhaseContext, rounds: resample.Rounds) -> None:
     """rl.filter_groups: the rounds the iteration rolled out, the tasks they drew and how many
     of their groups are informative, into the summary (``resample``)."""
-    parts = _parts(ctx, "train")
-    counts = [resample.informative_count(ctx.it, part, ctx.plan[part], ctx.workload.task_ids(part, ctx.iteration)) for part in parts]
-    entry = {"rounds": len(parts) - 1, "tasks": sum(ctx.plan[part]["total"] for part in parts),
-             "informative": sum(c or 0 for c in counts), "wanted": ctx.plan["train"]["total"]}
+    entry = {"rounds": len(rounds.splits) - 1, "tasks": sum(ctx.plan[part]["total"] for part in rounds.splits),
+             "informative": rounds.informative, "wanted": ctx.plan["train"]["total"]}
     summary.update(ctx.layout, ctx.iteration, resample=entry)
     ctx.log.info("rl.filter_groups: %d informative groups of %d wanted, from %d tasks in %d resample round(s)", entry["informative"],
                  entry["wanted"], entry["tasks"], entry["rounds"])

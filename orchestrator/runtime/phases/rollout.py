@@ -192,13 +192,14 @@ def generate_train_shard(ctx: PhaseContext) -> None:
         generate_shard(ctx, rounds[done], gated=True)
 
 
-def opened_train_splits(ctx: PhaseContext) -> list[str]:
-    """The train splits this iteration rolled out: ``train``, and the resample rounds it opened."""
+def train_rounds(ctx: PhaseContext) -> resample.Rounds:
+    """The train splits this iteration rolled out (``train``, and the resample rounds it
+    opened), and their informative groups."""
     return resample.opened(ctx.it, ctx.plan, lambda split: ctx.workload.task_ids(split, ctx.iteration))
 
 
 def seal_train_shard(ctx: PhaseContext) -> dict | None:
     if not ctx.plan["train"]["enabled"]:
         return None
-    seals = [seal_shard(ctx, split) for split in opened_train_splits(ctx)]
+    seals = [seal_shard(ctx, split) for split in train_rounds(ctx).splits]
     return seals[0] if len(seals) == 1 else {**seals[0], "rounds": seals[1:]}

@@ -26,19 +26,20 @@ def make_plan(ctx: PhaseContext) -> dict:
     plan = {"iteration": ctx.iteration}
     weights = rollout.weights(ctx)  # a rank the run goes on without (coordination.elastic) gets none
     c = cfg.coordination
+
+    def split_plan(total: int, enabled: bool = True) -> dict:
+        return {"enabled": enabled, **work.plan_split(total, weights, stealing=c.work_stealing, chunk_tasks=c.chunk_tasks,
+                                                      min_chunk_tasks=ctx.workload.min_chunk_tasks)}
+
     for split, enabled in (("train", train), ("eval", evaluate)):
-        total = ctx.workload.tasks_per_iteration(split) if enabled else 0
-        plan[split] = {"enabled": enabled, **work.plan_split(total, weights, stealing=c.work_stealing, chunk_tasks=c.chunk_tasks,
-                                                            min_chunk_tasks=ctx.workload.min_chunk_tasks)}
+        plan[split] = split_plan(ctx.workload.tasks_per_iteration(split) if enabled else 0, enabled)
     if train and cfg.workload is Workload.RL and cfg.rl.filter_groups:  # each resample round a split of its own (data/resample.py)
         rounds = 0
         for k in range(1, cfg.rl.max_resample_rounds + 1):
             total = ctx.workload.tasks_per_iteration(resample.split_of(k))
             if not total:
                 break  # the train file has no task left that earlier rounds did not draw
-            plan[resample.split_of(k)] = {"enabled": True, **work.plan_split(total, weights, stealing=c.work_stealing,
-                                                                              chunk_tasks=c.chunk_tasks,
-                                                                              min_chunk_tasks=ctx.workload.min_chunk_tasks)}
+            plan[resample.split_of(k)] = split_plan(total)
             rounds = k
         plan["train"]["resample_rounds"] = rounds
     return plan

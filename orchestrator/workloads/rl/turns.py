@@ -24,7 +24,7 @@ _PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
 
 
 def turn_end(tokenizer) -> int:

@@ -89,7 +89,7 @@ class RLWorkload:
 
     def tasks_per_iteration(self, split: str) -> int:
         if resample.is_round(split):  # what the train file holds beyond the rounds before it
-            k = int(split[len(resample.PREFIX):])
+            k = resample.round_of(split)
             return max(0, min(self.rl.train_tasks, len(self.tasks["train"]) - k * self.tasks_per_iteration("train")))
         return min(self._wanted(split), len(self.tasks[split]))  # fewer than asked: notes() says so
 
@@ -112,7 +112,7 @@ class RLWorkload:
 
     def _task_ids(self, split: str, iteration: int) -> list[str]:
         if resample.is_round(split):  # rl.filter_groups: further train tasks, none an earlier round drew
-            k = int(split[len(resample.PREFIX):])
+            k = resample.round_of(split)
             drawn = {t for j in range(k) for t in self.task_ids(resample.split_of(j), iteration)}
             rest = [t["id"] for t in self.tasks["train"] if t["id"] not in drawn]
             return random.Random(f"{self.config.seed}:train:{iteration}:round{k}").sample(rest, min(self.tasks_per_iteration(split), len(rest)))
