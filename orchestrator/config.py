@@ -266,8 +266,16 @@ class RLConfig:
     reward: str = "orchestrator.rewards:exact_match"
     """The reward function, as module:function (task dict, completion text) -> float."""
     max_reward_error_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.01
-    """A sample whose reward raises scores 0; a rank fails when more than this share of the
-    samples of its rollout failed."""
+    """A sample whose reward (or environment) raises scores 0; a rank fails when more than this
+    share of the samples of its rollout failed."""
+    environment: str = ""
+    """Multi-turn rollouts: the environment class, as module:Class (a new instance per sample;
+    docs/environments.md). Empty: one turn, scored by rl.reward."""
+    max_turns: Count = 4
+    """With rl.environment: the most turns of the model in a sample."""
+    env_timeout_s: Seconds = 60.0
+    """With rl.environment: an environment call (the class, reset, step) that takes longer ends
+    its sample with reward 0 and the error recorded, as a failing reward does."""
     lr: LearningRate = 3e-4
     """AdamW learning rate; the optimizer's moments carry over from one iteration to the next."""
     epochs: Epochs = 4
@@ -347,8 +355,12 @@ class RLConfig:
                               f"rl.old_logprobs=engine makes them the same: nothing is left to correct; set one of them back")
         from orchestrator import rewards
 
+        from orchestrator import environments
+
         try:
             rewards.parse(self.reward)  # importing it is the preflight's (it depends on the node)
+            if self.environment:
+                environments.parse(self.environment)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator import rewards
+from orchestrator import environments, rewards
 from orchestrator.config import RunConfig, Workload
 from orchestrator.data import prompts, shards, tasks
 from orchestrator.errors import ConfigError
@@ -73,6 +73,30 @@ def _check(config: RunConfig) -> None:
                           f"(tokenizer_config.json 'chat_template' or chat_template.jinja)")
     for split in ("train", "eval"):
         prompts.measure(config, split)  # every prompt rendered and counted against rl.max_prompt_tokens
+    if config.rl.environment:
+        check_environment(config)
+
+
+def check_environment(config: RunConfig) -> None:
+    """rl.environment imports here, and the model's chat template can render its turns: a
+    multi-turn rollout sends token ids the template renders (data/turns.py)."""
+    try:
+        environments.load(config.rl.environment)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model = config.model_path
+    if not has_chat_template(model):
+        raise ConfigError(f"rl.environment={config.rl.environment} needs a chat model: the turns are chat messages, but the "
+                          f"model {model} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    from transformers import AutoTokenizer
+
+    from orchestrator.data import turns
+
+    try:
+        turns.observation_ids(AutoTokenizer.from_pretrained(str(model)), [{"role": "user", "content": "?"}])
+    except Exception as e:  # noqa: BLE001 - a template or tokenizer that cannot render turns
+        raise ConfigError(f"rl.environment={config.rl.environment}: the chat template of {model} cannot render a multi-turn "
+                          f"conversation token-exactly: {e}") from None
 
 
 def check_resume(config: RunConfig) -> None:

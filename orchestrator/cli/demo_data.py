@@ -8,7 +8,16 @@ from pathlib import Path
 import click
 
 from orchestrator import terminal
-from orchestrator.demo import CHAT_ACCURACY_BAND, CHAT_MAX_WARM_STEPS, DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS, DEFAULT_SEED
+from orchestrator.demo import (
+    CHAT_ACCURACY_BAND,
+    CHAT_MAX_WARM_STEPS,
+    DEFAULT_ACCURACY_BAND,
+    DEFAULT_MAX_WARM_STEPS,
+    DEFAULT_SEED,
+    TOOLS_ACCURACY_BAND,
+    TOOLS_MAX_TOKENS,
+    TOOLS_MAX_WARM_STEPS,
+)
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR
 from orchestrator.node import identity
 
@@ -17,9 +26,10 @@ def _band(band: tuple[float, float]) -> str:
     return ",".join(map(str, band))
 
 
-def _default(plain: str, chat: str) -> str:
-    """The default as click writes one, and the chat demo's where it differs."""
-    return f"  [default: {plain}]" if plain == chat else f"  [default: {plain}; with --chat, {chat}]"
+def _default(plain: str, chat: str, tools: str) -> str:
+    """The default as click writes one, and the chat and tool demos' where they differ."""
+    others = "".join(f"; with --{flag}, {value}" for flag, value in (("chat", chat), ("tools", tools)) if value != plain)
+    return f"  [default: {plain}{others}]"
 
 
 @click.command("demo-data")
@@ -28,27 +38,33 @@ def _default(plain: str, chat: str) -> str:
               help="Seeds the tasks, the model and its warm start. `run` has its own seed (the `seed=N` override).")
 @click.option("--accuracy-band", default=None, metavar="LOW,HIGH",
               help="The warm start stops once greedy accuracy on a validation split of train is in this band."
-                   + _default(_band(DEFAULT_ACCURACY_BAND), _band(CHAT_ACCURACY_BAND)))
+                   + _default(_band(DEFAULT_ACCURACY_BAND), _band(CHAT_ACCURACY_BAND), _band(TOOLS_ACCURACY_BAND)))
 @click.option("--max-warm-steps", type=int, default=None, metavar="N",
               help="Give up (exit 1) if the band is not reached within N warm-start steps."
-                   + _default(str(DEFAULT_MAX_WARM_STEPS), str(CHAT_MAX_WARM_STEPS)))
+                   + _default(str(DEFAULT_MAX_WARM_STEPS), str(CHAT_MAX_WARM_STEPS), str(TOOLS_MAX_WARM_STEPS)))
 @click.option("--warm-steps", type=int, default=None, metavar="N",
               help="Exactly N warm-start steps instead of stopping in the band.")
 @click.option("--chat", is_flag=True, default=False,
               help="The chat demo: the same tasks as chat messages answered in \\boxed{}, a tiny Qwen2-style model with a "
                    "BPE tokenizer and a chat template. Run it with rl.reward=orchestrator.rewards:math.")
+@click.option("--tools", is_flag=True, default=False,
+              help="The tool demo: products of three- and two-digit numbers, worked out over two turns with a calculator "
+                   "(the environment orchestrator.demo.calculator:Calculator) and answered in \\boxed{}, by the chat demo's "
+                   "kind of model. Not with --chat.")
 def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_steps: int | None, warm_steps: int | None,
-              chat: bool) -> None:
+              chat: bool, tools: bool) -> None:
     """Write synthetic tasks and a tiny warm-started Llama-style model (with --chat, a
     Qwen2-style chat model) under --data-path."""
     if not data_path.is_absolute():
         terminal.abort(f"--data-path must be an absolute path, got {data_path}", EXIT_BAD_INPUT)
+    if chat and tools:
+        terminal.abort("--chat and --tools make two different demos: give one of them", EXIT_BAD_INPUT)
     if warm_steps is not None and warm_steps < 0:
         terminal.abort(f"--warm-steps must be >= 0, got {warm_steps}", EXIT_BAD_INPUT)
     if accuracy_band is None:
-        accuracy_band = _band(CHAT_ACCURACY_BAND if chat else DEFAULT_ACCURACY_BAND)
+        accuracy_band = _band(TOOLS_ACCURACY_BAND if tools else CHAT_ACCURACY_BAND if chat else DEFAULT_ACCURACY_BAND)
     if max_warm_steps is None:
-        max_warm_steps = CHAT_MAX_WARM_STEPS if chat else DEFAULT_MAX_WARM_STEPS
+        max_warm_steps = TOOLS_MAX_WARM_STEPS if tools else CHAT_MAX_WARM_STEPS if chat else DEFAULT_MAX_WARM_STEPS
     if max_warm_steps < 1:
         terminal.abort(f"--max-warm-steps must be >= 1, got {max_warm_steps}", EXIT_BAD_INPUT)
     from orchestrator.demo import warm_start
@@ -61,9 +77,10 @@ def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_st
     terminal.setup_logging(None, identity.host())
     from orchestrator.demo.build import build
 
-    with terminal.err.status("making the demo data (about half a minute on a laptop CPU)"):
+    with terminal.err.status(f"making the demo data (about {'a minute' if tools else 'half a minute'} on a laptop CPU)"):
         try:
-            manifest = build(data_path, seed=seed, band=band, max_warm_steps=max_warm_steps, warm_steps=warm_steps, chat=chat)
+            manifest = build(data_path, seed=seed, band=band, max_warm_steps=max_warm_steps, warm_steps=warm_steps, chat=chat,
+                             tools=tools)
         except warm_start.WarmStartError as e:
             terminal.abort(f"demo-data (seed {seed}): {e}", EXIT_ERROR)
     terminal.out.print(json.dumps(manifest, indent=2), markup=False)
@@ -71,4 +88,9 @@ def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_st
         terminal.err.print(f"the chat demo is graded by the math reward: run it with rl.reward=orchestrator.rewards:math, e.g.\n"
                            f"  python3 -m orchestrator run --data-path {data_path} --log-path LOG_PATH --rl-phase both --eval-interval 3 "
                            "--max-iterations 10 rl.reward=orchestrator.rewards:math", markup=False)
-
+    if tools:
+        terminal.err.print(f"the tool demo runs with the calculator as its environment, graded by the math reward, in "
+                           f"{TOOLS_MAX_TOKENS} tokens a sample (both turns and the calculator's answer), e.g.\n"
+                           f"  python3 -m orchestrator run --data-path {data_path} --log-path LOG_PATH --rl-phase both --eval-interval 3 "
+                           "--max-iterations 10 rl.environment=orchestrator.demo.calculator:Calculator rl.reward=orchestrator.rewards:math "
+                           f"rl.max_tokens={TOOLS_MAX_TOKENS} rl.max_turns=3", markup=False)

@@ -5,7 +5,9 @@
     <data-path>/demo.json                                what was made: seed, steps, accuracy
 
 With ``chat``: the chat demo, the same tasks as chat messages answered ``\\boxed{42}``, a
-Qwen2-style model and its BPE tokenizer with a chat template (docs/demo.md).
+Qwen2-style model and its BPE tokenizer with a chat template (docs/demo.md). With ``tools``:
+the tool demo, products answered over two turns with the calculator of demo/calculator.py, the
+chat demo's kind of model and tokenizer.
 
 Deterministic for a seed; nothing is downloaded. The model directory is written to a temp
 name and renamed into place, so it is complete or absent.
@@ -26,6 +28,8 @@ from orchestrator.demo import (
     DEFAULT_ACCURACY_BAND,
     DEFAULT_MAX_WARM_STEPS,
     DEFAULT_SEED,
+    TOOLS_ACCURACY_BAND,
+    TOOLS_MAX_WARM_STEPS,
     VALIDATION_TASKS,
     chat_tokenizer,
     warm_start,
@@ -42,33 +46,39 @@ def manifest_path(data_path: Path) -> Path:
 
 
 def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | None = None, max_warm_steps: int | None = None,
-          warm_steps: int | None = None, chat: bool = False) -> dict:
-    """Make the demo data (the chat demo's with ``chat``), or return what is there if it was
-    made with the same settings.
+          warm_steps: int | None = None, chat: bool = False, tools: bool = False) -> dict:
+    """Make the demo data (the chat demo's with ``chat``, the tool demo's with ``tools``), or
+    return what is there if it was made with the same settings.
 
     The warm start stops in ``band`` (at most ``max_warm_steps`` steps; None: the demo's
     defaults, demo/__init__.py), or with ``warm_steps`` set, after exactly that many steps.
     Raises warm_start.WarmStartError when the band is not reached; nothing is written to
     ``model/`` or ``demo.json`` then.
     """
+    if chat and tools:
+        raise ValueError("the chat demo and the tool demo are two demos: make one")
     if band is None:
-        band = warm_start.Band(*(CHAT_ACCURACY_BAND if chat else DEFAULT_ACCURACY_BAND))
+        band = warm_start.Band(*(TOOLS_ACCURACY_BAND if tools else CHAT_ACCURACY_BAND if chat else DEFAULT_ACCURACY_BAND))
     if max_warm_steps is None:
-        max_warm_steps = CHAT_MAX_WARM_STEPS if chat else DEFAULT_MAX_WARM_STEPS
+        max_warm_steps = TOOLS_MAX_WARM_STEPS if tools else CHAT_MAX_WARM_STEPS if chat else DEFAULT_MAX_WARM_STEPS
     settings = {"seed": seed, "warm_steps_fixed": warm_steps} | (
         {"accuracy_band": [band.low, band.high], "max_warm_steps": max_warm_steps} if warm_steps is None else {}) | (
-        {"chat": True} if chat else {})  # the default demo's settings predate the chat demo
+        {"chat": True} if chat else {}) | ({"tools": True} if tools else {})  # the default demo's settings predate the others
     existing = _read_manifest(data_path)
     if existing is not None and existing.get("settings") == settings:
         log.info("demo data under %s is already there (%s)", data_path, json.dumps(settings))
         return existing
     started = time.monotonic()
-    splits = demo_tasks.make_tasks(seed, chat=chat)
+    splits = demo_tasks.make_tool_tasks(seed) if tools else demo_tasks.make_tasks(seed, chat=chat)
     fit, validation = splits["train"][:-VALIDATION_TASKS], splits["train"][-VALIDATION_TASKS:]
 
-    fmt = warm_start.CHAT if chat else warm_start.PLAIN
+    fmt = warm_start.TOOLS if tools else warm_start.CHAT if chat else warm_start.PLAIN
+    check = f"accuracy at temperature {fmt.temperature:g}" if tools else "greedy accuracy"
     if chat:  # the tokenizer learns from the train split's conversations, answers included
         made_tokenizer = chat_tokenizer.fast(chat_tokenizer.corpus(splits["train"], fmt.target))
+        model = demo_model.create_chat(seed, made_tokenizer)
+    elif tools:  # from the whole conversations: calls, the calculator's answers, boxed answers
+        made_tokenizer = chat_tokenizer.fast(chat_tokenizer.conversations_corpus([fmt.conversation(t) for t in splits["train"]]))
         model = demo_model.create_chat(seed, made_tokenizer)
     else:
         made_tokenizer, model = None, demo_model.create(seed)
@@ -77,11 +87,11 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
     demo_model.save(model, staging, made_tokenizer)  # the tokenizer files travel with the model
     _, tokenizer = demo_model.load(staging)
     try:
-        trainer = warm_start.Trainer(model, tokenizer, fit, validation, seed=seed, fmt=fmt,
-                                     batch_size=warm_start.CHAT_BATCH_SIZE if chat else warm_start.BATCH_SIZE)
+        batch_size = warm_start.TOOLS_BATCH_SIZE if tools else warm_start.CHAT_BATCH_SIZE if chat else warm_start.BATCH_SIZE
+        trainer = warm_start.Trainer(model, tokenizer, fit, validation, seed=seed, fmt=fmt, batch_size=batch_size)
         if warm_steps is None:
-            log.info("warm start on %d train tasks until greedy accuracy on %d validation tasks is in %s",
-                     len(fit), len(validation), band)
+            log.info("warm start on %d train tasks until %s on %d validation tasks is in %s",
+                     len(fit), check, len(validation), band)
             result = warm_start.to_band(trainer, band=band, max_steps=max_warm_steps)
         else:
             losses = trainer.train(warm_steps)
@@ -89,7 +99,7 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    test_accuracy = warm_start.greedy_accuracy(model, tokenizer, splits["test"], fmt)
+    test_accuracy = fmt.accuracy(model, tokenizer, splits["test"])
     for split, tasks in splits.items():
         demo_tasks.write_tasks(data_path / "tasks" / f"{split}.jsonl", tasks)
     demo_model.save(model, staging, made_tokenizer)
@@ -110,8 +120,8 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
         "seconds": round(time.monotonic() - started, 1),
     }
     fsio.atomic_write_bytes(manifest_path(data_path), (json.dumps(manifest, indent=2) + "\n").encode())
-    log.info("demo data ready under %s: %d warm-start steps, greedy accuracy %.3f on validation, %.3f on test",
-             data_path, result.steps, result.validation_accuracy, test_accuracy)
+    log.info("demo data ready under %s: %d warm-start steps, %s %.3f on validation, %.3f on test",
+             data_path, result.steps, check, result.validation_accuracy, test_accuracy)
     return manifest
 
 

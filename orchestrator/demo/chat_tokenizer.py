@@ -44,11 +44,16 @@ def chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
 def corpus(tasks: list[dict], target) -> list[str]:
     """The texts BPE learns from: each task's conversation, its prompt then ``target(task)``
     as the assistant's turn, cut at the special tokens (they are never merged with text)."""
+    return conversations_corpus([[*task["prompt"], {"role": "assistant", "content": target(task)}] for task in tasks])
+
+
+def conversations_corpus(conversations: list[list[dict]]) -> list[str]:
+    """The texts BPE learns from whole conversations (the tool demo's: several turns each),
+    rendered and cut at the special tokens."""
     special = re.compile("|".join(map(re.escape, SPECIALS)))
     texts = []
-    for task in tasks:
-        conversation = chatml([*task["prompt"], {"role": "assistant", "content": target(task)}])
-        texts += [piece for piece in special.split(conversation) if piece]
+    for messages in conversations:
+        texts += [piece for piece in special.split(chatml(messages)) if piece]
     return texts
 
 

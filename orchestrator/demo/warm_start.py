@@ -15,6 +15,8 @@ rollbacks restore the model, the optimizer and that generator exactly.
 A :class:`Format` says what the model is taught and how its answer is graded: :data:`PLAIN`
 for the default demo (``17+25=`` -> ``42``, exact match), :data:`CHAT` for the chat demo
 (the chat-rendered question -> ``\\boxed{42}``, graded as ``orchestrator.rewards:math`` does).
+:class:`Turns` is a multi-turn one, :data:`TOOLS` the tool demo's: the model's turns and the
+environment's answers as the rollout makes them, token for token.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Callable
 
 from orchestrator import rewards
 from orchestrator.data import tasks as data_tasks
+from orchestrator.data.turns import observation_ids
+from orchestrator.demo import calculator
 from orchestrator.demo import tasks as demo_tasks
 
 log = logging.getLogger(__name__)
@@ -37,6 +41,8 @@ CHAT_BATCH_SIZE = 64
 """The chat demo's: its answers need attention over a 24-token prompt, which batches of 64
 learn in about half the steps of batches of 128 (batches of 32 had not reached 0.15 after 1200
 steps; docs/demo.md)."""
+TOOLS_BATCH_SIZE = 64
+"""The tool demo's, as the chat demo's: its turns copy digits from a 32-token prompt."""
 LR = 3e-3
 CHECK_EVERY = 5
 MAX_ROLLBACKS = 4
@@ -90,6 +96,44 @@ class Format:
     times faster on the chat demo's 24-token prompts. The default demo recomputes the whole
     sequence at every token, as when its figures in docs/rl.md were measured."""
 
+    def examples(self, tokenizer, tasks: list[dict]) -> "_Examples":
+        return _Examples(tokenizer, tasks, self)
+
+    def accuracy(self, model, tokenizer, tasks: list[dict]) -> float:
+        return greedy_accuracy(model, tokenizer, tasks, self)
+
+
+@dataclass(frozen=True, slots=True)
+class Turns:
+    """A multi-turn format: the model's turns (``targets``) and an environment's answers to
+    them, in the ids a multi-turn rollout makes (orchestrator/data/turns.py): the
+    prompt's, each turn's with its EOS, and the observation's after it. The check runs the
+    same loop, the environment's reward deciding, greedily or at ``temperature``."""
+
+    environment: type
+    """The environment class (orchestrator/environments.py), made anew per task."""
+    targets: Callable[[dict], list[str]]
+    """The model's turns it learns, each followed by the tokenizer's EOS."""
+    max_new_tokens: int
+    """Tokens the check generates a turn."""
+    max_turns: int = 2
+    temperature: float = 0.0
+    """The check's sampling temperature; 0: greedy."""
+
+    def conversation(self, task: dict) -> list[dict]:
+        """The whole target conversation as chat messages (what the tokenizer learns from)."""
+        env = self.environment(task)
+        messages = list(env.reset())
+        for turn in self.targets(task):
+            messages += [{"role": "assistant", "content": turn}, *env.step(turn).observation]
+        return messages
+
+    def examples(self, tokenizer, tasks: list[dict]) -> "_Examples":
+        return _TurnExamples(tokenizer, tasks, self)
+
+    def accuracy(self, model, tokenizer, tasks: list[dict]) -> float:
+        return turns_accuracy(model, tokenizer, tasks, self)
+
 
 def _task_prompt(task: dict, tokenizer) -> str:
     return task["prompt"]
@@ -125,6 +169,26 @@ CHAT = Format(_chat_prompt, _boxed_answer, _boxed_correct, max_new_tokens=8, kv_
 grades it, within rl.max_tokens' default of 8 tokens."""
 
 
+class _Calculator(calculator.Calculator):
+    """The check's calculator: an answer graded as the chat demo's check grades it
+    (:func:`_boxed_correct`), since math-verify takes 50-400 ms on what a model early in its warm
+    start boxes (``\\boxed{calc>1}``), most of the warm start's time."""
+
+    reward = staticmethod(lambda task, completion: float(_boxed_correct(task, completion)))
+
+
+TOOLS = Turns(_Calculator, lambda task: [demo_tasks.tool_call(task), demo_tasks.boxed(task["answer"])],
+              max_new_tokens=16, temperature=0.5)
+"""The tool demo: ``<calc>123*45</calc>``, the calculator's ``5535``, then ``\\boxed{5535}``,
+graded by the calculator (the math reward's final answer, compared exactly); 16 tokens a
+turn, room for the longest (12). Checked at the run's eval temperature (rl.eval_temperature,
+0.5), not greedily: copying the digits is learned along a cliff, and where greedy accuracy is
+0.35 each digit is still nearly a coin toss, so that the run's eval (and its rollouts, at 1.0)
+would find almost nothing right (docs/demo.md)."""
+CHECK_SEED = 0
+"""Seeds a sampled check's draws, the same at every check: the check is a function of the weights."""
+
+
 class _Examples:
     """Every task tokenized once as ``prompt target EOS`` (``17+25=`` ``42`` ``</s>`` by
     default) with labels on the target and EOS only; ``batch`` pads a selection."""
@@ -142,6 +206,10 @@ class _Examples:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def add(self, row: list[int], labels: list[int]) -> None:
+        self.rows.append(row)
+        self.labels.append(labels)
+
     def batch(self, indices: list[int]):
         import torch
 
@@ -151,6 +219,30 @@ class _Examples:
         labels = torch.tensor([self.labels[i] + [-100] * (width - len(self.labels[i])) for i in indices])
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
         return ids, labels, mask
+
+
+class _TurnExamples(_Examples):
+    """Every task's whole conversation as one row: the prompt's ids (the chat template's,
+    with the generation prompt), then per turn its ids and EOS, labelled, and the ids of the
+    environment's answer, as :func:`observation_ids` renders them for the rollout, not."""
+
+    def __init__(self, tokenizer, tasks: list[dict], fmt: Turns):
+        self.pad, self.rows, self.labels = tokenizer.pad_token_id, [], []
+        for task in tasks:
+            env = fmt.environment(task)
+            row = _ids(tokenizer.apply_chat_template(env.reset(), tokenize=True, add_generation_prompt=True))
+            labels = [-100] * len(row)
+            for turn in fmt.targets(task):
+                ids = tokenizer(turn, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                observation = env.step(turn).observation
+                context = observation_ids(tokenizer, observation) if observation else []
+                row, labels = row + ids + context, labels + ids + [-100] * len(context)
+            self.add(row, labels)
+
+
+def _ids(encoded) -> list[int]:
+    """The ids ``apply_chat_template`` returns (a BatchEncoding in newer transformers)."""
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 class Trainer:
@@ -163,7 +255,7 @@ class Trainer:
 
         torch.manual_seed(seed)
         self.model, self.tokenizer, self.validation, self.fmt = model, tokenizer, validation, fmt
-        self.examples = _Examples(tokenizer, tasks, fmt)
+        self.examples = fmt.examples(tokenizer, tasks)
         self.rng = random.Random(seed)
         self.batch_size = batch_size
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -192,7 +284,7 @@ class Trainer:
         return losses
 
     def accuracy(self) -> float:
-        return greedy_accuracy(self.model, self.tokenizer, self.validation, self.fmt)
+        return self.fmt.accuracy(self.model, self.tokenizer, self.validation)
 
     def snapshot(self):
         return copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.optimizer.state_dict()), self.rng.getstate()
@@ -281,3 +373,60 @@ def greedy_accuracy(model, tokenizer, tasks: list[dict], fmt: Format = PLAIN) ->
                     g = g[: ends[0]]
                 correct += fmt.correct(t, tokenizer.decode(g, skip_special_tokens=True))
     return correct / len(tasks)
+
+
+def turns_accuracy(model, tokenizer, tasks: list[dict], fmt: Turns) -> float:
+    """Mean reward of the multi-turn loop as the rollout runs it, greedy or sampled at
+    ``fmt.temperature``: each turn generated up to the first EOS (or ``fmt.max_new_tokens``),
+    its text given to the environment, and, if it is not done, the turn closed with the
+    tokenizer's EOS and the observation's ids appended before the next. A sample not done
+    after ``fmt.max_turns`` scores 0."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # the draws are the check's own; the caller's generator is untouched
+        torch.manual_seed(CHECK_SEED)
+        return _turns_reward(model, tokenizer, tasks, fmt) / len(tasks)
+
+
+def _turns_reward(model, tokenizer, tasks: list[dict], fmt: Turns) -> float:
+    envs = [fmt.environment(t) for t in tasks]
+    contexts = [_ids(tokenizer.apply_chat_template(env.reset(), tokenize=True, add_generation_prompt=True)) for env in envs]
+    reward = [0.0] * len(tasks)
+    active = list(range(len(tasks)))
+    for _ in range(fmt.max_turns):
+        turns = _turns(model, tokenizer, [contexts[i] for i in active], fmt.max_new_tokens, fmt.temperature)
+        going = []
+        for i, ids in zip(active, turns):
+            step = envs[i].step(tokenizer.decode(ids, skip_special_tokens=True))
+            if step.done:
+                reward[i] = step.reward
+                continue
+            closed = ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+            contexts[i] += closed + observation_ids(tokenizer, step.observation)
+            going.append(i)
+        active = going
+    return sum(reward)
+
+
+def _turns(model, tokenizer, contexts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+    """Each context's turn, greedy or sampled at ``temperature`` (KV cache, left padding), up to
+    and including its first end token: the tokenizer's EOS or one of the generation config's,
+    as the engine stops."""
+    import torch
+
+    eos = model.generation_config.eos_token_id
+    stop = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad, turns = tokenizer.pad_token_id, []
+    with torch.inference_mode():
+        for start in range(0, len(contexts), 256):
+            chunk = contexts[start : start + 256]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
+            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                 **sampling)[:, width:].tolist()
+            for g in out:
+                ends = [i for i, token in enumerate(g) if token in stop]
+                turns.append(g[: ends[0] + 1] if ends else g)
+    return turns

@@ -183,7 +183,7 @@ class EngineClient:
 
     def complete(
         self,
-        prompts: Sequence[str],
+        prompts: Sequence[str] | Sequence[list[int]],
         *,
         n: int = 1,
         temperature: float = 1.0,
@@ -194,7 +194,8 @@ class EngineClient:
         logprobs: int | None = None,
         return_token_ids: bool = False,
     ) -> list[list[Completion]]:
-        """``n`` completions of each prompt: ``result[j][i]`` is sample ``i`` of prompt ``j``.
+        """``n`` completions of each prompt (a text, or token ids the engine continues as they
+        are): ``result[j][i]`` is sample ``i`` of prompt ``j``.
 
         Raises EngineHTTPError when the engine refuses the request, EngineUnavailable when it
         cannot be reached, and EngineError when its answer does not have the expected shape.
@@ -205,7 +206,7 @@ class EngineClient:
         body = self._completion_body(prompts, n, temperature, top_p, max_tokens, stop, seed, logprobs, return_token_ids)
         return self._completions(self._json("POST", "/v1/completions", body), len(prompts), n, return_token_ids)
 
-    async def acomplete(self, http: httpx.AsyncClient, prompts: Sequence[str], *, n: int = 1, temperature: float = 1.0,
+    async def acomplete(self, http: httpx.AsyncClient, prompts: Sequence[str] | Sequence[list[int]], *, n: int = 1, temperature: float = 1.0,
                         top_p: float = 1.0, max_tokens: int = 16, stop: Sequence[str] | None = None, seed: int | None = None,
                         logprobs: int | None = None, return_token_ids: bool = False) -> list[list[Completion]]:
         """:meth:`complete` on ``http``, an AsyncClient of the caller's event loop (its pool
@@ -234,7 +235,7 @@ class EngineClient:
             raise EngineError(f"POST {url} answered with invalid JSON: {raw[:200]!r}") from e
         return self._completions(answer, len(prompts), n, return_token_ids)
 
-    def _completion_body(self, prompts: list[str], n, temperature, top_p, max_tokens, stop, seed, logprobs,
+    def _completion_body(self, prompts: list, n, temperature, top_p, max_tokens, stop, seed, logprobs,
                          return_token_ids: bool) -> dict:
         body: dict = {
             "model": self.model(),

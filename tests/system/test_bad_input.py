@@ -122,6 +122,12 @@ ROW_CASES = {
                                       "rl.max_prompt_tokens=60 plus rl.max_tokens=8 is more than the model's context length of 64"),
     "every prompt too long": ([GOOD], ["rl.max_prompt_tokens=4"],
                               "train.jsonl is longer than 4 tokens (the longest rl.max_prompt_tokens allows); the shortest has 5"),
+    "environment does not import": ([GOOD], ["rl.environment=no_such_envs:Env"],
+                                    "rl.environment='no_such_envs:Env': cannot import no_such_envs"),
+    "environment not module:Class": ([GOOD], ["rl.environment=Calculator"], "is not of the form module:Class"),
+    "environment without a chat template": ([GOOD], ["rl.environment=orchestrator.environments:OneTurn"],
+                                            "rl.environment=orchestrator.environments:OneTurn needs a chat model"),
+    "environment timeout not positive": ([GOOD], ["rl.env_timeout_s=0"], "rl.env_timeout_s"),
 }
 
 

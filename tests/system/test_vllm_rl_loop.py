@@ -163,3 +163,30 @@ def test_the_chat_demo_runs_through_vllm_and_vllm_serves_its_final_checkpoint(ch
     records = [{"prompt_token_ids": c.prompt_token_ids, "samples": [{"token_ids": c.token_ids, "logprobs": c.token_logprobs}]}
                for c in completions]
     assert _max_error(records, _forward_logprobs(final, records)) < 2e-3, "vLLM serves the final checkpoint's weights"
+
+
+def test_a_multi_turn_rollout_runs_through_vllm_on_token_id_prompts(chat_demo_data, tmp_path):
+    """rl.environment through vLLM: each later turn is a token-id prompt of everything so far,
+    and the logprobs vLLM reports for every sampled id are the base model's on exactly those
+    ids (so vLLM continued the ids as sent, not a re-tokenized text)."""
+    import os
+
+    from tests.system.test_environments import ENVS
+
+    (tmp_path / "user_envs.py").write_text(ENVS)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log_path = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", f"--data-path={chat_demo_data}", f"--log-path={log_path}", "--rl-phase=both",
+         "--eval-interval=1", "--max-iterations=1", "--engine=vllm", *SETTINGS, "rl.environment=user_envs:Retry",
+         "rl.reward=orchestrator.rewards:math", "rl.max_tokens=48", "rl.max_turns=3"],
+        capture_output=True, text=True, timeout=840, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    records = [json.loads(line) for line in RunLayout(log_path).iteration(1).aggregate("train").read_text().splitlines()]
+    multi = [s for r in records for s in r["samples"] if len(s["turns"]) == 2]
+    assert len(multi) >= 8 and all("<|im_start|>tool\ncheck it<|im_end|>" in s["text"] for s in multi)
+    expected = _forward_logprobs(chat_demo_data / "model", records)
+    worst = max(abs(a - b) for r, exp in zip(records, expected) for s, e in zip(r["samples"], exp)
+                for a, b, m in zip(s["logprobs"], e, s["loss_mask"]) if m)
+    assert worst < 2e-3, worst

@@ -1,4 +1,4 @@
-"""Token-exact turns (workloads/rl/turns.py) with the chat demo's ChatML tokenizer: the next
+"""Token-exact turns (data/turns.py) with the chat demo's ChatML tokenizer: the next
 turn's prompt is the ids sampled and the observation's ids as the template renders them,
 nothing sampled tokenized again; and the environment seam (environments.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator import environments
-from orchestrator.workloads.rl import turns
+from orchestrator.data import turns
 
 
 @pytest.fixture(scope="module")
@@ -20,25 +20,25 @@ def tokenizer():
 def test_a_conversation_whose_model_sampled_the_canonical_ids_is_the_templates_rendering(tokenizer):
     opening = [{"role": "user", "content": "What is 12*3?"}]
     tool = [{"role": "tool", "content": "36"}]
-    prompt = turns._render(tokenizer, opening, generation_prompt=True)
+    prompt = turns.render(tokenizer, opening, generation_prompt=True)
     answer = tokenizer("<calc>12*3</calc>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     c = turns.Conversation(prompt)
     c.sampled(answer, [-0.1] * len(answer), "<calc>12*3</calc>")
-    c.observed(tokenizer, tool)
-    whole = turns._render(tokenizer, opening + [{"role": "assistant", "content": "<calc>12*3</calc>"}] + tool, generation_prompt=True)
+    c.observed(tool, c.observation(tokenizer, tool))
+    whole = turns.render(tokenizer, opening + [{"role": "assistant", "content": "<calc>12*3</calc>"}] + tool, generation_prompt=True)
     assert c.context == whole
     assert c.loss_mask == [1] * len(answer) + [0] * (len(whole) - len(prompt) - len(answer))
     assert len(c.logprobs) == len(c.token_ids) and c.turns[0]["observation"] == tool
 
 
 def test_sampled_ids_stay_as_sampled_and_a_turn_cut_at_a_stop_string_is_closed(tokenizer):
-    prompt = turns._render(tokenizer, [{"role": "user", "content": "1+1?"}], generation_prompt=True)
+    prompt = turns.render(tokenizer, [{"role": "user", "content": "1+1?"}], generation_prompt=True)
     odd = [tokenizer.convert_tokens_to_ids(ch) for ch in "answer"]  # one id a character: not how "answer" tokenizes
     assert odd != tokenizer("answer", add_special_tokens=False)["input_ids"]
     c = turns.Conversation(prompt)
     c.sampled(odd, [-0.5] * len(odd), "answer")
     obs = turns.observation_ids(tokenizer, [{"role": "tool", "content": "2"}])
-    c.observed(tokenizer, [{"role": "tool", "content": "2"}])
+    c.observed([{"role": "tool", "content": "2"}], c.observation(tokenizer, [{"role": "tool", "content": "2"}]))
     assert c.token_ids == odd + [tokenizer.eos_token_id] + obs  # closed with the end of turn, as context
     assert c.loss_mask == [1] * len(odd) + [0] * (1 + len(obs))
     assert tokenizer.decode(obs).startswith("\n<|im_start|>tool\n2<|im_end|>") and tokenizer.decode(obs).endswith("<|im_start|>assistant\n")

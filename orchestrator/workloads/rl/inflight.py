@@ -6,13 +6,16 @@ a slot the moment a sequence ends. So the rollout sends its prompts in requests 
 samples) outstanding on every engine: a request leaves as soon as one ends, and no
 completion waits for another request's longest one. The requests go out from one asyncio event loop in a thread of its own, over one
 pooled ``httpx.AsyncClient`` per engine; the caller's thread submits work and takes the
-answers as they come (:meth:`Inflight.answers`), in completion order.
+answers as they come (:meth:`Inflight.answers`), in completion order. A multi-turn rollout
+runs its samples as coroutines on that loop instead (:meth:`Inflight.spawn`), each awaiting its
+turns' requests (:meth:`Inflight.complete`) under the same budget.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import queue
 import threading
 import time
@@ -29,12 +32,20 @@ _CLOSE_WAIT_S = 10.0  # how long close() waits for the loop's thread to end
 @dataclass(frozen=True, slots=True)
 class Request:
     task_ids: list[str]
-    prompts: list[str]
+    prompts: list[str] | list[list[int]]
+    """Texts, or token-id prompts the engine continues as they are."""
     seed: int
+    n: int | None = None
+    """Samples a prompt; None: the Inflight's ``sampling["n"]``."""
+    max_tokens: int | None = None
+    """None: the Inflight's ``sampling["max_tokens"]``."""
 
     @property
     def size(self) -> int:
         return len(self.prompts)
+
+    def overrides(self) -> dict:
+        return {k: v for k, v in (("n", self.n), ("max_tokens", self.max_tokens)) if v is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +94,8 @@ class Inflight:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
         self._engines = [_Engine(c, c.async_http(timeout=timeout_s, limits=limits)) for c in clients]
         self.stats = Stats(peak_sequences=[0] * len(clients))
-        self._waiting: collections.deque[Request] = collections.deque()  # the loop's, not yet sent
+        # The loop's, not yet sent; with the future of a coroutine's request (None: to the answers queue).
+        self._waiting: collections.deque[tuple[Request, asyncio.Future | None]] = collections.deque()
         self._answers: queue.SimpleQueue[Answer | BaseException] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = 0  # sequences submitted and not yet sent (guarded by _lock)
@@ -97,8 +109,15 @@ class Inflight:
 
     def submit(self, requests: Sequence[Request]) -> None:
         with self._lock:
-            self._queued += sum(r.size for r in requests) * self.samples
-        self._loop.call_soon_threadsafe(self._enqueue, list(requests))
+            self._queued += sum(self._sequences(r) for r in requests)
+        self._loop.call_soon_threadsafe(self._enqueue, [(r, None) for r in requests])
+
+    def spawn(self, coroutine) -> concurrent.futures.Future:
+        """Run ``coroutine`` on the loop (it may await :meth:`complete`); its future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def _sequences(self, request: Request) -> int:
+        return request.size * (request.n or self.samples)
 
     @property
     def queued_sequences(self) -> int:
@@ -136,6 +155,14 @@ class Inflight:
 
     # -- the loop's thread -----------------------------------------------------------------
 
+    async def complete(self, request: Request) -> Answer:
+        """``request`` answered, sent when an engine has room (from a coroutine on the loop)."""
+        with self._lock:
+            self._queued += self._sequences(request)
+        future = self._loop.create_future()
+        self._enqueue([(request, future)])
+        return await future
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
@@ -157,15 +184,15 @@ class Inflight:
     def _stop(self) -> None:
         self._stopping.set()
 
-    def _enqueue(self, requests: list[Request]) -> None:
+    def _enqueue(self, requests: list[tuple[Request, asyncio.Future | None]]) -> None:
         self._waiting.extend(requests)
         self._dispatch()
 
     def _dispatch(self) -> None:
         """Send waiting requests while some engine has room: the least loaded one first."""
         while self._waiting and not self._failed:
-            request = self._waiting[0]
-            sequences = request.size * self.samples
+            request, future = self._waiting[0]
+            sequences = self._sequences(request)
             engine = min(self._engines, key=lambda e: e.sequences)
             if engine.sequences and engine.sequences + sequences > self.max_sequences:
                 return
@@ -176,19 +203,27 @@ class Inflight:
             i = self._engines.index(engine)
             self.stats.peak_sequences[i] = max(self.stats.peak_sequences[i], engine.sequences)
             self.stats.requests += 1
-            self._loop.create_task(self._send(engine, request, sequences))
+            self._loop.create_task(self._send(engine, request, sequences, future))
 
-    async def _send(self, engine: _Engine, request: Request, sequences: int) -> None:
+    async def _send(self, engine: _Engine, request: Request, sequences: int, future: asyncio.Future | None) -> None:
         began, sent_at = time.monotonic(), time.time()
         try:
-            groups = await engine.client.acomplete(engine.http, request.prompts, seed=request.seed, **self._sampling)
+            groups = await engine.client.acomplete(engine.http, request.prompts, seed=request.seed,
+                                                   **(self._sampling | request.overrides()))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, which raises it
             self._failed = True
-            self._answers.put(e)
+            if future is None:
+                self._answers.put(e)
+            elif not future.done():
+                future.set_exception(e)
             return
         finally:
             engine.sequences -= sequences
-        self._answers.put(Answer(request, groups, time.monotonic() - began, sent_at))
+        answer = Answer(request, groups, time.monotonic() - began, sent_at)
+        if future is None:
+            self._answers.put(answer)
+        elif not future.done():
+            future.set_result(answer)
         self._dispatch()

@@ -30,9 +30,10 @@ class RewardFailed(OrchestratorError):
 
 @dataclass(slots=True)
 class Scorer:
-    reward: Reward
+    reward: Reward | None
+    """None with rl.environment: the environment scores, :meth:`check` counts its failures."""
     spec: str
-    """``rl.reward``, for messages."""
+    """``rl.reward=...`` (or ``rl.environment=...``), for messages."""
     max_fraction: float
     split: str
     samples: int = 0
@@ -63,14 +64,14 @@ class Scorer:
                 self.errors += 1
                 if self.first is None:
                     self.first = (record["task_id"], error)
-                    log.error("rl.reward=%s failed on %s task %s; the sample scores 0 (at most %g of the samples may fail):\n%s",
+                    log.error("%s failed on %s task %s; the sample scores 0 (at most %g of the samples may fail):\n%s",
                               self.spec, self.split, record["task_id"], self.max_fraction, error.rstrip())
         if self.samples and self.errors / self.samples > self.max_fraction:
             task_id, error = self.first
             raise RewardFailed(
-                f"rl.reward={self.spec} failed on {self.errors} of {self.samples} {self.split} samples, more than "
+                f"{self.spec} failed on {self.errors} of {self.samples} {self.split} samples, more than "
                 f"rl.max_reward_error_fraction={self.max_fraction:g}; first on task {task_id}: {last_line(error)}. "
-                f"Fix the reward function, then re-run the same command: written tasks are kept"
+                f"Fix the {'environment' if self.spec.startswith('rl.environment') else 'reward function'}, then re-run the same command: written tasks are kept"
             )
 
 

@@ -16,7 +16,7 @@ import random
 import time
 from pathlib import Path
 
-from orchestrator import rewards
+from orchestrator import environments, rewards
 from orchestrator.config import RunConfig
 from orchestrator.data import checkpoints, prompts, resample, retention
 from orchestrator.engine.client import EngineClient
@@ -26,7 +26,8 @@ from orchestrator.protocol.layout import RunLayout
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
 from orchestrator.workloads.rl.inflight import Inflight
-from orchestrator.workloads.rl.rollout_pipe import RLRolloutPipe
+from orchestrator.workloads.rl.episodes import Episodes
+from orchestrator.workloads.rl.rollout_pipe import MultiTurnPipe, RLRolloutPipe
 from orchestrator.workloads.rl.scoring import Scorer
 from orchestrator.workloads.rl.trainers import NodeTrainers
 
@@ -83,6 +84,7 @@ class RLWorkload:
         self.clients: list[EngineClient] = []
         self._verified = checkpoints.Verified()
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
+        self._tokenizer = None  # the model's, for multi-turn rollouts (rl.environment)
         self.trainers = NodeTrainers(children, keep_alive=config.train.keep_alive, train_timeout_s=self.rl.train_timeout_s)
 
     # -- tasks -------------------------------------------------------------------------------
@@ -187,8 +189,9 @@ class RLWorkload:
 
     def rollout_pipe(self, ctx: PhaseContext, split: str) -> RLRolloutPipe:
         """The rollout's requests in flight on this node's engines (``rollout.max_inflight``
-        sequences on each), answered as scored records in durable batches. The engines start
-        with the first task (a node without engines never gets one)."""
+        sequences on each), answered as scored records in durable batches (with
+        ``rl.environment``, multi-turn episodes). The engines start with the first task (a node
+        without engines never gets one)."""
         train = resample.base(split) == "train"
         sampling = {"n": self.rl.samples_per_prompt if train else self.rl.eval_samples,
                     "temperature": self.rl.temperature if train else self.rl.eval_temperature,
@@ -202,12 +205,25 @@ class RLWorkload:
                 client.model()  # the served name, asked once here: the requests in flight send nothing else
             return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
 
-        scorer = Scorer(self.reward, self.rl.reward, self.rl.max_reward_error_fraction, split)
         policy, policy_iteration = self._policy()  # what the engines serve: phase 1 or 6 moved them to it
         record = functools.partial(self._record, policy=str(policy), policy_iteration=policy_iteration)
         tasks = resample.base(split)
+        if self.rl.environment:
+            scorer = Scorer(None, f"rl.environment={self.rl.environment}", self.rl.max_reward_error_fraction, split)
+            return MultiTurnPipe(ctx, split, start, scorer, self._episodes(), self.by_id[tasks], record, samples=sampling["n"])
+        scorer = Scorer(self.reward, f"rl.reward={self.rl.reward}", self.rl.max_reward_error_fraction, split)
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[tasks].texts, self.by_id[tasks], record,
                              prompts_per_request=self.prompts_per_request(sampling["n"]))
+
+    def _episodes(self) -> Episodes:
+        """The multi-turn rollout's runner (``rl.environment``), with the model's tokenizer."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
+        return Episodes(environments.load(self.rl.environment), self.rl.environment, self._tokenizer, max_turns=self.rl.max_turns,
+                        max_tokens=self.rl.max_tokens, context=prompts.context_length(self.config.model_path),
+                        timeout_s=self.rl.env_timeout_s)
 
     def prompts_per_request(self, samples: int) -> int:
         """Prompts in one engine request at ``samples`` a prompt: ``rollout.prompts_per_request``,
@@ -218,18 +234,10 @@ class RLWorkload:
         """Sequences in flight per engine: ``rollout.max_inflight``, or the engine's default."""
         return self.config.rollout.max_inflight or DEFAULT_MAX_INFLIGHT[self.config.rollout.engine]
 
-    def _record(self, ctx: PhaseContext, split: str, task: dict, prompt: str, group, seconds: float, scorer: Scorer, *,
-                policy: str, policy_iteration: int, sent_at: float) -> dict:
+    def _record(self, ctx: PhaseContext, split: str, task: dict, prompt: str, prompt_ids: list[int], samples: list[dict],
+                seconds: float, *, policy: str, policy_iteration: int, sent_at: float) -> dict:
         """One task's trajectory record. The trainer trains on the token ids the engine sampled
         (``prompt_token_ids``, each sample's ``token_ids``), never on the text re-tokenized."""
-        samples = []
-        for c in group:
-            reward, error = scorer.score(task, c.text)
-            sample = {"text": c.text, "token_ids": c.token_ids, "reward": reward, "finish_reason": c.finish_reason,
-                      "logprobs": c.token_logprobs}
-            if error is not None:
-                sample["reward_error"] = error
-            samples.append(sample)
         return {
             "task_id": task["id"],
             "split": split,
@@ -239,7 +247,7 @@ class RLWorkload:
             "policy": policy,
             "policy_iteration": policy_iteration,
             "prompt": prompt,
-            "prompt_token_ids": group[0].prompt_token_ids,
+            "prompt_token_ids": prompt_ids,
             "answer": task["answer"],
             "seconds": seconds,
             "sent_at": sent_at,
@@ -257,7 +265,10 @@ class RLWorkload:
                 rewards_all += rs
                 best.append(max(rs))
                 for s in rec["samples"]:
-                    n_tok = len(s["logprobs"]) if s.get("logprobs") is not None else len(s["text"])
+                    if "loss_mask" in s:  # multi-turn: the ids sampled, not the environment's
+                        n_tok = sum(s["loss_mask"])
+                    else:
+                        n_tok = len(s["logprobs"]) if s.get("logprobs") is not None else len(s["text"])
                     lengths.append(n_tok)
                     tokens[rec["rank"]] += n_tok
                 sent = rec.get("sent_at", 0.0)

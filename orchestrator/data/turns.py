@@ -22,7 +22,8 @@ _PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"
 """The fixed conversation observations are rendered after."""
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+def render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """The ids the chat template renders ``messages`` with."""
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
 
@@ -39,11 +40,11 @@ def observation_ids(tokenizer, observation: list[dict]) -> list[int]:
     end-of-turn token excluded, up to and including the next turn's generation prompt.
     ValueError when the template does not render a conversation as a prefix of its continuation."""
     end = turn_end(tokenizer)
-    before = _render(tokenizer, _PROBE, generation_prompt=False)
+    before = render(tokenizer, _PROBE, generation_prompt=False)
     if end not in before:
         raise ValueError("the chat template does not end the model's turn with the EOS token")
     prefix = before[: len(before) - before[::-1].index(end)]
-    after = _render(tokenizer, _PROBE + observation, generation_prompt=True)
+    after = render(tokenizer, _PROBE + observation, generation_prompt=True)
     if after[: len(prefix)] != prefix:
         raise ValueError("the chat template renders a conversation differently once messages follow it: the observation's "
                          "ids cannot be told apart")
@@ -60,7 +61,8 @@ class Conversation:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
-    """Per turn: its sampled ids and text, then the observation's messages and ids."""
+    """Per turn: the text sampled and its count of ids (``tokens``), then the observation's
+    messages and the count of context ids that closed the turn and rendered them."""
 
     @property
     def context(self) -> list[int]:
@@ -71,14 +73,17 @@ class Conversation:
         self.token_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
-        self.turns.append({"sampled": list(ids), "text": text})
+        self.turns.append({"text": text, "tokens": len(ids)})
 
-    def observed(self, tokenizer, observation: list[dict]) -> None:
-        """The environment's answer: the model's turn closed if it was not, then the
-        observation as the template renders it, as context."""
+    def observation(self, tokenizer, observation: list[dict]) -> list[int]:
+        """The context ids the environment's answer adds: the model's turn closed if it was
+        not, then the observation as the template renders it."""
         end = turn_end(tokenizer)
-        ids = ([] if self.token_ids and self.token_ids[-1] == end else [end]) + observation_ids(tokenizer, observation)
+        return ([] if self.token_ids and self.token_ids[-1] == end else [end]) + observation_ids(tokenizer, observation)
+
+    def observed(self, observation: list[dict], ids: list[int]) -> None:
+        """Append the environment's answer, ``ids`` as :meth:`observation` made them."""
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
-        self.turns[-1] |= {"observation": observation, "observation_ids": ids}
+        self.turns[-1] |= {"observation": observation, "observation_tokens": len(ids)}

@@ -1,0 +1,221 @@
+"""Multi-turn rollouts (``rl.environment``): each sample a conversation with an environment of
+its own, turn by turn, token-exact (``data/turns.py``).
+
+A task's samples open with the environment's ``reset()`` messages, rendered by the chat
+template; their first turn is one request of ``n`` samples, as a one-turn rollout's. Then each
+sample goes on alone: the environment's ``step`` answers the model's turn; its observation's
+ids join the context, and the whole context is the next turn's token-id prompt. A sample ends
+when the environment says done, at ``rl.max_turns``, or when its ids after the prompt would
+pass ``rl.max_tokens`` (``finish_reason`` "length") or the model's context. Its reward is what
+the environment's last step answered.
+
+The samples run as coroutines on the rollout's event loop (:class:`inflight.Inflight`), so a
+sample waiting for its environment holds no request slot. The environments' code (the class,
+``reset``, ``step``) runs on threads of its own (:class:`EnvThreads`), never on the loop: a
+slow one stalls only its sample. One that raises, or takes longer than ``rl.env_timeout_s``,
+ends its sample with reward 0 and the error in ``reward_error``, counted against
+``rl.max_reward_error_fraction`` as a failing reward is (``scoring.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import random
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from orchestrator.environments import Step
+from orchestrator.workloads.rl.inflight import Inflight, Request
+from orchestrator.workloads.rl.scoring import ERROR_CHARS
+from orchestrator.data.turns import Conversation, render
+
+ENV_THREADS = 32
+"""Threads running environments' code at once on a rank (one more for each call that timed out)."""
+
+
+class EnvThreads:
+    """Daemon threads that run environments' calls: a call that never returns keeps its thread
+    (it cannot be stopped) but not its sample, which the caller abandons; :meth:`abandoned`
+    starts a thread in its place, and daemon threads never hold the process at exit."""
+
+    def __init__(self, threads: int = ENV_THREADS):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = 0
+        for _ in range(threads):
+            self._start()
+
+    def _start(self) -> None:
+        self._threads += 1
+        threading.Thread(target=self._work, name=f"rl-environment-{self._threads}", daemon=True).start()
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - the user's code: handed to the sample
+                    future.set_exception(e)
+
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def abandoned(self) -> None:
+        """A call was given up on: its thread may never come back."""
+        self._start()
+
+    def close(self) -> None:
+        for _ in range(self._threads):
+            self._calls.put(None)
+
+
+class EnvironmentFailed(Exception):
+    """An environment's call raised or timed out; the message says which and where."""
+
+
+@dataclass(slots=True)
+class Episode:
+    """One sample's conversation with its environment."""
+
+    env: object = None
+    conversation: Conversation | None = None
+    reward: float = 0.0
+    finish_reason: str = "stop"
+    error: str | None = None
+
+    def sample(self, decode) -> dict:
+        c = self.conversation
+        ids = c.token_ids if c else []
+        sample = {"text": decode(ids) if ids else "", "token_ids": ids, "reward": self.reward, "finish_reason": self.finish_reason,
+                  "logprobs": c.logprobs if c else [], "loss_mask": c.loss_mask if c else [], "turns": c.turns if c else []}
+        if self.error is not None:
+            sample["reward_error"] = self.error
+        return sample
+
+
+@dataclass
+class Episodes:
+    """Runs a task's samples as conversations with ``environment`` (a class, ``rl.environment``)."""
+
+    environment: type
+    spec: str
+    """``rl.environment``, for messages."""
+    tokenizer: object
+    max_turns: int
+    max_tokens: int
+    """The ids a sample may add after its prompt, all turns together."""
+    context: int | None
+    """The model's context length (None: unknown)."""
+    timeout_s: float
+    threads: EnvThreads = field(default_factory=EnvThreads)
+
+    async def run(self, inflight: Inflight, task: dict, *, n: int, seed: str) -> tuple[str, list[int], list[dict], float]:
+        """``n`` samples of ``task``: (the prompt's text and ids, the samples as records hold
+        them, when the first request was sent). ``seed`` names the task's random streams."""
+        episodes = [Episode() for _ in range(n)]
+        openings = await asyncio.gather(*(self._open(e, task) for e in episodes))
+        prompt = next((o for o in openings if o is not None), None)
+        if prompt is None:  # every environment failed to open: the task's own prompt stands for the record's
+            prompt = render(self.tokenizer, _task_messages(task), generation_prompt=True)
+        together = [i for i, o in enumerate(openings) if o == prompt]
+        for i, o in enumerate(openings):
+            if o is not None and o != prompt:
+                self._fail(episodes[i], f"{self.spec}: reset() opened sample {i} with other messages than sample "
+                                        f"{together[0]}: a group's samples share their prompt")
+        sent_at = time.time()
+        if together and not self._room(prompt, []):
+            for i in together:
+                self._fail(episodes[i], f"{self.spec}: reset()'s messages are {len(prompt)} tokens, which leave no room in "
+                                        f"the model's context of {self.context}")
+            together = []
+        if together:
+            request = Request([task["id"]], [prompt], _seed(seed), n=len(together), max_tokens=self._room(prompt, []))
+            first = (await inflight.complete(request)).groups[0]
+            for i, completion in zip(together, first):
+                episodes[i].conversation = Conversation(list(prompt))
+            await asyncio.gather(*(self._turns(inflight, task, episodes[i], completion, f"{seed}:{i}")
+                                   for i, completion in zip(together, first)))
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        return decode(prompt), prompt, [e.sample(decode) for e in episodes], sent_at
+
+    async def _open(self, episode: Episode, task: dict) -> list[int] | None:
+        """The sample's environment made and reset: the ids of its opening, or None (failed)."""
+        try:
+            episode.env = await self._call(self.environment, task)
+            messages = await self._call(episode.env.reset)
+            return render(self.tokenizer, messages, generation_prompt=True)
+        except EnvironmentFailed as e:
+            self._fail(episode, str(e))
+        except Exception as e:  # noqa: BLE001 - messages the template cannot render
+            self._fail(episode, f"{self.spec}: reset() gave messages the chat template cannot render: {e!r}")
+        return None
+
+    async def _turns(self, inflight: Inflight, task: dict, episode: Episode, completion, seed: str) -> None:
+        c = episode.conversation
+        for turn in range(1, self.max_turns + 1):
+            c.sampled(completion.token_ids, completion.token_logprobs, completion.text)
+            episode.finish_reason = completion.finish_reason
+            try:
+                step = await self._call(episode.env.step, completion.text)
+                if not isinstance(step, Step):
+                    raise EnvironmentFailed(f"{self.spec}: step() returned {type(step).__name__}, not an "
+                                            f"orchestrator.environments.Step")
+            except EnvironmentFailed as e:
+                self._fail(episode, str(e))
+                return
+            episode.reward = step.reward
+            if step.done or turn == self.max_turns:
+                return
+            try:
+                ids = c.observation(self.tokenizer, step.observation)
+            except Exception as e:  # noqa: BLE001 - a role or content the template refuses
+                self._fail(episode, f"{self.spec}: step()'s observation cannot be rendered by the chat template: {e!r}")
+                return
+            room = self._room(c.context + ids, c.token_ids + ids)
+            if room <= 0:  # the next turn would have no room: the sample ends here, cut
+                episode.finish_reason = "length"
+                return
+            c.observed(step.observation, ids)
+            request = Request([task["id"]], [c.context], _seed(f"{seed}:{turn + 1}"), n=1, max_tokens=room)
+            completion = (await inflight.complete(request)).groups[0][0]
+
+    def _room(self, context: list[int], after_prompt: list[int]) -> int:
+        """Tokens the next turn may sample: what rl.max_tokens and the context leave."""
+        room = self.max_tokens - len(after_prompt)
+        return room if self.context is None else min(room, self.context - len(context))
+
+    async def _call(self, fn, *args):
+        """``fn(*args)`` on an environment thread, within ``rl.env_timeout_s``."""
+        future = self.threads.call(fn, *args)
+        name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
+            self.threads.abandoned()
+            raise EnvironmentFailed(f"{self.spec}: {name}() took longer than rl.env_timeout_s={self.timeout_s:g}") from None
+        except Exception as e:  # noqa: BLE001 - the user's code
+            text = "".join(traceback.format_exception(e))
+            raise EnvironmentFailed(f"{self.spec}: {name}() raised:\n{text}"[-ERROR_CHARS:]) from None
+
+    @staticmethod
+    def _fail(episode: Episode, error: str) -> None:
+        episode.reward, episode.error = 0.0, error
+
+    def close(self) -> None:
+        self.threads.close()
+
+
+def _seed(name: str) -> int:
+    """A request's seed, named by what it samples: the same whatever else is in flight."""
+    return random.Random(name).randrange(2**31)
+
+
+def _task_messages(task: dict) -> list[dict]:
+    prompt = task["prompt"]
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]

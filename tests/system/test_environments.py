@@ -1,0 +1,157 @@
+"""Multi-turn rollouts for real (rl.environment): the chat demo's model takes turns with a
+user environment through the embedded engine's token-id prompts, ranks train on the turns
+with the environment's messages masked, and environments that raise, hang, or whose rank is
+killed mid-conversation cost only their samples."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from orchestrator.protocol.layout import RunLayout
+from orchestrator.data import turns
+from tests.harness import NODE_TIMEOUT_S, hold_after_first_batch, kill_tree, start_ranks, status_json, wait_held_mid_rollout
+from tests.system.test_rl_loop import SMALL, _aggregate, _local
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ENVS = '''
+import threading
+import time
+
+from orchestrator import rewards
+from orchestrator.environments import Step
+
+HANG = threading.Event()
+
+
+class Retry:
+    """The model's first turn gets a tool message back; the second is graded by the math reward."""
+
+    def __init__(self, task):
+        self.task, self.turn = task, 0
+
+    def reset(self):
+        return self.task["prompt"]
+
+    def step(self, completion):
+        self.turn += 1
+        if self.turn == 1:
+            return Step(observation=[{"role": "tool", "content": "check it"}])
+        return Step(reward=rewards.math(self.task, completion), done=True)
+
+
+class Faulty(Retry):
+    """Fails to open once per process (its first train sample), raises on test-000000's first
+    step and hangs on test-000001's."""
+
+    opened = 0
+
+    def reset(self):
+        if self.task["id"].startswith("train"):
+            Faulty.opened += 1
+        if Faulty.opened == 1 and self.task["id"].startswith("train"):
+            raise RuntimeError("no sandbox for the first sample")
+        return super().reset()
+
+    def step(self, completion):
+        if self.turn == 0 and self.task["id"] == "test-000000":
+            raise ZeroDivisionError("boom in the environment")
+        if self.turn == 0 and self.task["id"] == "test-000001":
+            HANG.wait()
+        return super().step(completion)
+
+
+class Slow(Retry):
+    def step(self, completion):
+        time.sleep(0.2)
+        return super().step(completion)
+'''
+
+
+@pytest.fixture
+def user_envs(tmp_path):
+    (tmp_path / "user_envs.py").write_text(ENVS)
+    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _flags(data, log_path, env, *extra, nodes=2):
+    return [f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=both", f"--num-nodes={nodes}",
+            f"--rank-weights={','.join(['1'] * nodes)}", "--eval-interval=1", *SMALL, f"rl.environment=user_envs:{env}",
+            "rl.reward=orchestrator.rewards:math", "rl.max_tokens=48", "rl.max_turns=3", *extra]
+
+
+def test_two_ranks_train_on_turns_and_an_environment_that_raises_or_hangs_costs_only_its_samples(chat_demo_data, tmp_path, user_envs):
+    log_path = tmp_path / "run"
+    result = _local(_flags(chat_demo_data, log_path, "Faulty", "--max-iterations=1", "rl.env_timeout_s=3",
+                           "rl.max_reward_error_fraction=0.2"), env=user_envs)
+    assert result.returncode == 0, result.stdout[-6000:]
+    layout = RunLayout(log_path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_demo_data / "model")
+    observation = turns.observation_ids(tokenizer, [{"role": "tool", "content": "check it"}])
+    train = _aggregate(layout, 1)
+    assert len({r["task_id"] for r in train}) == len(train) == 8
+    multi = 0
+    for record in train:
+        assert record["prompt_token_ids"] == turns.render(tokenizer, _task(chat_demo_data, record["task_id"]), generation_prompt=True)
+        for s in record["samples"]:
+            assert len(s["token_ids"]) == len(s["loss_mask"]) == len(s["logprobs"]) <= 48
+            if len(s["turns"]) < 2:
+                continue
+            multi += 1
+            first = s["turns"][0]
+            assert first["observation"] == [{"role": "tool", "content": "check it"}]
+            start = first["tokens"] + (first["observation_tokens"] - len(observation))  # the turn closed with EOS if it was cut
+            assert s["token_ids"][start : start + len(observation)] == observation, "the tool's ids as the template renders them"
+            assert s["loss_mask"] == [1] * first["tokens"] + [0] * first["observation_tokens"] + [1] * s["turns"][1]["tokens"]
+            assert "<|im_start|>tool\ncheck it<|im_end|>" in s["text"]
+    assert multi >= 16, "most samples took two turns"
+    failed = [s for r in train for s in r["samples"] if "reward_error" in s]
+    assert len(failed) in (1, 2) and all("no sandbox" in s["reward_error"] and s["token_ids"] == [] for s in failed)
+
+    evals = {r["task_id"]: r for r in _aggregate(layout, 1, "eval")}
+    raised = evals["test-000000"]["samples"]
+    hung = evals["test-000001"]["samples"]
+    assert all(s["reward"] == 0.0 and "ZeroDivisionError: boom in the environment" in s["reward_error"] for s in raised)
+    assert all(s["reward"] == 0.0 and "took longer than rl.env_timeout_s=3" in s["reward_error"] for s in hung)
+    errors = status_json(log_path)["iterations"][0]["reward_errors"]
+    assert errors["train"]["count"] == len(failed) and errors["eval"]["count"] == 4 and errors["eval"]["samples"] == 32
+    assert layout.checkpoint(1).is_dir(), "the update trained on the turns"
+
+
+def test_kill_9_mid_conversations_then_rerun_keeps_every_written_task_and_runs_each_task_once(chat_demo_data, tmp_path, user_envs):
+    log_path = tmp_path / "run"
+    # 32 tasks of 4 samples a rank, 16 tasks in hand at a time, each step 0.2 s: when the first
+    # batch is durable rank 0 still has conversations mid-way. Without work stealing, so its share stays its own.
+    flags = _flags(chat_demo_data, log_path, "Slow", "--max-iterations=1", "rl.train_tasks=64", "coordination.work_stealing=false")
+    procs = start_ranks(flags, 2, env_for={r: {**user_envs, **e} for r, e in hold_after_first_batch(0).items()} | {1: user_envs})
+    try:
+        layout = RunLayout(log_path)
+        wait_held_mid_rollout(layout, 0)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(timeout=10)
+        assert procs[1].wait(timeout=NODE_TIMEOUT_S + 60) == 3
+        partial = layout.iteration(1).shard("train", 0).read_text().splitlines()
+        assert 0 < len(partial) < 32
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    result = _local([*flags, "--num-nodes=2"], env=user_envs)
+    assert result.returncode == 0, result.stdout[-6000:]
+    records = _aggregate(layout, 1)
+    assert len(records) == 64 and len({r["task_id"] for r in records}) == 64
+    kept = [json.loads(line) for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
+    assert kept[: len(partial)] == [json.loads(line) for line in partial], "what was durable stays as it was"
+    assert all(len(s["turns"]) == 2 for r in records for s in r["samples"] if s["finish_reason"] == "stop")
+
+
+def _task(data, task_id):
+    split = "train" if task_id.startswith("train") else "test"
+    for line in (data / "tasks" / f"{split}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["id"] == task_id:
+            return row["prompt"]
+    raise KeyError(task_id)

@@ -1,0 +1,159 @@
+"""Multi-turn episodes (workloads/rl/episodes.py) against a scripted engine: when a sample
+ends (done, rl.max_turns, out of room), what its record holds, and environments that raise,
+hang or open differently, with the chat demo's ChatML tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from orchestrator.engine.client import Completion
+from orchestrator.environments import Step
+from orchestrator.data import turns
+from orchestrator.workloads.rl.episodes import Episodes, EnvThreads
+from orchestrator.workloads.rl.inflight import Answer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from orchestrator.demo import chat_tokenizer, tasks, warm_start
+
+    return chat_tokenizer.fast(chat_tokenizer.corpus(tasks.make_tasks(0, chat=True)["train"][:200], warm_start.CHAT.target))
+
+
+class Engine:
+    """Answers each request with ``reply`` (its text's ids, then EOS), and keeps the requests."""
+
+    def __init__(self, tokenizer, reply: str = "<calc>1</calc>", cut: bool = False):
+        self.tokenizer, self.reply, self.cut, self.requests = tokenizer, reply, cut, []
+
+    async def complete(self, request):
+        self.requests.append(request)
+        ids = self.tokenizer(self.reply, add_special_tokens=False)["input_ids"]
+        ids = ids[: request.max_tokens] if self.cut else ids + [self.tokenizer.eos_token_id]
+        group = [Completion(self.reply, "length" if self.cut else "stop", [-0.5] * len(ids), None, ids, request.prompts[0])
+                 for _ in range(request.n)]
+        return Answer(request, [group], 0.0, 0.0)
+
+
+class Tool:
+    """A tool message after every turn; done at ``done_at`` with reward 1."""
+
+    done_at = 99
+
+    def __init__(self, task):
+        self.task, self.turn = task, 0
+
+    def reset(self):
+        return [{"role": "user", "content": self.task["prompt"]}]
+
+    def step(self, completion):
+        self.turn += 1
+        if self.turn >= self.done_at:
+            return Step(reward=1.0, done=True)
+        return Step(observation=[{"role": "tool", "content": "42"}], reward=0.25)
+
+
+def run(tokenizer, env, engine=None, *, n=2, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, task_id="t1"):
+    engine = engine or Engine(tokenizer)
+    episodes = Episodes(env, "my:Env", tokenizer, max_turns=max_turns, max_tokens=max_tokens, context=context, timeout_s=timeout_s,
+                        threads=EnvThreads(4))
+    try:
+        prompt, prompt_ids, samples, _ = asyncio.run(episodes.run(engine, {"id": task_id, "prompt": "1+1?"}, n=n, seed="s"))
+    finally:
+        episodes.close()
+    return prompt_ids, samples, engine
+
+
+def test_each_sample_takes_turns_until_max_turns_with_observations_masked_and_the_last_reward(tokenizer):
+    prompt_ids, samples, engine = run(tokenizer, Tool, max_turns=3)
+    assert prompt_ids == turns.render(tokenizer, [{"role": "user", "content": "1+1?"}], generation_prompt=True)
+    first, *later = engine.requests
+    assert first.n == 2 and len(later) == 4 and all(r.n == 1 for r in later), "one request of n for the first turn, then one a sample"
+    assert len({r.seed for r in later}) == 4, "each sample's turns have seeds of their own"
+    reply = tokenizer("<calc>1</calc>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    obs = turns.observation_ids(tokenizer, [{"role": "tool", "content": "42"}])
+    for s in samples:
+        assert s["token_ids"] == reply + obs + reply + obs + reply
+        assert s["loss_mask"] == [1] * len(reply) + [0] * len(obs) + [1] * len(reply) + [0] * len(obs) + [1] * len(reply)
+        assert s["logprobs"] == [-0.5] * len(reply) + [0.0] * len(obs) + [-0.5] * len(reply) + [0.0] * len(obs) + [-0.5] * len(reply)
+        assert [t["tokens"] for t in s["turns"]] == [len(reply)] * 3 and s["turns"][0]["observation"] == [{"role": "tool", "content": "42"}]
+        assert s["reward"] == 0.25 and s["finish_reason"] == "stop" and "reward_error" not in s
+        assert s["text"] == tokenizer.decode(s["token_ids"])
+    # the next turn's prompt is everything so far, as ids
+    assert later[-1].prompts[0] == prompt_ids + reply + obs + reply + obs
+
+
+def test_a_sample_ends_when_the_environment_says_done(tokenizer):
+    class Done(Tool):
+        done_at = 2
+
+    _, samples, engine = run(tokenizer, Done)
+    assert all(len(s["turns"]) == 2 and s["reward"] == 1.0 for s in samples) and len(engine.requests) == 3
+
+
+def test_a_sample_out_of_room_ends_cut_and_the_observation_that_would_not_fit_is_left_out(tokenizer):
+    reply = len(tokenizer("<calc>1</calc>", add_special_tokens=False)["input_ids"]) + 1
+    _, samples, engine = run(tokenizer, Tool, n=1, max_tokens=reply + 5)  # the tool's answer takes more than 5
+    (s,) = samples
+    assert len(s["token_ids"]) == reply and s["finish_reason"] == "length" and "observation" not in s["turns"][0]
+    assert engine.requests[0].max_tokens == reply + 5
+    # the model's context bounds a turn too
+    _, _, engine = run(tokenizer, Tool, n=1, context=40)
+    assert all(len(r.prompts[0]) + r.max_tokens == 40 for r in engine.requests)
+
+
+def test_an_environment_that_raises_or_hangs_ends_its_sample_with_reward_0_and_the_error(tokenizer):
+    release = threading.Event()
+
+    class Faulty(Tool):
+        calls = 0
+
+        def step(self, completion):
+            Faulty.calls += 1
+            if Faulty.calls == 1:
+                raise ZeroDivisionError("boom")
+            if Faulty.calls == 2:
+                release.wait(30)  # hangs past the timeout
+            return super().step(completion)
+
+    began = time.monotonic()
+    _, samples, _ = run(tokenizer, Faulty, n=3, timeout_s=0.5)
+    release.set()
+    assert time.monotonic() - began < 10
+    errors = sorted(s.get("reward_error", "") for s in samples)
+    assert errors[0] == "" and samples[[s.get("reward_error", "") for s in samples].index("")]["reward"] == 0.25
+    assert "ZeroDivisionError: boom" in errors[1] + errors[2] and "took longer than rl.env_timeout_s=0.5" in errors[1] + errors[2]
+    assert all(s["reward"] == 0.0 for s in samples if "reward_error" in s)
+
+
+def test_an_environment_that_fails_to_open_gives_an_empty_sample_and_the_tasks_prompt_stands_in(tokenizer):
+    class NoReset(Tool):
+        def reset(self):
+            raise RuntimeError("no sandbox")
+
+    prompt_ids, samples, engine = run(tokenizer, NoReset)
+    assert not engine.requests and prompt_ids == turns.render(tokenizer, [{"role": "user", "content": "1+1?"}], generation_prompt=True)
+    assert all(s["token_ids"] == [] and s["reward"] == 0.0 and "RuntimeError: no sandbox" in s["reward_error"] for s in samples)
+
+    class Different(Tool):
+        opened = 0
+
+        def reset(self):
+            Different.opened += 1
+            return [{"role": "user", "content": f"variant {Different.opened}"}]
+
+    _, samples, engine = run(tokenizer, Different, n=2)
+    assert engine.requests[0].n == 1 and "a group's samples share their prompt" in samples[1]["reward_error"]
+
+
+def test_a_step_that_returns_something_else_than_a_step_is_an_error(tokenizer):
+    class Wrong(Tool):
+        def step(self, completion):
+            return {"reward": 1.0}
+
+    _, samples, _ = run(tokenizer, Wrong, n=1)
+    assert "returned dict, not an orchestrator.environments.Step" in samples[0]["reward_error"]
