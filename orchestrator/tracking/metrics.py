@@ -5,7 +5,8 @@ copied there at publish, the eval metrics at eval) and from the master's phase t
 names follow the peers' habits (verl, prime-rl), grouped by a prefix::
 
     reward/mean                        the train rollout's mean reward
-    eval/accuracy, eval/pass_at_K         when the iteration was evaluated (also eval/response_length, eval/tokens_per_s)
+    eval/accuracy, eval/pass_at_K      when the iteration was evaluated (also eval/response_length, eval/tokens_per_s,
+                                       and eval/turns with rl.environment)
     train/loss, train/kl, train/entropy, train/clip_fraction, train/grad_norm   means over the update's steps
     train/is_ratio_mean, train/is_ratio_max, train/is_capped_fraction           with rl.is_correction
     rollout/response_length, rollout/tokens_per_s, rollout/zero_advantage_groups, rollout/filtered_groups,
@@ -52,6 +53,8 @@ def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float
         out[f"eval/pass_at_{metrics.get('k')}"] = metrics.get("pass_at_k")
         out["eval/response_length"] = metrics.get("response_length")
         out["eval/tokens_per_s"] = metrics.get("tokens_per_s")
+        if "turns" in metrics:  # multi-turn (rl.environment)
+            out["eval/turns"] = metrics["turns"]
     phases = phases or {}
     rollout_s = phases.get(Phase.ROLLOUT.label)
     sampled = (update.get("response_length") or 0) * (update.get("samples") or 0)

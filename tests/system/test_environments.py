@@ -117,7 +117,9 @@ def test_two_ranks_train_on_turns_and_an_environment_that_raises_or_hangs_costs_
     hung = evals["test-000001"]["samples"]
     assert all(s["reward"] == 0.0 and "ZeroDivisionError: boom in the environment" in s["reward_error"] for s in raised)
     assert all(s["reward"] == 0.0 and "took longer than rl.env_timeout_s=3" in s["reward_error"] for s in hung)
-    errors = status_json(log_path)["iterations"][0]["reward_errors"]
+    shown = status_json(log_path)["iterations"][0]
+    assert 1 < shown["metrics"]["turns"] <= 2, "the eval counts the model's turns"
+    errors = shown["reward_errors"]
     assert errors["train"]["count"] == len(failed) and errors["eval"]["count"] == 4 and errors["eval"]["samples"] == 32
     assert layout.checkpoint(1).is_dir(), "the update trained on the turns"
 

@@ -29,6 +29,20 @@ from orchestrator.engine.client import Completion, EngineClient
 _CLOSE_WAIT_S = 10.0  # how long close() waits for the loop's thread to end
 
 
+def drain(items: queue.SimpleQueue, timeout_s: float) -> list:
+    """What ``items`` holds, waiting up to ``timeout_s`` for the first."""
+    got = []
+    try:
+        got.append(items.get(timeout=timeout_s))
+    except queue.Empty:
+        return got
+    while True:
+        try:
+            got.append(items.get_nowait())
+        except queue.Empty:
+            return got
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     task_ids: list[str]
@@ -133,19 +147,11 @@ class Inflight:
     def answers(self, timeout_s: float) -> list[Answer]:
         """The answers that came since the last call, waiting up to ``timeout_s`` for the
         first; raises the first request's failure (the rest are then left unsent)."""
-        got: list[Answer] = []
-        try:
-            item = self._answers.get(timeout=timeout_s)
-        except queue.Empty:
-            return got
-        while True:
+        got = drain(self._answers, timeout_s)
+        for item in got:
             if isinstance(item, BaseException):
                 raise item
-            got.append(item)
-            try:
-                item = self._answers.get_nowait()
-            except queue.Empty:
-                return got
+        return got
 
     def close(self) -> None:
         """Stop sending; requests in flight are abandoned (their answers are never taken)."""

@@ -17,7 +17,7 @@ from typing import Callable
 from orchestrator.engine.client import Completion
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.episodes import Episodes
-from orchestrator.workloads.rl.inflight import Answer, Inflight, Request
+from orchestrator.workloads.rl.inflight import Answer, Inflight, Request, drain
 from orchestrator.workloads.rl.scoring import Scorer
 
 BATCH_TASKS = 16
@@ -135,17 +135,7 @@ class MultiTurnPipe(RLRolloutPipe):
     def _take(self, timeout_s: float) -> list[dict]:
         """The records of the tasks that ended, waiting up to ``timeout_s`` for the first;
         raises an engine's failure."""
-        got: list[dict] = []
-        try:
-            future = self._done.get(timeout=timeout_s)
-        except queue.Empty:
-            return got
-        while True:
-            got.append(future.result())
-            try:
-                future = self._done.get_nowait()
-            except queue.Empty:
-                return got
+        return [future.result() for future in drain(self._done, timeout_s)]
 
     def close(self) -> None:
         super().close()

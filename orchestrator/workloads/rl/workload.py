@@ -255,7 +255,7 @@ class RLWorkload:
         }
 
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
-        rewards_all, best, lengths = [], [], []
+        rewards_all, best, lengths, turns = [], [], [], []
         tokens: dict[int, int] = collections.Counter()  # per rank
         spans: dict[int, list[float]] = {}  # per rank: first request sent, last answered
         with open(eval_records, "rb") as f:
@@ -267,6 +267,7 @@ class RLWorkload:
                 for s in rec["samples"]:
                     if "loss_mask" in s:  # multi-turn: the ids sampled, not the environment's
                         n_tok = sum(s["loss_mask"])
+                        turns.append(len(s.get("turns") or ()))
                     else:
                         n_tok = len(s["logprobs"]) if s.get("logprobs") is not None else len(s["text"])
                     lengths.append(n_tok)
@@ -286,7 +287,7 @@ class RLWorkload:
             # Requests overlap: each rank's tokens over its span, added up over the ranks.
             "tokens_per_s": sum(tokens[r] / (end - start) for r, (start, end) in spans.items() if end > start),
             "tasks": len(best),
-        }
+        } | ({"turns": sum(turns) / len(turns)} if turns else {})
 
     # -- training ------------------------------------------------------------------------------
 
