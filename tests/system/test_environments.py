@@ -84,8 +84,10 @@ def _flags(data, log_path, env, *extra, nodes=2):
 
 def test_two_ranks_train_on_turns_and_an_environment_that_raises_or_hangs_costs_only_its_samples(chat_demo_data, tmp_path, user_envs):
     log_path = tmp_path / "run"
+    # Every failure tolerated: which batch each lands in decides when a lower limit trips, and the
+    # limit's rule is the rewards' (tests/unit/test_scoring.py, test_rl_loop's failing reward).
     result = _local(_flags(chat_demo_data, log_path, "Faulty", "--max-iterations=1", "rl.env_timeout_s=3",
-                           "rl.max_reward_error_fraction=0.2"), env=user_envs)
+                           "rl.max_reward_error_fraction=1.0"), env=user_envs)
     assert result.returncode == 0, result.stdout[-6000:]
     layout = RunLayout(log_path)
     from transformers import AutoTokenizer

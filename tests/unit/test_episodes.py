@@ -57,10 +57,10 @@ class Tool:
         return Step(observation=[{"role": "tool", "content": "42"}], reward=0.25)
 
 
-def run(tokenizer, env, engine=None, *, n=2, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, task_id="t1"):
+def run(tokenizer, env, engine=None, *, n=2, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, task_id="t1", threads=4):
     engine = engine or Engine(tokenizer)
     episodes = Episodes(env, "my:Env", tokenizer, max_turns=max_turns, max_tokens=max_tokens, context=context, timeout_s=timeout_s,
-                        threads=EnvThreads(4))
+                        threads=EnvThreads(threads))
     try:
         prompt, prompt_ids, samples, _ = asyncio.run(episodes.run(engine, {"id": task_id, "prompt": "1+1?"}, n=n, seed="s"))
     finally:
@@ -128,6 +128,20 @@ def test_an_environment_that_raises_or_hangs_ends_its_sample_with_reward_0_and_t
     assert errors[0] == "" and samples[[s.get("reward_error", "") for s in samples].index("")]["reward"] == 0.25
     assert "ZeroDivisionError: boom" in errors[1] + errors[2] and "took longer than rl.env_timeout_s=0.5" in errors[1] + errors[2]
     assert all(s["reward"] == 0.0 for s in samples if "reward_error" in s)
+
+
+def test_the_timeout_counts_from_a_calls_start_not_while_it_waits_for_a_thread(tokenizer):
+    class Slow(Tool):
+        done_at = 1
+
+        def step(self, completion):
+            time.sleep(0.3)
+            return super().step(completion)
+
+    began = time.monotonic()
+    _, samples, _ = run(tokenizer, Slow, n=3, timeout_s=0.5, threads=1)  # the third waits 0.6 s for the one thread
+    assert time.monotonic() - began >= 0.9
+    assert all("reward_error" not in s and s["reward"] == 1.0 for s in samples)
 
 
 def test_an_environment_that_fails_to_open_gives_an_empty_sample_and_the_tasks_prompt_stands_in(tokenizer):

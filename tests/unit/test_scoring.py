@@ -42,3 +42,9 @@ def test_a_zero_limit_fails_at_the_first_error_and_tolerates_none():
     scorer.check(batch("ok", "ok"))
     with pytest.raises(RewardFailed, match="1 of 3 eval samples"):
         scorer.check(batch("raise"))
+
+
+def test_an_environments_failures_are_counted_alike_and_named_as_the_environments():
+    scorer = Scorer(None, "rl.environment=my:Env", 0.0, "train")
+    with pytest.raises(RewardFailed, match=r"rl.environment=my:Env failed on 1 of 2 train samples.*Fix the environment"):
+        scorer.check([{"task_id": "t1", "samples": [{"reward": 1.0}, {"reward": 0.0, "reward_error": "Env.step() raised: boom"}]}])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import queue
 import random
 import threading
@@ -35,6 +36,8 @@ from orchestrator.data.turns import Conversation, render
 
 ENV_THREADS = 32
 """Threads running environments' code at once on a rank (one more for each call that timed out)."""
+_WAIT_S = 1.0
+"""How often a call still waiting for a thread looks whether it has started."""
 
 
 class EnvThreads:
@@ -53,17 +56,19 @@ class EnvThreads:
         threading.Thread(target=self._work, name=f"rl-environment-{self._threads}", daemon=True).start()
 
     def _work(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args = call
+        while (future := self._calls.get()) is not None:
             if future.set_running_or_notify_cancel():
+                future.started = time.monotonic()
                 try:
-                    future.set_result(fn(*args))
+                    future.set_result(future.call())
                 except BaseException as e:  # noqa: BLE001 - the user's code: handed to the sample
                     future.set_exception(e)
 
     def call(self, fn, *args) -> concurrent.futures.Future:
+        """``fn(*args)`` on a thread; its future's ``started`` is when it began (None while queued)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((future, fn, args))
+        future.call, future.started = functools.partial(fn, *args), None
+        self._calls.put(future)
         return future
 
     def abandoned(self) -> None:
@@ -191,14 +196,19 @@ class Episodes:
         return room if self.context is None else min(room, self.context - len(context))
 
     async def _call(self, fn, *args):
-        """``fn(*args)`` on an environment thread, within ``rl.env_timeout_s``."""
+        """``fn(*args)`` on an environment thread, within ``rl.env_timeout_s`` of its start (a
+        call waiting for a thread is not late: the threads may all be busy with other samples)."""
         future = self.threads.call(fn, *args)
+        result = asyncio.wrap_future(future)
         name = getattr(fn, "__qualname__", repr(fn))
+        while not result.done():
+            left = _WAIT_S if future.started is None else future.started + self.timeout_s - time.monotonic()
+            if left <= 0:
+                self.threads.abandoned()
+                raise EnvironmentFailed(f"{self.spec}: {name}() took longer than rl.env_timeout_s={self.timeout_s:g}")
+            await asyncio.wait({result}, timeout=left)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except TimeoutError:
-            self.threads.abandoned()
-            raise EnvironmentFailed(f"{self.spec}: {name}() took longer than rl.env_timeout_s={self.timeout_s:g}") from None
+            return result.result()
         except Exception as e:  # noqa: BLE001 - the user's code
             text = "".join(traceback.format_exception(e))
             raise EnvironmentFailed(f"{self.spec}: {name}() raised:\n{text}"[-ERROR_CHARS:]) from None
