@@ -17,6 +17,7 @@ from orchestrator.demo import (
     TOOLS_ACCURACY_BAND,
     TOOLS_MAX_TOKENS,
     TOOLS_MAX_WARM_STEPS,
+    defaults,
 )
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR
 from orchestrator.node import identity
@@ -61,10 +62,9 @@ def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_st
         terminal.abort("--chat and --tools make two different demos: give one of them", EXIT_BAD_INPUT)
     if warm_steps is not None and warm_steps < 0:
         terminal.abort(f"--warm-steps must be >= 0, got {warm_steps}", EXIT_BAD_INPUT)
-    if accuracy_band is None:
-        accuracy_band = _band(TOOLS_ACCURACY_BAND if tools else CHAT_ACCURACY_BAND if chat else DEFAULT_ACCURACY_BAND)
-    if max_warm_steps is None:
-        max_warm_steps = TOOLS_MAX_WARM_STEPS if tools else CHAT_MAX_WARM_STEPS if chat else DEFAULT_MAX_WARM_STEPS
+    default_band, default_steps = defaults(chat=chat, tools=tools)
+    accuracy_band = _band(default_band) if accuracy_band is None else accuracy_band
+    max_warm_steps = default_steps if max_warm_steps is None else max_warm_steps
     if max_warm_steps < 1:
         terminal.abort(f"--max-warm-steps must be >= 1, got {max_warm_steps}", EXIT_BAD_INPUT)
     from orchestrator.demo import warm_start

@@ -22,3 +22,12 @@ CHAT_MAX_WARM_STEPS = 1500
 TOOLS_ACCURACY_BAND = (0.30, 0.40)
 TOOLS_MAX_WARM_STEPS = 1500
 TOOLS_MAX_TOKENS = 48
+
+
+def defaults(*, chat: bool = False, tools: bool = False) -> tuple[tuple[float, float], int]:
+    """(accuracy band, most warm-start steps) of the demo ``chat`` and ``tools`` name."""
+    if tools:
+        return TOOLS_ACCURACY_BAND, TOOLS_MAX_WARM_STEPS
+    if chat:
+        return CHAT_ACCURACY_BAND, CHAT_MAX_WARM_STEPS
+    return DEFAULT_ACCURACY_BAND, DEFAULT_MAX_WARM_STEPS

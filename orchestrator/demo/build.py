@@ -22,18 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
-from orchestrator.demo import (
-    CHAT_ACCURACY_BAND,
-    CHAT_MAX_WARM_STEPS,
-    DEFAULT_ACCURACY_BAND,
-    DEFAULT_MAX_WARM_STEPS,
-    DEFAULT_SEED,
-    TOOLS_ACCURACY_BAND,
-    TOOLS_MAX_WARM_STEPS,
-    VALIDATION_TASKS,
-    chat_tokenizer,
-    warm_start,
-)
+from orchestrator.demo import DEFAULT_SEED, VALIDATION_TASKS, chat_tokenizer, defaults, warm_start
 from orchestrator.demo import model as demo_model
 from orchestrator.demo import tasks as demo_tasks
 from orchestrator.protocol import fsio
@@ -57,10 +46,9 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
     """
     if chat and tools:
         raise ValueError("the chat demo and the tool demo are two demos: make one")
-    if band is None:
-        band = warm_start.Band(*(TOOLS_ACCURACY_BAND if tools else CHAT_ACCURACY_BAND if chat else DEFAULT_ACCURACY_BAND))
-    if max_warm_steps is None:
-        max_warm_steps = TOOLS_MAX_WARM_STEPS if tools else CHAT_MAX_WARM_STEPS if chat else DEFAULT_MAX_WARM_STEPS
+    default_band, default_steps = defaults(chat=chat, tools=tools)
+    band = band or warm_start.Band(*default_band)
+    max_warm_steps = default_steps if max_warm_steps is None else max_warm_steps
     settings = {"seed": seed, "warm_steps_fixed": warm_steps} | (
         {"accuracy_band": [band.low, band.high], "max_warm_steps": max_warm_steps} if warm_steps is None else {}) | (
         {"chat": True} if chat else {}) | ({"tools": True} if tools else {})  # the default demo's settings predate the others

@@ -30,7 +30,7 @@ from typing import Callable
 
 from orchestrator import rewards
 from orchestrator.data import tasks as data_tasks
-from orchestrator.data.turns import observation_ids
+from orchestrator.data.turns import Conversation, observation_ids, render
 from orchestrator.demo import calculator
 from orchestrator.demo import tasks as demo_tasks
 
@@ -230,7 +230,7 @@ class _TurnExamples(_Examples):
         self.pad, self.rows, self.labels = tokenizer.pad_token_id, [], []
         for task in tasks:
             env = fmt.environment(task)
-            row = _ids(tokenizer.apply_chat_template(env.reset(), tokenize=True, add_generation_prompt=True))
+            row = render(tokenizer, env.reset(), generation_prompt=True)
             labels = [-100] * len(row)
             for turn in fmt.targets(task):
                 ids = tokenizer(turn, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -238,11 +238,6 @@ class _TurnExamples(_Examples):
                 context = observation_ids(tokenizer, observation) if observation else []
                 row, labels = row + ids + context, labels + ids + [-100] * len(context)
             self.add(row, labels)
-
-
-def _ids(encoded) -> list[int]:
-    """The ids ``apply_chat_template`` returns (a BatchEncoding in newer transformers)."""
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 class Trainer:
@@ -390,19 +385,21 @@ def turns_accuracy(model, tokenizer, tasks: list[dict], fmt: Turns) -> float:
 
 def _turns_reward(model, tokenizer, tasks: list[dict], fmt: Turns) -> float:
     envs = [fmt.environment(t) for t in tasks]
-    contexts = [_ids(tokenizer.apply_chat_template(env.reset(), tokenize=True, add_generation_prompt=True)) for env in envs]
+    conversations = [Conversation(render(tokenizer, env.reset(), generation_prompt=True)) for env in envs]
     reward = [0.0] * len(tasks)
     active = list(range(len(tasks)))
     for _ in range(fmt.max_turns):
-        turns = _turns(model, tokenizer, [contexts[i] for i in active], fmt.max_new_tokens, fmt.temperature)
+        turns = _turns(model, tokenizer, [conversations[i].context for i in active], fmt.max_new_tokens, fmt.temperature)
         going = []
         for i, ids in zip(active, turns):
-            step = envs[i].step(tokenizer.decode(ids, skip_special_tokens=True))
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            step = envs[i].step(text)
             if step.done:
                 reward[i] = step.reward
                 continue
-            closed = ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
-            contexts[i] += closed + observation_ids(tokenizer, step.observation)
+            c = conversations[i]  # the turn closed and the observation appended as the rollout does
+            c.sampled(ids, [0.0] * len(ids), text)
+            c.observed(step.observation, c.observation(tokenizer, step.observation))
             going.append(i)
         active = going
     return sum(reward)

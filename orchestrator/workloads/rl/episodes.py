@@ -29,7 +29,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from orchestrator.environments import Step
+from orchestrator.environments import OneTurn, Step
 from orchestrator.workloads.rl.inflight import Inflight, Request
 from orchestrator.workloads.rl.scoring import ERROR_CHARS
 from orchestrator.data.turns import Conversation, render
@@ -127,7 +127,7 @@ class Episodes:
         openings = await asyncio.gather(*(self._open(e, task) for e in episodes))
         prompt = next((o for o in openings if o is not None), None)
         if prompt is None:  # every environment failed to open: the task's own prompt stands for the record's
-            prompt = render(self.tokenizer, _task_messages(task), generation_prompt=True)
+            prompt = render(self.tokenizer, OneTurn(task).reset(), generation_prompt=True)
         together = [i for i, o in enumerate(openings) if o == prompt]
         for i, o in enumerate(openings):
             if o is not None and o != prompt:
@@ -225,7 +225,3 @@ def _seed(name: str) -> int:
     """A request's seed, named by what it samples: the same whatever else is in flight."""
     return random.Random(name).randrange(2**31)
 
-
-def _task_messages(task: dict) -> list[dict]:
-    prompt = task["prompt"]
-    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
