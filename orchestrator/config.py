@@ -120,7 +120,15 @@ class CoordinationConfig:
     poll_min_s: Seconds = 0.002
     """First poll interval of a wait; it doubles up to poll_max_s."""
     poll_max_s: Seconds = 0.1
-    """Longest interval between two polls of a known file name."""
+    """Longest interval between two polls of a known file name while a rank joins, claims
+    work or waits for a short step (barrier waits and watching peers go by watch_interval_s)."""
+    watch_interval_s: Seconds = 1.0
+    """How often a worker reads the master's heartbeat (alive? aborted? released?) while it
+    works, and the longest interval between two reads while it waits at a barrier (the first
+    come 2 ms, 4 ms, ... after it arrives). With the heartbeat's own write, a worker costs the
+    shared filesystem about 1/watch_interval_s + 2/heartbeat_interval_s metadata operations a
+    second (1.4 by default). Ranks on the master's host are woken at once by inotify; lower
+    it to trade load for barrier latency across hosts."""
     work_stealing: bool = True
     """Rollout and eval tasks go out in chunks; a rank that has finished its own takes chunks
     not yet started from the rank with the most left, so a phase ends when its work ends.
@@ -152,6 +160,8 @@ class CoordinationConfig:
                 f"coordination.heartbeat_interval_s ({self.heartbeat_interval_s}) must be at most a quarter of "
                 f"coordination.node_timeout_s ({self.node_timeout_s}), or a live rank can look dead"
             )
+        if self.poll_min_s > self.watch_interval_s:
+            raise ConfigError(f"coordination.poll_min_s ({self.poll_min_s}) must not exceed watch_interval_s ({self.watch_interval_s})")
         if self.poll_min_s > self.poll_max_s:
             raise ConfigError(f"coordination.poll_min_s ({self.poll_min_s}) must not exceed poll_max_s ({self.poll_max_s})")
 

@@ -7,3 +7,8 @@ The run's config, doctor's checks and doctor's ``--node-timeout`` all start from
 WORKER_GRACE_S = 10.0
 """A worker waits this much longer than the master for the same thing (a join, a barrier's
 release, a doctor session), so that the master, which knows who is missing, reports it."""
+
+MASTER_READS_PER_S = 250.0
+"""At a barrier the master reads the arrival of every rank still missing at each poll: its polls
+are spaced so that it opens at most this many files a second (1,000 missing: one poll every 4 s;
+one missing: polls as fast as the backoff allows)."""

@@ -28,7 +28,7 @@ from orchestrator.node import gpus, identity
 from orchestrator.node.placement import Placement
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Phase
-from orchestrator.protocol import faults, fsio, schedule, schema, startup
+from orchestrator.protocol import faults, fsio, schedule, schema, startup, wakeup
 from orchestrator.protocol import lease as lease_mod
 from orchestrator.protocol.api import TERMINAL_STATES, HeartbeatState
 from orchestrator.protocol.events import EventLog
@@ -50,7 +50,7 @@ from orchestrator.protocol.join import (
 from orchestrator.protocol.layout import AttemptLayout, RunLayout
 from orchestrator.protocol.liveness import LivenessTracker
 from orchestrator.protocol.membership import Members, ranks_text
-from orchestrator.protocol.monitor import Monitor, poll_interval_s, publish_abort, worker_verdict
+from orchestrator.protocol.monitor import Monitor, publish_abort, worker_verdict
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ class Attendance:
         self.rank = config.rank
         self.c = config.coordination
         self.backoff = Backoff(self.c.poll_min_s, self.c.poll_max_s)
+        self.idle_backoff = Backoff(self.c.poll_min_s, self.c.watch_interval_s)
+        """A worker's long waits (for the master: to start an attempt, to release a barrier, to
+        admit it back): many ranks poll the master's files, so at most once a watch interval."""
         self.lease: lease_mod.Lease | None = None
         self.attempt_id: str | None = None
         self.heartbeat: Heartbeat | None = None
@@ -157,9 +160,10 @@ class Attendance:
         self.monitor = Monitor(
             attempt=self.attempt, rank=self.rank, num_nodes=self.config.num_nodes, cancel=self.cancel,
             heartbeat_interval_s=self.c.heartbeat_interval_s, node_timeout_s=self.c.node_timeout_s,
-            poll_s=poll_interval_s(self.c.heartbeat_interval_s), hosts=self.hosts,
+            watch_interval_s=self.c.watch_interval_s, hosts=self.hosts,
             on_cancel=lambda: self.children.stop_all(grace_s=2.0),
         )
+        self.monitor.heartbeat = self.heartbeat
         self.monitor.where = lambda: self.where
         self.monitor.host = identity.host()
         if self.c.elastic:
@@ -192,6 +196,7 @@ class Attendance:
             return None
 
         poll(step, deadline=join.deadline, cancel=self.cancel, backoff=self.backoff,
+             pace=lambda: (len(join.missing) + 1) / defaults.MASTER_READS_PER_S,  # a probe reads every missing join
              on_timeout=lambda: self._join_timed_out(join.missing))
         joins = join.joins
         self._nonces = {r: j.get("nonce") for r, j in joins.items()}
@@ -200,14 +205,14 @@ class Attendance:
         if mismatch is not None:
             r, detail = mismatch
             culprit = Culprit(r, joins[r]["host"], None, None, FailureKind.ERROR, f"configuration differs from the master's ({detail})")
-            publish_abort(self.attempt, culprit)
+            publish_abort(self.attempt, culprit, self.heartbeat)
             raise BadInput(f"rank {r} on host {joins[r]['host']} runs a different configuration: {detail}")
         startup.preflight({0: fsio.read_record(self.attempt.join(0)) or {}, **joins}, self.c.node_timeout_s)
         reports = {0: {**self.gpus, "host": self.hosts[0]}, **{r: {**j["gpus"], "host": j["host"]} for r, j in joins.items()}}
         try:
             self.placement = self.full_placement = startup.place(self.config, reports)
         except startup.Unplaceable as e:
-            publish_abort(self.attempt, e.culprit)
+            publish_abort(self.attempt, e.culprit, self.heartbeat)
             raise BadInput(e.culprit.error) from None
         prepare(iteration, phase, plan, self.placement)
         schema.write(self.attempt.start, schema.Start(
@@ -226,7 +231,7 @@ class Attendance:
             first, self.hosts.get(first, "unknown (never joined this attempt)"), None, None, FailureKind.JOIN,
             f"rank {first} did not join attempt {self.attempt_id} within coordination.join_timeout_s={self.c.join_timeout_s:g} s; "
             f"missing ranks: {ranks_text(missing)}. Start them with the same command (--worker R), then re-run")
-        publish_abort(self.attempt, culprit)
+        publish_abort(self.attempt, culprit, self.heartbeat)
         return PeerFailed(culprit)
 
     def leave(self, cancel: CancelToken, join_timeout_s: float, *, for_good: bool = True) -> None:
@@ -253,6 +258,9 @@ class Attendance:
         deadline = Deadline.after(timeout + defaults.WORKER_GRACE_S, "the master to start an attempt")
         join = self._worker_join
         said: set[str] = set()
+        # A master on this host wakes the wait at once: its lease, then the attempt's start.
+        woken = threading.Event()
+        wakes = [w for w in [wakeup.on_write(self.layout.control, ["lease.json"], woken)] if w is not None]
 
         def step():
             action = join.decide(self._worker_view(), deadline)
@@ -261,6 +269,8 @@ class Attendance:
                 self._enter(action.lease.attempt, rejoin=action.rejoin)
                 join.joined = action.lease.attempt
                 log.info("joined attempt %s of master %s (pid %d)", action.lease.attempt, action.lease.host, action.lease.pid)
+                if action.lease.host == identity.host():
+                    wakes.extend(w for w in [wakeup.on_write(self.attempt.root, ["start.json", "abort.json"], woken)] if w)
                 action = join.decide(self._worker_view(), deadline)
             if isinstance(action, (Started, Rejoin)):
                 return action
@@ -276,7 +286,12 @@ class Attendance:
                 log.info("%s", action.message)
             return None
 
-        action = poll(step, deadline=deadline, cancel=self.cancel, backoff=self.backoff, on_timeout=self._no_master)
+        try:
+            action = poll(step, deadline=deadline, cancel=self.cancel, backoff=self.idle_backoff, wake=woken,
+                          on_timeout=self._no_master)
+        finally:
+            for w in wakes:
+                w.close()
         start = records.from_dict(action.start, schema.Start, str_keys=True)
         self.hosts.update(start.hosts)
         if start.fingerprint != self.config.fingerprint():
@@ -315,7 +330,8 @@ class Attendance:
                 raise StopRequested(f"the run's master ended ({beat.get('state')}) before rank {self.rank} could rejoin")
             return None
 
-        entry = poll(probe, deadline=Deadline.never("admission into the running attempt"), cancel=self.cancel, backoff=self.backoff)
+        entry = poll(probe, deadline=Deadline.never("admission into the running attempt"), cancel=self.cancel,
+                     backoff=self.idle_backoff)
         log.info("rank %d rejoins attempt %s at iteration %d", self.rank, self.attempt_id, entry["iteration"])
         return entry["iteration"]
 

@@ -72,3 +72,14 @@ class MasterBarrier:
 def released(record: Release | None, point: Point) -> dict | None:
     """Worker: the master's decision for ``point``, once ``release.json`` carries it."""
     return record.decision if record is not None and record.at(point) else None
+
+
+def said(point: Point) -> list[int]:
+    """``point`` as the master's heartbeat carries it once released: [iteration, phase, round]."""
+    return [point.iteration, int(point.phase), point.round]
+
+
+def said_released(value: object, point: Point) -> bool:
+    """Worker: whether the master's heartbeat says it released ``point`` (then ``release.json``
+    holds its decision: the master writes that file first)."""
+    return value == said(point)

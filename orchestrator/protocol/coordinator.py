@@ -37,7 +37,7 @@ from orchestrator.errors import (
 from orchestrator.node import identity
 from orchestrator.node.placement import Placement
 from orchestrator.phase_table import Phase
-from orchestrator.protocol import barrier, faults, fsio, membership, schema
+from orchestrator.protocol import barrier, faults, fsio, membership, schema, wakeup
 from orchestrator.protocol import lease as lease_mod
 from orchestrator.protocol.api import Event, HeartbeatState
 from orchestrator.protocol.attendance import Attendance, Entry
@@ -68,6 +68,8 @@ class Coordinator(Attendance):
         """Master: the last iteration whose checkpoint it published (phase 11 released)."""
         self._training: int | None = None
         """rl.max_staleness >= 1: the iteration this node trains in the background, None when none."""
+        self._members_writes = 0
+        """Master: how many times it wrote members.json in this attempt (its heartbeat says it)."""
 
     # -- where the rank is, and what phases may tell it ----------------------------------------
 
@@ -108,10 +110,10 @@ class Coordinator(Attendance):
         """rl.max_staleness >= 1: the iteration this node trains while the rank walks on (None: none)."""
         self._training = iteration
         if self.heartbeat is not None:
-            self.heartbeat.update(training=iteration)
+            self.heartbeat.update(training=iteration, publish=False)
 
     def progress(self, done: int, total: int) -> None:
-        self.heartbeat.update(progress={"done": done, "total": total})
+        self.heartbeat.update(progress={"done": done, "total": total}, publish=False)
 
     def timing(self, part: str, seconds: float, *, at: tuple[int, Phase] | None = None, **fields) -> None:
         """Record how long ``part`` of this phase's work took (``status --json``'s ``timing``);
@@ -136,21 +138,49 @@ class Coordinator(Attendance):
         arrived = time.monotonic()
         self.events.emit(Event.ARRIVE, iteration=iteration, phase=int(phase), work_s=round(arrived - self._phase_began, 4),
                          payload=_counts(payload))
-        self.heartbeat.update(state=HeartbeatState.WAITING)
+        self.heartbeat.update(state=HeartbeatState.WAITING, publish=False)
         self.fault_point("hold-after-arrive", iteration, phase)
         if self.is_master:
             decision = self._release(point, deadline, decide)
         else:
-            def probe():
-                fsio.refresh_dir(self.attempt.root)
-                return barrier.released(schema.read(self.attempt.release, Release), point)
-
-            decision = poll(probe, deadline=deadline.extended(defaults.WORKER_GRACE_S), cancel=self.cancel, backoff=self.backoff,
-                            on_timeout=lambda: self._deadline(point, f"the master did not release {phase.label} in time", 0))
+            decision = self._await_release(point, deadline)
             if "out" in decision:
                 self._apply_out(decision["out"])
         self.events.emit(Event.RELEASED, iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
         return decision
+
+    def _await_release(self, point: Point, deadline: Deadline) -> dict:
+        """Worker: poll the master's heartbeat (shared with the monitor) until it says it
+        released ``point``, then read the decision from ``release.json``. Polls back off from
+        poll_min_s to watch_interval_s; a master on this host wakes the wait at once."""
+        word = self.monitor.word
+
+        def probe():
+            beat = word.read()
+            if beat is None or not barrier.said_released(beat.get("released"), point):
+                return None
+            decision = barrier.released(schema.read(self.attempt.release, Release), point)
+            if decision is None:  # an NFS client that cached the directory: look again
+                fsio.refresh_dir(self.attempt.root)
+                decision = barrier.released(schema.read(self.attempt.release, Release), point)
+            return decision
+
+        wake = self._wakeup(self.attempt.heartbeats, [word.path.name], ranks=[0])
+        try:
+            return poll(probe, deadline=deadline.extended(defaults.WORKER_GRACE_S), cancel=self.cancel,
+                        backoff=self.idle_backoff, wake=wake and wake.event,
+                        on_timeout=lambda: self._deadline(point, f"the master did not release {point.phase.label} in time", 0))
+        finally:
+            if wake is not None:
+                wake.close()
+
+    def _wakeup(self, directory, names, *, ranks) -> wakeup.Wakeup | None:
+        """Same-host wake-ups on ``names`` of ``directory`` when one of ``ranks`` (their
+        writers) runs on this host; None otherwise (the wait polls)."""
+        here = identity.host()
+        if not any(self.hosts.get(r) == here for r in ranks if r != self.rank):
+            return None
+        return wakeup.on_write(directory, names)
 
     def _release(self, point: Point, deadline: Deadline, decide: Callable[[dict[int, dict]], dict]) -> dict:
         rule = barrier.MasterBarrier(self.attempt_id, point, self.config.num_nodes, deadline)
@@ -169,8 +199,16 @@ class Coordinator(Attendance):
                 raise late(action.missing)
             return action if isinstance(action, barrier.ReleaseAll) else None
 
-        action = poll(probe, deadline=deadline, cancel=self.cancel, backoff=self.backoff,
-                      on_timeout=lambda: late(rule.missing(self.monitor.out)))
+        def pace() -> float:  # a probe reads every missing arrival: at most MASTER_READS_PER_S of them a second
+            return (len(rule.missing(self.monitor.out)) + 1) / defaults.MASTER_READS_PER_S
+
+        wake = self._wakeup(self.attempt.arrivals, None, ranks=range(self.config.num_nodes))
+        try:
+            action = poll(probe, deadline=deadline, cancel=self.cancel, backoff=self.backoff, wake=wake and wake.event, pace=pace,
+                          on_timeout=lambda: late(rule.missing(self.monitor.out)))
+        finally:
+            if wake is not None:
+                wake.close()
         self.events.emit(Event.ALL_ARRIVED, iteration=point.iteration, phase=int(point.phase))
         if self.c.elastic and point.phase is Phase.TRAIN:
             with self._members_lock:  # a rank lost from here on does not undo the finished step
@@ -192,13 +230,14 @@ class Coordinator(Attendance):
         schema.write(self.attempt.release, Release(point.iteration, point.phase, decision, point.round))
         schema.write(self.layout.progress, Progress(point.iteration, point.phase, self.attempt_id,
                                                            self.config.rl.max_staleness))
+        self.heartbeat.update(released=barrier.said(point))  # what the waiting workers poll
         return decision
 
     def _deadline(self, point: Point, message: str, culprit_rank: int) -> DeadlineExceeded:
         culprit = Culprit(culprit_rank, self.hosts.get(culprit_rank, "?"), point.iteration, point.phase.label, FailureKind.DEADLINE,
                           message)
         if self.is_master:
-            publish_abort(self.attempt, culprit)
+            publish_abort(self.attempt, culprit, self.heartbeat)
         return DeadlineExceeded(culprit.describe())
 
     # -- elastic membership: the rules of protocol/membership.py, carried out ------------------
@@ -228,7 +267,7 @@ class Coordinator(Attendance):
             trained = action.iteration or self.where[0]
             if action.retrain is not None:
                 self.members.declare_round(trained, action.retrain)
-            self.members.write(self.attempt.members)
+            self._write_members()
         self.monitor.forget(rank)
         self.events.emit(Event.OUT, iteration=culprit.iteration, phase=culprit.phase, who=rank, reason=culprit.error)
         survivors = membership.ranks_in(self.config.num_nodes, self.members.out)
@@ -242,6 +281,13 @@ class Coordinator(Attendance):
                 f"(round {action.retrain}) from the same checkpoint")):
             self.monitor.on_cancel()
         return True
+
+    def _write_members(self) -> None:
+        """Master: publish the membership record, then say so in its heartbeat (workers read
+        the record again only when that count changes)."""
+        self.members.write(self.attempt.members)
+        self._members_writes += 1
+        self.heartbeat.update(members=self._members_writes)
 
     def _in_flight(self) -> int | None:
         """Master, rl.max_staleness >= 1: the iteration whose training runs on in the background
@@ -267,7 +313,7 @@ class Coordinator(Attendance):
         entered = membership.train_round(members, iteration, self.out, is_master=self.is_master)
         if entered.declare:
             members.declare_round(iteration, entered.round)
-            members.write(self.attempt.members)
+            self._write_members()
         self.train_round = entered.round
         self._apply_out(entered.out)
         if entered.round:
@@ -310,7 +356,7 @@ class Coordinator(Attendance):
                 self._nonces[rank] = join["nonce"]
                 self.hosts[rank] = join["host"]
             if found.admit:
-                self.members.write(self.attempt.members)
+                self._write_members()
         for rank in found.admit:
             self.monitor.watch([rank])
             self.events.emit(Event.REJOINED, iteration=iteration, phase=int(Phase.SYNC_START), who=rank)
@@ -334,7 +380,7 @@ class Coordinator(Attendance):
         try:
             schema.write(self.attempt.failure(self.rank), failure)
             if self.is_master and kind in ROOT_CAUSE_KINDS:
-                publish_abort(self.attempt, failure.blames())
+                publish_abort(self.attempt, failure.blames(), self.heartbeat)
         except OSError as e:
             log.error("could not write the failure record: %s", e)
 
@@ -345,7 +391,7 @@ class Coordinator(Attendance):
         self.lease = self.monitor = self.heartbeat = self.events = None
         self.attempt_id, self.cancel, self.hosts = None, cancel, {}
         self.members, self.out, self.train_round, self._train_released, self._published = Members(), frozenset(), 0, None, None
-        self._training = None
+        self._training, self._members_writes = None, 0
 
     def close(self, state: HeartbeatState) -> None:
         if self.monitor is not None:

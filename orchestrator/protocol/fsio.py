@@ -42,15 +42,19 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
     ``durable=False`` skips the fsync, for files whose loss in a crash does not matter
     (heartbeats): visibility to other clients comes from close() and rename, not fsync.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileNotFoundError:  # the first record of its directory: one mkdir then, not one per write
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            _write_all(fd, data)
             if durable:
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with _suppress_missing():
@@ -85,24 +89,43 @@ def create_record_exclusive(path: Path, body: dict, before_write: Callable[[], N
         if read_bytes(path) is not None:
             return False
         raise
-    with os.fdopen(fd, "wb") as f:
+    try:
         if before_write is not None:
             before_write()
-        f.write(envelope(body))
-        f.flush()
-        os.fsync(f.fileno())
+        _write_all(fd, envelope(body))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return True
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` through a descriptor (no ``fstat``, unlike a file object)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def read_bytes(path: Path) -> bytes | None:
-    """Open ``path`` by name and read it whole; None when it is not there (or went stale)."""
+    """Open ``path`` by name and read it whole; None when it is not there (or went stale).
+    One lookup by name and no other metadata call (no ``fstat``, unlike ``open()``)."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         if e.errno in _NOT_YET:
             return None
         raise
+    try:
+        parts = []
+        while chunk := os.read(fd, 1 << 16):
+            parts.append(chunk)
+        return b"".join(parts)
+    except OSError as e:
+        if e.errno in _NOT_YET:
+            return None
+        raise
+    finally:
+        os.close(fd)
 
 
 def read_record(path: Path) -> dict | None:

@@ -56,8 +56,10 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
-    def update(self, **fields) -> None:
-        """Change what the heartbeat says and publish it now."""
+    def update(self, publish: bool = True, **fields) -> None:
+        """Change what the heartbeat says and publish it now; ``publish=False``: with the next
+        beat (what only ``status`` shows: a phase, a state, progress; a rank's every step
+        would otherwise cost a write on the shared filesystem)."""
         with self._lock:
             now = self._clock()
             if "phase" in fields or "iteration" in fields:
@@ -72,7 +74,8 @@ class Heartbeat:
                     self._progress_since = (now, progress["done"])
                 self._progress_at = now
             self._state.update(fields)
-        self.beat()
+        if publish:
+            self.beat()
 
     def beat(self) -> None:
         with self._lock:

@@ -1,10 +1,18 @@
 """The watcher thread of a rank: it notices a failed, dead or stopped peer while the main
 thread is busy, and cancels the rank at once.
 
-Cost per poll is O(1) on a worker (the master's heartbeat and the attempt's abort file) and
-O(N) on the master (each rank's failure file, and heartbeats once per heartbeat interval):
-O(N) in all, never every rank reading every rank. The master turns what it sees into one
-``abort.json`` naming the root cause, which every worker polls.
+A worker reads one file, the master's heartbeat, once every ``coordination.watch_interval_s``
+(:class:`MasterWord`): its counter says the master lives, and the master adds to it what a
+worker must act on: ``abort`` (the attempt ended: the worker then reads ``abort.json`` for
+the root cause), ``released`` (the last barrier point it released: a waiting worker then
+reads ``release.json``) and ``members`` (how many times it rewrote ``members.json``, which
+the worker reads again only then). A waiting worker's barrier polls go through the same
+reader, so watching and waiting together cost one open by name per read.
+
+The master reads each rank's heartbeat once per heartbeat interval, lists the failures
+directory every poll (one listing, not a file per rank; a rank whose heartbeat says it
+failed has its record read by name too, since a listing can be stale on some FUSE
+filesystems), and turns what it sees into one ``abort.json`` naming the root cause.
 
 Deciding is separate from doing: :func:`master_verdict` and :func:`worker_verdict` are pure
 functions of what was read; :class:`Monitor` does the reading, writing and cancelling.
@@ -13,14 +21,17 @@ functions of what was read; :class:`Monitor` does the reading, writing and cance
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from orchestrator import records
 from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, FailureKind, OrchestratorError, PeerFailed
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
+from orchestrator.protocol.api import TERMINAL_STATES
 from orchestrator.protocol.layout import AttemptLayout
 from orchestrator.protocol.liveness import LivenessTracker
 from orchestrator.protocol.membership import ranks_text
@@ -31,18 +42,44 @@ log = logging.getLogger(__name__)
 
 
 def poll_interval_s(heartbeat_interval_s: float) -> float:
-    """How often a monitor looks for a verdict (and heartbeats are read every half interval)."""
+    """How often the master's monitor looks for a verdict (heartbeats: once an interval)."""
     return min(0.25, heartbeat_interval_s / 2)
 
 
-def verdict_bound_s(node_timeout_s: float, heartbeat_interval_s: float) -> float:
-    """The longest, from a rank's death, until every other rank's monitor knows of it. Its
-    last beat was written up to one heartbeat interval before it died (a full interval, not
-    the half at which the master reads them: that half covers a beat seen late); the master
-    calls it dead ``node_timeout_s`` after the last change it saw, at its next poll, and a
-    worker reads the master's abort at its own next poll. A rank that sees the death first
-    (a trainer's lost connection) waits this long for the verdict naming the rank that died."""
-    return node_timeout_s + heartbeat_interval_s + 2 * poll_interval_s(heartbeat_interval_s)
+def verdict_bound_s(node_timeout_s: float, heartbeat_interval_s: float, watch_interval_s: float) -> float:
+    """The longest, from a rank's death, until every other rank's monitor knows of it.
+
+    A worker: its last beat was written at most when it died; the master, reading heartbeats
+    once an interval, sees that beat up to an interval later and calls it dead
+    ``node_timeout_s`` after that, at its next poll; a worker learns it at its next read of the
+    master's heartbeat (``watch_interval_s``). The master: a worker sees its last beat up to
+    one watch interval late and judges at a read a watch interval apart. A rank that sees the
+    death first (a trainer's lost connection) waits this long for the verdict naming the rank
+    that died."""
+    return node_timeout_s + max(heartbeat_interval_s + poll_interval_s(heartbeat_interval_s), watch_interval_s) + watch_interval_s
+
+
+class MasterWord:
+    """A worker's reading of the master's heartbeat, shared by its monitor and its barrier
+    waits: a read younger than ``max_age_s`` is not made again."""
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic):
+        self.path = path
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._read_at = float("-inf")
+        self._body: dict | None = None
+
+    def read(self, max_age_s: float = 0.0) -> dict | None:
+        with self._lock:
+            now = self._clock()
+            if now - self._read_at >= max_age_s:
+                self._body = fsio.read_record(self.path)
+                if self._body is None:  # not there yet (a fresh attempt on NFS): look at the directory again
+                    fsio.refresh_dir(self.path.parent)
+                    self._body = fsio.read_record(self.path)
+                self._read_at = now
+            return self._body
 
 
 def culprit_from_failure(rank: int, failure: dict) -> Culprit:
@@ -119,7 +156,7 @@ class Monitor:
         cancel: CancelToken,
         heartbeat_interval_s: float,
         node_timeout_s: float,
-        poll_s: float,
+        watch_interval_s: float,
         hosts: dict[int, str],
         on_cancel: Callable[[], None],
     ):
@@ -127,8 +164,14 @@ class Monitor:
         self.rank = rank
         self.num_nodes = num_nodes
         self.cancel = cancel
-        self.hb_every = heartbeat_interval_s / 2
-        self.poll_s = poll_s
+        self.hb_every = heartbeat_interval_s
+        self.poll_s = poll_interval_s(heartbeat_interval_s) if rank == 0 else watch_interval_s
+        self.word = MasterWord(attempt.heartbeat(0))
+        """Worker: the master's heartbeat, as last read (by the monitor or a barrier wait)."""
+        self.heartbeat = None
+        """This rank's heartbeat: the master's carries ``abort`` once it published one."""
+        self._members: Members | None = None
+        self._members_version: object = None
         self.hosts = hosts
         self.on_cancel = on_cancel
         self.tracker = LivenessTracker(node_timeout_s)
@@ -191,11 +234,15 @@ class Monitor:
         next_hb = 0.0
         while not self._halt.is_set() and self.cancel.reason is None:
             now = time.monotonic()
+            beat = None
             try:
-                if now >= next_hb:
-                    self._read_heartbeats(now)
-                    next_hb = now + self.hb_every
-                verdict = self._verdict(now)
+                if not self.is_master:
+                    verdict, beat = self._watch_master(now)
+                else:
+                    if now >= next_hb:
+                        self._read_heartbeats(now)
+                        next_hb = now + self.hb_every
+                    verdict = self._verdict(now)
             except OSError as e:
                 log.warning("monitor could not read the shared filesystem: %s", e)
                 verdict = None
@@ -203,7 +250,7 @@ class Monitor:
                 self._end_attempt(verdict)
                 return
             try:
-                news = self.on_members(Members.read(self.attempt.members)) if self.on_members is not None else None
+                news = self.on_members(self._members_now(beat)) if self.on_members is not None else None
             except OSError:
                 news = None
             if news is not None:
@@ -218,28 +265,56 @@ class Monitor:
             self._halt.wait(self.poll_s)
 
     def _read_heartbeats(self, now: float) -> None:
-        fsio.refresh_dir(self.attempt.heartbeats)
+        """Master: every watched rank's heartbeat, one open by name each (a heartbeat exists
+        from the rank's join on and is replaced by rename: no directory refresh needed)."""
         with self._lock:
-            ranks = self.tracker.watched() if self.is_master else [0]
-            for r in ranks:
+            for r in self.tracker.watched():
                 self.tracker.observe(r, fsio.read_record(self.attempt.heartbeat(r)), now)
 
-    def _verdict(self, now: float) -> Culprit | None:
+    def _watch_master(self, now: float) -> tuple[Culprit | None, dict | None]:
+        """Worker: one read of the master's heartbeat (unless a barrier wait just read it);
+        ``abort.json`` only when the master says it aborted, ended, or looks dead."""
+        beat = self.word.read(max_age_s=self.poll_s)
         with self._lock:
-            fsio.refresh_dir(self.attempt.root)
-            if self.is_master:
-                if self.stop_requested is None:
-                    self.stop_requested = fsio.read_record(self.attempt.stop)
-                fsio.refresh_dir(self.attempt.failures)
-                failures = {}
-                for r in range(1, self.num_nodes):
-                    f = fsio.read_record(self.attempt.failure(r)) if r not in self.out else None
-                    if f is not None:
-                        failures[r] = f
-                culprit = master_verdict(failures, self.tracker, now, self.hosts)
-            else:
-                culprit = worker_verdict(fsio.read_record(self.attempt.abort), self.tracker, now, self.hosts)
-        if culprit is not None and self.is_master and culprit.kind is FailureKind.DEAD and culprit.rank != self.rank \
+            self.tracker.observe(0, beat, now)
+            abort = None
+            if beat is None or beat.get("abort") or beat.get("state") in TERMINAL_STATES or self.tracker.dead(now):
+                fsio.refresh_dir(self.attempt.root)
+                abort = fsio.read_record(self.attempt.abort)
+            return worker_verdict(abort, self.tracker, now, self.hosts), beat
+
+    def _members_now(self, beat: dict | None) -> Members:
+        """Worker, elastic: the master's membership record, read again only when the master's
+        heartbeat says it rewrote it."""
+        version = beat.get("members") if beat is not None else self._members_version
+        if self._members is None or version != self._members_version:
+            self._members, self._members_version = Members.read(self.attempt.members), version
+        return self._members
+
+    def _failures(self) -> dict[int, dict]:
+        """Master: the failure records of the ranks in the run: those the failures directory
+        lists, and those whose heartbeat says they ended (a listing can lag on FUSE)."""
+        try:
+            listed = {int(e.name[1:-5]) for e in os.scandir(self.attempt.failures)
+                      if e.name.startswith("r") and e.name.endswith(".json") and e.name[1:-5].isdigit()}
+        except FileNotFoundError:
+            listed = set()
+        ended = {r for r in self.tracker.watched() if (self.tracker.last(r) or {}).get("state") in TERMINAL_STATES}
+        failures = {}
+        for r in sorted((listed | ended) - self.out - {self.rank}):
+            f = fsio.read_record(self.attempt.failure(r))
+            if f is not None:
+                failures[r] = f
+        return failures
+
+    def _verdict(self, now: float) -> Culprit | None:
+        """Master: the root cause that ends the attempt, if any."""
+        with self._lock:
+            if self.stop_requested is None:
+                fsio.refresh_dir(self.attempt.root)
+                self.stop_requested = fsio.read_record(self.attempt.stop)
+            culprit = master_verdict(self._failures(), self.tracker, now, self.hosts)
+        if culprit is not None and culprit.kind is FailureKind.DEAD and culprit.rank != self.rank \
                 and self.on_silent is not None and self.on_silent(culprit):
             return None  # the run goes on without it
         return culprit
@@ -250,13 +325,13 @@ class Monitor:
                           f"the phase's work ran past {deadline.what}")
         log.error("%s", culprit.describe())
         if self.is_master:
-            publish_abort(self.attempt, culprit)
+            publish_abort(self.attempt, culprit, self.heartbeat)
         if self.cancel.cancel(DeadlineExceeded(culprit.error)):
             self.on_cancel()
 
     def _end_attempt(self, culprit: Culprit) -> None:
         if self.is_master:
-            publish_abort(self.attempt, culprit)
+            publish_abort(self.attempt, culprit, self.heartbeat)
         log.error("stopping: %s", culprit.describe())
         if self.cancel.cancel(PeerFailed(culprit)):
             self.on_cancel()
@@ -265,9 +340,12 @@ class Monitor:
 _abort_lock = threading.Lock()
 
 
-def publish_abort(attempt: AttemptLayout, culprit: Culprit) -> None:
+def publish_abort(attempt: AttemptLayout, culprit: Culprit, heartbeat=None) -> None:
     """The master's one word on why this attempt ended; the first cause wins (the monitor
-    and the main thread may both try, hence the lock)."""
+    and the main thread may both try, hence the lock). ``heartbeat``: the master's, which
+    then says ``abort`` to the workers watching it."""
     with _abort_lock:
         if fsio.read_record(attempt.abort) is None:
             fsio.write_record(attempt.abort, {"culprit": records.to_dict(culprit), "at": time.time()})
+    if heartbeat is not None:
+        heartbeat.update(abort=True)

@@ -22,6 +22,7 @@ class CancelToken:
         self._event = threading.Event()
         self._reason: OrchestratorError | None = None
         self._lock = threading.Lock()
+        self._wakes: set[threading.Event] = set()
 
     def cancel(self, reason: OrchestratorError) -> bool:
         """Record ``reason`` unless a reason is already set; True if this call set it."""
@@ -30,6 +31,8 @@ class CancelToken:
                 return False
             self._reason = reason
             self._event.set()
+            for wake in self._wakes:
+                wake.set()
             return True
 
     @property
@@ -40,10 +43,23 @@ class CancelToken:
         if self._reason is not None:
             raise self._reason
 
-    def sleep(self, seconds: float) -> None:
-        """Sleep, but wake and raise at once if the token is cancelled."""
-        if self._event.wait(max(0.0, seconds)):
-            raise self._reason  # type: ignore[misc]
+    def sleep(self, seconds: float, wake: threading.Event | None = None) -> None:
+        """Sleep, but wake and raise at once if the token is cancelled; and return early
+        when ``wake`` is set (a same-host wake-up: protocol/wakeup.py), clearing it."""
+        if wake is None:
+            if self._event.wait(max(0.0, seconds)):
+                raise self._reason  # type: ignore[misc]
+            return
+        with self._lock:
+            self._wakes.add(wake)
+        try:
+            if self._reason is None:
+                wake.wait(max(0.0, seconds))
+        finally:
+            with self._lock:
+                self._wakes.discard(wake)
+            wake.clear()
+        self.check()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +111,17 @@ def poll(
     backoff: Backoff,
     cancel: CancelToken | None = None,
     on_timeout: Callable[[], BaseException] | None = None,
+    wake: threading.Event | None = None,
+    pace: Callable[[], float] | None = None,
 ) -> T:
     """Call ``probe`` until it returns something other than None.
 
     Raises the cancel reason as soon as the token is cancelled, and ``on_timeout()`` (or
     :class:`DeadlineExceeded`) when the deadline passes first. Without a token the wait can
     only end by the probe's answer, an exception from the probe, or the deadline.
+    ``wake``: an event that brings the next probe forward (a same-host wake-up; needs
+    ``cancel``). ``pace()``: the shortest pause before the next probe, when a probe's cost
+    grows with what it still waits for (the master reading the arrivals still missing).
     """
     for interval in backoff.intervals():
         if cancel is not None:
@@ -111,9 +132,11 @@ def poll(
         left = deadline.remaining()
         if left <= 0:
             raise on_timeout() if on_timeout else DeadlineExceeded(f"timed out waiting for {deadline.what}")
+        if pace is not None:
+            interval = max(interval, pace())
         pause = min(interval, left)
         if cancel is not None:
-            cancel.sleep(pause)
+            cancel.sleep(pause, wake)
         else:
             deadline.clock.sleep(pause)
     raise AssertionError("unreachable")

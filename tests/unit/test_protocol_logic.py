@@ -189,10 +189,11 @@ def test_a_master_whose_workers_gave_up_on_it_is_the_root_cause_it_never_waits_f
     assert master_verdict({1: gave_up, 2: own}, t, 0.0, {}).rank == 2
 
 
-def _verdict_latency(death: float, reads_from: float, interval: float = 5.0, timeout: float = 20.0) -> float:
+def _verdict_latency(death: float, reads_from: float, interval: float = 5.0, timeout: float = 20.0, watch: float = 1.0) -> float:
     """Simulated on the fake clock: a peer beats every interval and dies at ``death``; the
-    master reads heartbeats every half interval from ``reads_from`` and judges every poll; a
-    worker reads the abort one poll later. Returns how long after the death every rank knows."""
+    master reads heartbeats once an interval from ``reads_from`` and judges every poll; a
+    worker reads the master's heartbeat (and so its abort) one watch interval later at most.
+    Returns how long after the death every rank knows."""
     from orchestrator.protocol.monitor import poll_interval_s
 
     poll_s = poll_interval_s(interval)
@@ -203,27 +204,45 @@ def _verdict_latency(death: float, reads_from: float, interval: float = 5.0, tim
         now = clock.monotonic()
         if now >= next_read:
             t.observe(1, hb(int(min(now, death) // interval)), now)
-            next_read += interval / 2
+            next_read += interval
         clock.advance(poll_s)
-    return clock.monotonic() + poll_s - death
+    return clock.monotonic() + watch - death
+
+
+def _master_death_latency(death: float, reads_from: float, interval: float = 5.0, timeout: float = 20.0, watch: float = 1.0) -> float:
+    """A worker reads the master's heartbeat every watch interval from ``reads_from``: how long
+    after the master's death the worker calls it dead."""
+    clock, t = FakeClock(start=0.0), LivenessTracker(timeout_s=timeout)
+    t.watch(0, 0.0)
+    now = reads_from
+    clock.advance(reads_from)
+    while True:
+        now = clock.monotonic()
+        t.observe(0, hb(int(min(now, death) // interval)), now)
+        if t.dead(now):
+            return now - death
+        clock.advance(watch)
 
 
 @pytest.mark.parametrize("death", [20.01, 21.3, 22.49, 24.99])
-@pytest.mark.parametrize("reads_from", [0.0, 0.1, 1.2, 2.4])
+@pytest.mark.parametrize("reads_from", [0.0, 0.1, 1.2, 2.4, 4.9])
 def test_a_rank_that_sees_a_death_first_waits_long_enough_for_the_verdict(death, reads_from):
     from orchestrator.protocol.monitor import verdict_bound_s
 
-    assert 0 < _verdict_latency(death, reads_from) <= verdict_bound_s(20.0, 5.0)
+    assert 0 < _verdict_latency(death, reads_from) <= verdict_bound_s(20.0, 5.0, 1.0)
+    assert 0 < _master_death_latency(death, reads_from % 1.0) <= verdict_bound_s(20.0, 5.0, 1.0)
+    # the master names a dead worker within the node timeout plus two heartbeats
+    assert _verdict_latency(death, reads_from, watch=0.0) <= 20.0 + 2 * 5.0
 
 
 def test_the_node_timeout_alone_is_too_short_a_wait_for_the_verdict():
     """A death just after a beat, read late: the verdict comes after the node timeout (why a
     trainer that lost its peer named itself as the root cause)."""
-    assert _verdict_latency(20.01, 2.4) > 20.0
+    assert _verdict_latency(20.01, 4.9) > 20.0
 
 
-def test_the_verdict_bound_is_the_node_timeout_plus_one_interval_and_two_polls():
+def test_the_verdict_bound_is_the_node_timeout_plus_a_heartbeat_a_poll_and_a_watch_interval():
     from orchestrator.protocol.monitor import verdict_bound_s
 
-    assert verdict_bound_s(20, 5) == 20 + 5 + 0.5
-    assert verdict_bound_s(3, 0.2) == 3 + 0.2 + 0.2
+    assert verdict_bound_s(20, 5, 1) == 20 + 5 + 0.25 + 1
+    assert verdict_bound_s(3, 0.2, 1) == 3 + 1 + 1  # a watch interval longer than a heartbeat's

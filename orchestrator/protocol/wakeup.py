@@ -1,0 +1,131 @@
+"""Same-host wake-ups: a rank waiting for a file that a process of its own host writes is
+woken at once (inotify, through watchdog) instead of at its next poll.
+
+A wake-up only brings the next poll forward; the poll, which opens the file by name, stays
+the truth. inotify sees what this host's kernel does, never what another NFS, Lustre or FUSE
+client does (docs/shared-filesystems.md), so a wait asks for one only where the writer may
+be on its host (``orchestrator local``: several ranks on one node). It costs nothing on the
+shared filesystem: the kernel reports the host's own renames. A wake-up that never comes
+costs nothing either: the wait polls as it would without. Where inotify is refused (its
+per-user limits) the wait just polls.
+
+One watch per directory and process, shared by every waiter on it (a bench runs many ranks
+in one process); each waiter names the files it waits for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Iterable
+
+log = logging.getLogger(__name__)
+
+
+class Wakeup:
+    """A waiter's interest in ``names`` of one directory (None: any file in it)."""
+
+    def __init__(self, hub: "_Hub", directory: str, names: frozenset[str] | None, event: threading.Event | None = None):
+        self.event = event if event is not None else threading.Event()
+        self._hub = hub
+        self._directory = directory
+        self.names = names
+
+    def close(self) -> None:
+        self._hub.leave(self._directory, self)
+
+
+class _Dir:
+    """One directory's watch and the waiters on it."""
+
+    def __init__(self) -> None:
+        self.waiters: set[Wakeup] = set()
+        self.watch = None
+
+    def dispatch(self, event) -> None:
+        paths = [getattr(event, "dest_path", ""), event.src_path]
+        names = {os.path.basename(os.fsdecode(p)) for p in paths if p}
+        for waiter in list(self.waiters):
+            if waiter.names is None or names & waiter.names:
+                waiter.event.set()
+
+
+class _Hub:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._observer = None
+        self._dirs: dict[str, _Dir] = {}
+        self._refused = False
+
+    def join(self, directory: Path, names: Iterable[str] | None, event: threading.Event | None = None) -> Wakeup | None:
+        key = os.path.realpath(directory)
+        with self._lock:
+            if self._refused:
+                return None
+            entry = self._dirs.get(key)
+            if entry is None:
+                entry = _Dir()
+                try:
+                    entry.watch = self._observer_started().schedule(_Handler(entry), key, event_filter=_WRITES)
+                except (OSError, RuntimeError) as e:  # no such directory yet; inotify limits reached
+                    if not isinstance(e, FileNotFoundError):
+                        log.debug("no same-host wake-ups (%s): waits poll only", e)
+                        self._refused = True
+                    return None
+                self._dirs[key] = entry
+            waiter = Wakeup(self, key, frozenset(names) if names is not None else None, event)
+            entry.waiters.add(waiter)
+            return waiter
+
+    def leave(self, key: str, waiter: Wakeup) -> None:
+        with self._lock:
+            entry = self._dirs.get(key)
+            if entry is None:
+                return
+            entry.waiters.discard(waiter)
+            if not entry.waiters:
+                del self._dirs[key]
+                try:
+                    self._observer.unschedule(entry.watch)
+                except (KeyError, OSError):
+                    pass  # the directory went away with its watch
+
+    def _observer_started(self):
+        if self._observer is None:
+            from watchdog.observers import Observer
+
+            observer = Observer()
+            observer.daemon = True
+            observer.start()
+            self._observer = observer
+        return self._observer
+
+
+def _writes() -> list:
+    from watchdog.events import FileClosedEvent, FileCreatedEvent, FileMovedEvent
+
+    return [FileCreatedEvent, FileMovedEvent, FileClosedEvent]  # not opens and reads: waiters read the same files
+
+
+class _Handler:
+    """watchdog's handler interface: every event of the directory goes to its waiters."""
+
+    def __init__(self, entry: _Dir):
+        self._entry = entry
+
+    def dispatch(self, event) -> None:
+        self._entry.dispatch(event)
+
+
+_WRITES = _writes()
+_HUB = _Hub()
+
+
+def on_write(directory: Path, names: Iterable[str] | None = None, event: threading.Event | None = None) -> Wakeup | None:
+    """Wake-ups when a file of ``names`` in ``directory`` (None: any) is created, renamed into
+    place or written by a process of this host; None where none can be had (the directory does
+    not exist yet, or inotify is refused). ``event``: the one to set (several wake-ups of one
+    wait share it; default: a new one). ``close()`` the wake-up when the wait ends."""
+    return _HUB.join(directory, names, event)
