@@ -17,7 +17,7 @@ from orchestrator import defaults, terminal
 from orchestrator.cli.rank import resolve_num_nodes, resolve_rank
 from orchestrator.cli.run_options import NUM_NODES_HELP, RANK_OPTIONS, apply
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, BadInput, ConfigError
-from orchestrator.node import identity
+from orchestrator.node import identity, rank_lock
 from orchestrator.node.checks import GIB, Thresholds
 from orchestrator.ops.doctor.session import Options, RanksMissing
 from orchestrator.ops.doctor.session import run as run_session
@@ -64,7 +64,8 @@ def doctor(log_path: Path, num_nodes: int | None, master: bool, worker: int | No
                                          node_timeout_s=node_timeout_s))
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        result = run_session(opts)
+        with rank_lock.claim(log_path, rank, rank_lock.Role.DOCTOR):  # its own lock: a doctor may run beside the run
+            result = run_session(opts)
     except KeyboardInterrupt:
         terminal.abort("interrupted", EXIT_INTERRUPTED)
     except BadInput as e:

@@ -8,8 +8,8 @@ import click
 
 from orchestrator import preflight, terminal
 from orchestrator.cli.run_options import RANK_OPTIONS, RUN_OPTIONS, ConfigError, apply, build_config
-from orchestrator.errors import EXIT_BAD_INPUT
-from orchestrator.node import identity
+from orchestrator.errors import EXIT_BAD_INPUT, BadInput
+from orchestrator.node import identity, rank_lock
 from orchestrator.protocol import faults
 
 
@@ -20,20 +20,24 @@ def run(**params) -> None:
     config` lists them)."""
     try:
         config = build_config(params)
-        preflight.create_log_path(config.log_path)
-    except ConfigError as e:
+        faults.from_env()
+    except ValueError as e:  # a ConfigError, or a bad ORCHESTRATOR_FAULT
         terminal.abort(str(e), EXIT_BAD_INPUT)
     try:
-        faults.from_env()
-    except ValueError as e:
+        # Before the run's first write (its directory, the lease, a join, a log): the same
+        # rank started twice on this host ends here, at once, however long a lease takes.
+        held = rank_lock.claim(config.log_path, config.rank)
+        preflight.create_log_path(config.log_path)
+    except (ConfigError, BadInput) as e:
         terminal.abort(str(e), EXIT_BAD_INPUT)
-    terminal.setup_logging(config.rank, identity.host())
-    from orchestrator import workloads
-    from orchestrator.runtime.runner import Rank
+    with held:  # for the rank's life; the kernel drops it if the process is killed
+        terminal.setup_logging(config.rank, identity.host())
+        from orchestrator import workloads
+        from orchestrator.runtime.runner import Rank
 
-    tracker = None
-    if config.is_master and config.tracking.backends:
-        from orchestrator.tracking.tracker import Tracker
+        tracker = None
+        if config.is_master and config.tracking.backends:
+            from orchestrator.tracking.tracker import Tracker
 
-        tracker = Tracker(config)
-    sys.exit(Rank(config, workloads.make, tracker=tracker).run())
+            tracker = Tracker(config)
+        sys.exit(Rank(config, workloads.make, tracker=tracker).run())

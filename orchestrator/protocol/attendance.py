@@ -356,8 +356,13 @@ class Attendance:
                                   f"{self.c.join_timeout_s:g} s; start rank 0 with --master"))
 
     def _check_rank_free(self, attempt_id: str) -> None:
+        """Refuse to enter ``attempt_id`` where another live process of this host joined it as
+        this rank. The rank lock (``node/rank_lock.py``) refuses that process at its start
+        already; this read catches what the lock cannot see: a process of another user, or
+        one whose ``TMPDIR`` (and so lock directory) differs."""
         other = fsio.read_record(self.layout.attempt(attempt_id).join(self.rank))
         if other is None or other.get("pid") == os.getpid():
             return
         if identity.same_host_process_alive(other):
-            raise BadInput(f"rank {self.rank} is already running on host {other['host']} (pid {other['pid']}); each rank runs once")
+            raise BadInput(f"rank {self.rank} is already running on host {other['host']} (pid {other['pid']}); each rank "
+                           f"runs once: stop it first, or start this node as another rank (--worker R)")

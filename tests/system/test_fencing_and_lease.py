@@ -63,8 +63,8 @@ def test_second_master_is_refused_then_takes_over_once_the_old_one_is_dead(clust
     killed_at = time.monotonic()
     procs[0].wait(timeout=5)
     successor = cluster.start(0, flags, env={"ORCHESTRATOR_HOST": "node-b"})
-    workers = [cluster.start(1, flags), cluster.start(2, flags)]
     assert cluster.wait_all([procs[1], procs[2]], timeout=NODE_TIMEOUT_S + 10) == [3, 3]
+    workers = [cluster.start(1, flags), cluster.start(2, flags)]  # once the old ones ended: each rank runs once per host
     assert successor.wait(timeout=90) == 0, successor.output()
     assert cluster.wait_all(workers, timeout=30) == [0, 0], "\n".join(p.output() for p in workers)
     lease = fsio.read_record(layout.lease)
