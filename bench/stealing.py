@@ -18,22 +18,37 @@ The rollout phase is phases 1 and 2 of the master (rollout, then the barrier tha
 every rank's sealed shard): from the start of the rollout until every rank's work is sealed.
 Its mean over iterations is set against the ideal, the total work over the total speed:
 ``tasks * task_s / sum(1 / factor_r)``. Writes JSON (default bench/results/stealing.json).
+
+    python bench/stealing.py --wave-ranks 64,256,1024     # claim files opened per stealing wave
+
+counts instead what one stealing wave costs (:func:`wave`): that many ranks' ledgers in this
+process, on a local directory (/dev/shm where there is one), taking turns on a simulated clock (every ``--slow-every``-th
+rank ``--factor`` times slower), each rank taking chunks until none is left for it; it counts
+the claim files each rank opens (read, created) and the claims directory refreshes, and
+checks that every chunk was taken exactly once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import heapq
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS, BenchError, console, machine, python_env, run_iterations, table, wait_for_quiet, write_json  # noqa: E402
+from orchestrator.data import work  # noqa: E402
+from orchestrator.protocol import fsio  # noqa: E402
+from orchestrator.protocol.layout import IterationLayout  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "stealing.json"
+WAVE_OUT = RESULTS / "stealing-wave.json"
 MODES = ("static", "stealing")
 ROLLOUT = ("1:rollout", "2:rollout_done")
 
@@ -57,6 +72,84 @@ def run_mode(mode: str, work: Path, args: argparse.Namespace) -> dict:
     }
 
 
+@contextlib.contextmanager
+def counting_opens(opens: list[int], rank: list[int]) -> Iterator[None]:
+    """Count, into ``opens[rank[0]]``, each claim file read or created and each claims
+    directory refreshed (what work.py opens by name)."""
+    real = {name: getattr(fsio, name) for name in ("read_bytes", "create_record_exclusive", "refresh_dir")}
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            opens[rank[0]] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in real.items():
+        setattr(fsio, name, counted(fn))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(fsio, name, fn)
+
+
+def wave(root: Path, ranks: int, *, chunks_per_rank: int = work.CHUNKS_PER_RANK, slow_every: int = 4,
+         factor: float = 4.0) -> dict:
+    """One stealing wave of ``ranks`` ranks (one task a chunk, ``chunks_per_rank`` chunks each)
+    on ``root``, in this process: each rank, when its clock says it is free, takes its next
+    chunk (``Ledger.take``) and is busy for the chunk's tasks times its slowness, until none is
+    left for it. Returns the opens of each rank, the chunks each took, when the last finished
+    and the ideal (total work over total speed). Raises AssertionError unless every chunk was
+    taken exactly once, by the rank its claim names."""
+    it = IterationLayout(root)
+    chunks = work.cut([chunks_per_rank] * ranks, 1)
+    ledgers = [work.Ledger(it, "train", r, chunks, stealing=True, settle_s=60.0, attempt="wave") for r in range(ranks)]
+    slowness = [factor if r % slow_every == slow_every - 1 else 1.0 for r in range(ranks)]
+    opens, current = [0] * ranks, [0]
+    taken: dict[int, list[int]] = {r: [] for r in range(ranks)}
+    end = 0.0
+    free_at = [(0.0, r) for r in range(ranks)]
+    with counting_opens(opens, current):
+        while free_at:
+            t, r = heapq.heappop(free_at)
+            current[0] = r
+            chunk, pending = ledgers[r].take()
+            if chunk is not None:
+                taken[r].append(chunk.index)
+                heapq.heappush(free_at, (t + chunk.size * slowness[r], r))
+            elif pending:
+                heapq.heappush(free_at, (t + 1.0, r))
+            else:
+                end = max(end, t)
+    assert sorted(k for ks in taken.values() for k in ks) == list(range(len(chunks))), "a chunk taken twice or never"
+    owner = work.owners(it, "train", chunks)
+    assert all(owner[k] == r for r, ks in taken.items() for k in ks), "a chunk taken by a rank its claim does not name"
+    return {"ranks": ranks, "chunks": len(chunks), "opens": opens, "taken": taken,
+            "stolen": sum(chunks[k].rank != r for r, ks in taken.items() for k in ks),
+            "end": end, "ideal": round(len(chunks) / sum(1.0 / s for s in slowness), 3)}
+
+
+def report_waves(args: argparse.Namespace) -> int:
+    rows, results = [], []
+    for n in args.wave_ranks:
+        # tmpfs where there is one: the claims' fsyncs are not what is counted, and cost minutes on a disk
+        with tempfile.TemporaryDirectory(prefix="bench-stealing-wave-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
+            start = time.monotonic()
+            w = wave(Path(tmp), n, slow_every=args.slow_every, factor=args.factor)
+            seconds = time.monotonic() - start
+        total = sum(w["opens"])
+        results.append({"ranks": n, "chunks": w["chunks"], "opens": total, "opens_per_rank": round(total / n, 1),
+                        "max_opens_of_a_rank": max(w["opens"]), "stolen": w["stolen"], "end": w["end"], "ideal": w["ideal"],
+                        "seconds": round(seconds, 1)})
+        rows.append([str(n), str(w["chunks"]), str(total), f"{total / n:.1f}", str(max(w["opens"])), str(w["stolen"]),
+                     f"{w['end']:g} / {w['ideal']:g}"])
+    table(f"one stealing wave, {work.CHUNKS_PER_RANK} chunks per rank, every {args.slow_every}th rank {args.factor:g}x slower",
+          ["ranks", "chunks", "opens", "per rank", "most of a rank", "stolen", "end / ideal"], rows)
+    write_json(args.out, {"benchmark": "stealing-wave", "command": " ".join(sys.argv), "machine": machine(),
+                          "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "waves": results})
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-nodes", type=int, default=3)
@@ -69,8 +162,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     parser.add_argument("--max-load", type=float, help="wait until the 1-minute load average is below this")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--wave-ranks", type=lambda v: [int(n) for n in v.split(",")],
+                        help="instead: the claim files one stealing wave opens, at each of these numbers of ranks")
+    parser.add_argument("--slow-every", type=int, default=4, help="--wave-ranks: every this-many-th rank is --factor slower")
+    parser.add_argument("--out", type=Path, help=f"default {DEFAULT_OUT} ({WAVE_OUT} with --wave-ranks)")
     args = parser.parse_args()
+    if args.wave_ranks:
+        args.out = args.out or WAVE_OUT
+        return report_waves(args)
+    args.out = args.out or DEFAULT_OUT
     if not 0 <= args.slow_rank < args.num_nodes or args.num_nodes < 2:
         parser.error("--slow-rank must be one of the --num-nodes (at least 2) ranks")
     speed = sum(1.0 / (args.factor if r == args.slow_rank else 1.0) for r in range(args.num_nodes))

@@ -4,9 +4,23 @@ The plan cuts a split's task list into chunks and gives each rank a first share 
 (``--rank-weights``, data/splitting.py). A rank takes a chunk by creating its claim file
 with ``O_CREAT|O_EXCL`` (``iterations/<I>/claims/<split>/c<K>.<G>.json``): one creator wins
 and is the file's only writer, and only that rank writes the chunk's records. A rank takes
-its own chunks front to back; with ``coordination.work_stealing``, a rank with none left
-takes the last unclaimed chunk of the rank with the most unclaimed tasks, until none is left.
-Without stealing a rank takes exactly its own chunks.
+its own chunks front to back; without stealing it takes exactly those.
+
+With ``coordination.work_stealing`` a rank with none of its own left takes the last unclaimed
+chunks of other ranks' shares (:meth:`Ledger.take`). Owners take from the front and thieves
+from the back, so the unclaimed chunks of a share form one run in its middle: a thief finds
+where that run starts and ends by bisection, reading O(log C) of the share's C claim files,
+and remembers every claim it found written (a written claim stands, unless the master
+adopts its rank: :meth:`Ledger.adopted`). Each steal compares up to :data:`VICTIMS_PER_STEAL`
+shares, the one it last stole from and the next ones in its own random order of the others,
+and takes the last unclaimed chunk of the one with the most tasks unclaimed; a thief gives
+up once :data:`STEAL_PROBES` shares in a row had nothing left. So a rank reads O((chunks it steals + 1) x (VICTIMS_PER_STEAL + STEAL_PROBES) x log C)
+claim files in a stealing wave whatever the number of ranks N, and a wave O(N) in all
+(reading every claim not known taken before each steal, it was 32 N a steal, over 32 N^2 a
+wave; docs/performance.md, section 12). Stealing only ever helps: a rank goes on until each
+of its own chunks has a valid claim, taking those nobody stole (and those a void claim
+freed), so a thief that gives up early, or misses a free chunk (a void claim leaves a gap
+in the run), costs time, never a task.
 
 A run resumed on fewer nodes leaves ranks of the plan absent: when the attempt starts inside
 a split's rollout, the master adopts them (:func:`adopt`): it copies each absent rank's
@@ -34,6 +48,7 @@ import dataclasses
 import enum
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +64,16 @@ CHUNKS_PER_RANK = 32
 """With work stealing, about this many chunks per rank (coordination.chunk_tasks=0): the phase
 ends up to one chunk of the slowest rank late, so chunks must be small (bench/stealing.py:
 1.18x the ideal with 16 per rank, 1.06x with 32; docs/performance.md, section 12)."""
+
+VICTIMS_PER_STEAL = 4
+"""Shares a thief compares before each steal (the one with the most tasks unclaimed loses its
+last chunk): with up to this many other ranks rolling out, it is the rank with the most left."""
+
+STEAL_PROBES = CHUNKS_PER_RANK
+"""A thief gives up once this many shares in a row (since its last steal) had nothing left.
+Each thief finds a given share with work left with odds of about STEAL_PROBES / N when all
+others are done, so even then about this many thieves find it: enough to take a share of
+CHUNKS_PER_RANK chunks in one round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +132,18 @@ class Outcome(enum.Enum):
     """A claim exists that is not valid yet (being written, or void once it stays so)."""
 
 
+class _Side(enum.Enum):
+    """Where a chunk stands in its share, as a thief sees it."""
+
+    FRONT = "front"
+    """Claimed by the share's own rank (which takes it front to back)."""
+    BACK = "back"
+    """Claimed by a thief (thieves take it back to front)."""
+    FREE = "free"
+    CLAIMED = "claimed"
+    """A claim that is not valid (yet), or one this rank just lost a race for: not free."""
+
+
 @dataclass(frozen=True, slots=True)
 class Adoptions:
     """The master's record of the ranks whose work it handed to others (``adopted.json``)."""
@@ -146,12 +183,36 @@ class Ledger:
         self.finished: dict[int, set[int]] = {}
         """Rank -> the chunks it has finished, as far as this rank knows (elastic)."""
         self._invalid_since: dict[tuple[int, int], float] = {}
+        self._index()
+
+    def _index(self) -> None:
+        """This rank's own chunks, and the others' shares as thieves see them: runs of
+        consecutive chunks of one rank (its first share, then what each adoption gave it), each
+        taken from the front by that rank and from the back by thieves."""
+        self._own = [c for c in self.chunks if c.rank == self.rank]
+        runs: list[list[Chunk]] = []
+        for c in self.chunks:
+            if runs and runs[-1][-1].rank == c.rank and runs[-1][-1].index + 1 == c.index:
+                runs[-1].append(c)
+            else:
+                runs.append([c])
+        self._shares = [tuple(run) for run in runs if run[0].rank != self.rank]
+        self._order = list(range(len(self._shares)))
+        random.Random(f"{self.split}/{self.rank}").shuffle(self._order)  # thieves spread over the victims
+        self._next = 0
+        """Where in ``_order`` the next steal looks first."""
+        self._spent: set[int] = set()
+        """Shares found with every chunk claimed (a void claim in one is left to its own rank)."""
+        self._victim: int | None = None
+        self._misses = 0
+        """Shares found spent since the last steal: at STEAL_PROBES, this rank stops stealing."""
 
     def adopted(self, adoptions: Adoptions, chunks: list[Chunk]) -> None:
         """The master adopted more ranks: their new chunks join, and their claims beyond what
         they held are void."""
         self.adoptions, self.chunks = adoptions, chunks
         self.owner = {k: r for k, r in self.owner.items() if adoptions.counts(r, k)}
+        self._index()
 
     # -- reading claims ----------------------------------------------------------------------
 
@@ -208,34 +269,100 @@ class Ledger:
 
     def take(self) -> tuple[Chunk | None, bool]:
         """The next chunk for this rank: its own first, then (stealing) another's.
-        (chunk, False) or (None, True) when a claim is still settling and nothing else is
-        free (poll again); (None, False): no work is left for this rank."""
+        (chunk, False) or (None, True) when a claim of its own is still settling and nothing
+        else is free (poll again); (None, False): no work is left for this rank."""
         pending = False
-        for chunk in self.chunks:
-            if chunk.rank == self.rank and chunk.index not in self.owner:
+        for chunk in self._own:
+            if chunk.index not in self.owner:
                 outcome = self.claim(chunk)
                 if outcome is Outcome.WON:
                     return chunk, False
                 pending |= outcome is Outcome.PENDING
-        if not self.stealing:
-            return None, pending
+        if not self.stealing or self._misses >= STEAL_PROBES or len(self._spent) == len(self._shares):
+            return None, pending  # (asked again after each batch of its last chunks: no more reads)
+        fsio.refresh_dir(self.it.claims(self.split))
+        seen: dict[int, _Side] = {}  # this call's reads of claims not written yet
         while True:
-            fsio.refresh_dir(self.it.claims(self.split))
-            free: dict[int, list[Chunk]] = {}
-            for chunk in self.chunks:
-                if chunk.index in self.owner:
+            best = None  # ((tasks unclaimed, -rank), share, first, end): the most left, then the lowest rank
+            for share in self._candidates():
+                first, end = self._unclaimed(self._shares[share], seen)
+                if first == end:
+                    self._spent.add(share)
+                    self._misses += 1
                     continue
-                state, _ = self._read(chunk)
-                if state is None:
-                    free.setdefault(chunk.rank, []).append(chunk)
-                pending |= state is Outcome.PENDING
-            if not free:
-                return None, pending
-            victim = max(free, key=lambda r: (sum(c.size for c in free[r]), -r))
-            chunk = free[victim][-1]
-            if self.claim(chunk) is Outcome.WON:
+                key = (sum(c.size for c in self._shares[share][first:end]), -self._shares[share][0].rank)
+                if best is None or key > best[0]:
+                    best = (key, share, first, end)
+            if best is None:
+                if self._misses >= STEAL_PROBES or len(self._spent) == len(self._shares):
+                    return None, pending
+                continue
+            _key, share, first, end = best
+            chunk = self._last_free(self._shares[share], first, end, seen)
+            if chunk is None:
+                self._spent.add(share)  # a gap the bisection stepped over: its own rank takes it
+                self._misses += 1
+                continue
+            outcome = self.claim(chunk)
+            if outcome is Outcome.WON:
+                self._victim, self._misses = share, 0
+                self._next = (self._next + VICTIMS_PER_STEAL) % max(1, len(self._order))
                 return chunk, False
+            seen[chunk.index] = _Side.CLAIMED  # another thief won it, or its claim is being written
 
+    def _candidates(self) -> list[int]:
+        """The shares to compare for the next steal: the last victim's, then the next ones in
+        this rank's order, none known spent."""
+        out = [] if self._victim is None or self._victim in self._spent else [self._victim]
+        n = len(self._order)
+        for k in range(n):
+            if len(out) >= VICTIMS_PER_STEAL:
+                break
+            share = self._order[(self._next + k) % n]
+            if share not in self._spent and share not in out:
+                out.append(share)
+        return out
+
+    def _side(self, chunk: Chunk, seen: dict[int, _Side]) -> _Side:
+        """Who holds ``chunk``, read once per call (a written claim: once for good)."""
+        owner = self.owner.get(chunk.index)
+        if owner is None and chunk.index not in seen:
+            state, _g = self._read(chunk)
+            owner = self.owner.get(chunk.index) if state in (Outcome.WON, Outcome.TAKEN) else None
+            if owner is None:
+                seen[chunk.index] = _Side.FREE if state is None else _Side.CLAIMED
+        if owner is None:
+            return seen[chunk.index]
+        return _Side.FRONT if owner == chunk.rank else _Side.BACK
+
+    def _unclaimed(self, share: tuple[Chunk, ...], seen: dict[int, _Side]) -> tuple[int, int]:
+        """The run of ``share``'s unclaimed chunks, [first, end), found by bisection: its rank
+        claims its chunks front to back (each one after all before it), thieves back to front
+        (each one after all behind it), so the share reads as FRONT* FREE* BACK* (a claim being
+        written, either side). Empty when every chunk is claimed."""
+        lo, hi = 0, len(share)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._side(share[mid], seen) in (_Side.FRONT, _Side.CLAIMED):
+                lo = mid + 1
+            else:
+                hi = mid
+        first, hi = lo, len(share)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._side(share[mid], seen) in (_Side.BACK, _Side.CLAIMED):
+                hi = mid
+            else:
+                lo = mid + 1
+        return first, lo
+
+    def _last_free(self, share: tuple[Chunk, ...], first: int, end: int, seen: dict[int, _Side]) -> Chunk | None:
+        """The last unclaimed chunk of ``share[first:end]`` (the run's end, unless a void claim
+        left a gap the bisection took for the run)."""
+        for chunk in reversed(share[first:end]):
+            if self._side(chunk, seen) is _Side.FREE:
+                return chunk
+        return None
 
     def open_chunks(self) -> list[Chunk]:
         """Elastic: the chunks not finished yet, as far as this rank can tell: unclaimed, or

@@ -1,7 +1,7 @@
 """Phases 1-2: each rank rolls out chunks of the split into its own shard, then seals it.
 
 A rank takes its own chunks of the plan first, then, with work stealing, chunks not yet
-started from the rank with the most left (data/work.py): the phase ends when the work ends.
+started from the ranks with the most left (data/work.py): the phase ends when the work ends.
 With coordination.elastic a rank seals only once every chunk is finished, and the master
 hands the unfinished work of a rank it marked out to the others as new chunks.
 The shard is appended in small fsynced batches; a restarted rank keeps what its shard
