@@ -33,7 +33,7 @@ SMALL = [
     "rollout.max_inflight=32",  # 8 prompts in flight, in requests of 2: a rank's share comes back in several batches
     "rollout.prompts_per_request=2",
     "coordination.heartbeat_interval_s=0.5",
-    "coordination.node_timeout_s=10",
+    "coordination.node_timeout_s=5",  # 10 beats; the tests that kill a rank wait this long to see it dead (test_tracking: 5 s too)
     "coordination.join_timeout_s=60",
 ]
 
