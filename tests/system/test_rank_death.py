@@ -60,7 +60,9 @@ def test_resume_keeps_sealed_shards_and_finishes_a_partial_one(cluster):
     """Rank 1 is killed mid-rollout of iteration 2 with a partly written shard; on resume the
     shards sealed before the crash are untouched and rank 1's records are kept: it finishes
     the chunks it had claimed (the others may take its chunks not yet started)."""
-    flags = run_flags(cluster.log_path, max_iterations=3, extra=["rehearsal.work_s=3", "rehearsal.tasks=24"])
+    # A rollout of 3 s a rank (rank 1: 6 tasks of 0.5 s), so that it is seen part-way; training
+    # takes 0.3 s: what it does is not in question here.
+    flags = run_flags(cluster.log_path, max_iterations=3, extra=["rehearsal.work_s=3", "rehearsal.train_s=0.3", "rehearsal.tasks=24"])
     procs = cluster.start_all(flags)
     layout = cluster.layout
 
@@ -94,7 +96,9 @@ def test_resume_keeps_sealed_shards_and_finishes_a_partial_one(cluster):
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["master", "worker"])
 def test_exception_in_a_phase_stops_the_others_within_two_seconds_with_the_root_cause(cluster, victim):
-    flags = run_flags(cluster.log_path, max_iterations=1, extra=["rehearsal.work_s=2"])
+    # Training takes 2 s, so that the survivors are at work in phase 10 when the victim raises
+    # there; the rollout and eval before it take FAST's rehearsal.work_s.
+    flags = run_flags(cluster.log_path, max_iterations=1, extra=["rehearsal.train_s=2"])
     procs = cluster.start_all(flags, env_for={victim: {"ORCHESTRATOR_FAULT": f"raise@1:{int(Phase.TRAIN)}"}})
     assert procs[victim].wait(timeout=60) == 1, procs[victim].output()
     failed_at = time.monotonic()
