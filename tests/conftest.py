@@ -1,5 +1,9 @@
+import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +58,24 @@ def chat_demo_data(tmp_path_factory):
     assert result.returncode == 0, result.stderr
     assert "rl.reward=orchestrator.rewards:math" in result.stderr, "demo-data --chat names the reward the run needs"
     return path
+
+
+@dataclass(frozen=True)
+class Made:
+    path: Path
+    seconds: float  # how long `demo-data` took, wall clock
+
+
+@pytest.fixture(scope="session")
+def readme_demo_data(tmp_path_factory) -> Made:
+    """The README's demo data as its main job makes it: `demo-data --data-path` with the
+    product's defaults (seed 0, warm start to the band), this CPU's kernels. Made once for the
+    session: the README main job's seed-0 test and the two-rank FSDP run both start from it
+    (runs read --data-path and write nothing there)."""
+    path = tmp_path_factory.mktemp("readme-demo") / "data"
+    started = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={path}"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return Made(path, time.monotonic() - started)

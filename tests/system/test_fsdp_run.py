@@ -28,10 +28,8 @@ def _start(flags: list[str]) -> list[subprocess.Popen]:
                              stderr=subprocess.DEVNULL, env=env, start_new_session=True) for r in range(2)]
 
 
-def test_main_job_on_two_ranks_with_fsdp_survives_a_killed_trainer_resumes_its_optimizer_and_learns(tmp_path):
-    data, log_path = tmp_path / "data", tmp_path / "run"
-    made = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={data}"], capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-3000:]
+def test_main_job_on_two_ranks_with_fsdp_survives_a_killed_trainer_resumes_its_optimizer_and_learns(readme_demo_data, tmp_path):
+    data, log_path = readme_demo_data.path, tmp_path / "run"  # the README's demo data, made once for the session
     # The README's main job, on two ranks, with FSDP.
     flags = [f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=both", "--eval-interval=3", "--max-iterations=7",
              "--num-nodes=2", "--rank-weights=1,1", "train.strategy=fsdp", "coordination.heartbeat_interval_s=0.5", f"coordination.node_timeout_s={NODE_TIMEOUT_S}",
