@@ -27,7 +27,7 @@ def _start(cluster, k, data, log_path, out_dir, attempt):
 
     argv = [sys.executable, "-m", "orchestrator", "run", f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=both",
             "--eval-interval=1", "--num-nodes=2", "--rank-weights=1,1", "--max-iterations=1", *SMALL,
-            f"coordination.node_timeout_s={NODE_TIMEOUT_S}", "rl.train_tasks=64", "rl.epochs=16", "rl.micro_batch=4",
+            f"coordination.node_timeout_s={NODE_TIMEOUT_S}", "rl.train_tasks=64", "rl.epochs=4", "rl.micro_batch=4",
             f"rl.train_timeout_s={TRAIN_TIMEOUT_S}", "--master" if k == 0 else "--worker=1"]
     env = {**os.environ, "ORCHESTRATOR_HOST": f"node{k}", "MASTER_ADDR": cluster.address(0), "PYTHONUNBUFFERED": "1"}
     log = open(out_dir / f"rank{k}.{attempt}.log", "wb")
