@@ -258,11 +258,18 @@ class Attendance:
         deadline = Deadline.after(timeout + defaults.WORKER_GRACE_S, "the master to start an attempt")
         join = self._worker_join
         said: set[str] = set()
-        # A master on this host wakes the wait at once: its lease, then the attempt's start.
+        # A master on this host wakes the wait at once: control/ made, its lease, then the attempt's start.
         woken = threading.Event()
-        wakes = [w for w in [wakeup.on_write(self.layout.control, ["lease.json"], woken)] if w is not None]
+        wakes = [w for w in [wakeup.on_write(self.layout.root, [self.layout.control.name], woken)] if w is not None]
+        lease_watched = False
 
         def step():
+            nonlocal lease_watched
+            if not lease_watched:
+                lease_wake = wakeup.on_write(self.layout.control, ["lease.json"], woken)
+                if lease_wake is not None:
+                    wakes.append(lease_wake)
+                    lease_watched = True
             action = join.decide(self._worker_view(), deadline)
             if isinstance(action, Enter):
                 self._check_rank_free(action.lease.attempt)
