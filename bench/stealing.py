@@ -25,7 +25,8 @@ counts instead what one stealing wave costs (:func:`wave`): that many ranks' led
 process, on a local directory (/dev/shm where there is one), taking turns on a simulated clock (every ``--slow-every``-th
 rank ``--factor`` times slower), each rank taking chunks until none is left for it; it counts
 the claim files each rank opens (read, created) and the claims directory refreshes, and
-checks that every chunk was taken exactly once.
+checks that every chunk was taken exactly once; then what each rank, restarted, opens to
+find the chunks it holds (``Ledger.owned``).
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def run_mode(mode: str, work: Path, args: argparse.Namespace) -> dict:
 
 @contextlib.contextmanager
 def counting_opens(opens: list[int], rank: list[int]) -> Iterator[None]:
-    """Count, into ``opens[rank[0]]``, each claim file read or created and each claims
-    directory refreshed (what work.py opens by name)."""
-    real = {name: getattr(fsio, name) for name in ("read_bytes", "create_record_exclusive", "refresh_dir")}
+    """Count, into ``opens[rank[0]]``, each claim file read or created, each record written (a
+    thief's ``stolen.r<R>.json``) and each claims directory refreshed (what work.py opens by name)."""
+    real = {name: getattr(fsio, name) for name in ("read_bytes", "create_record_exclusive", "write_record", "refresh_dir")}
 
     def counted(fn):
         def call(*args, **kwargs):
@@ -98,9 +99,11 @@ def wave(root: Path, ranks: int, *, chunks_per_rank: int = work.CHUNKS_PER_RANK,
     """One stealing wave of ``ranks`` ranks (one task a chunk, ``chunks_per_rank`` chunks each)
     on ``root``, in this process: each rank, when its clock says it is free, takes its next
     chunk (``Ledger.take``) and is busy for the chunk's tasks times its slowness, until none is
-    left for it. Returns the opens of each rank, the chunks each took, when the last finished
-    and the ideal (total work over total speed). Raises AssertionError unless every chunk was
-    taken exactly once, by the rank its claim names."""
+    left for it. Then each rank is restarted (a fresh ledger) and finds the chunks it holds.
+    Returns the opens of each rank in the wave and in its restart, the chunks each took, when
+    the last finished and the ideal (total work over total speed). Raises AssertionError
+    unless every chunk was taken exactly once, by the rank its claim names, and each restarted
+    rank found exactly the chunks it took."""
     it = IterationLayout(root)
     chunks = work.cut([chunks_per_rank] * ranks, 1)
     ledgers = [work.Ledger(it, "train", r, chunks, stealing=True, settle_s=60.0, attempt="wave") for r in range(ranks)]
@@ -124,7 +127,13 @@ def wave(root: Path, ranks: int, *, chunks_per_rank: int = work.CHUNKS_PER_RANK,
     assert sorted(k for ks in taken.values() for k in ks) == list(range(len(chunks))), "a chunk taken twice or never"
     owner = work.owners(it, "train", chunks)
     assert all(owner[k] == r for r, ks in taken.items() for k in ks), "a chunk taken by a rank its claim does not name"
-    return {"ranks": ranks, "chunks": len(chunks), "opens": opens, "taken": taken,
+    restart_opens = [0] * ranks
+    with counting_opens(restart_opens, current):
+        for r in range(ranks):
+            current[0] = r
+            held = work.Ledger(it, "train", r, chunks, stealing=True, settle_s=60.0, attempt="wave").owned()
+            assert sorted(c.index for c in held) == sorted(taken[r]), f"restarted rank {r} found other chunks than it took"
+    return {"ranks": ranks, "chunks": len(chunks), "opens": opens, "restart_opens": restart_opens, "taken": taken,
             "stolen": sum(chunks[k].rank != r for r, ks in taken.items() for k in ks),
             "end": end, "ideal": round(len(chunks) / sum(1.0 / s for s in slowness), 3)}
 
@@ -137,14 +146,15 @@ def report_waves(args: argparse.Namespace) -> int:
             start = time.monotonic()
             w = wave(Path(tmp), n, slow_every=args.slow_every, factor=args.factor)
             seconds = time.monotonic() - start
-        total = sum(w["opens"])
+        total, restart = sum(w["opens"]), sum(w["restart_opens"])
         results.append({"ranks": n, "chunks": w["chunks"], "opens": total, "opens_per_rank": round(total / n, 1),
-                        "max_opens_of_a_rank": max(w["opens"]), "stolen": w["stolen"], "end": w["end"], "ideal": w["ideal"],
-                        "seconds": round(seconds, 1)})
-        rows.append([str(n), str(w["chunks"]), str(total), f"{total / n:.1f}", str(max(w["opens"])), str(w["stolen"]),
-                     f"{w['end']:g} / {w['ideal']:g}"])
+                        "max_opens_of_a_rank": max(w["opens"]), "restart_opens_per_rank": round(restart / n, 1),
+                        "max_restart_opens_of_a_rank": max(w["restart_opens"]), "stolen": w["stolen"], "end": w["end"],
+                        "ideal": w["ideal"], "seconds": round(seconds, 1)})
+        rows.append([str(n), str(w["chunks"]), str(total), f"{total / n:.1f}", str(max(w["opens"])), f"{restart / n:.1f}",
+                     str(max(w["restart_opens"])), str(w["stolen"]), f"{w['end']:g} / {w['ideal']:g}"])
     table(f"one stealing wave, {work.CHUNKS_PER_RANK} chunks per rank, every {args.slow_every}th rank {args.factor:g}x slower",
-          ["ranks", "chunks", "opens", "per rank", "most of a rank", "stolen", "end / ideal"], rows)
+          ["ranks", "chunks", "opens", "per rank", "most of a rank", "restart, per rank", "most", "stolen", "end / ideal"], rows)
     write_json(args.out, {"benchmark": "stealing-wave", "command": " ".join(sys.argv), "machine": machine(),
                           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "waves": results})
     return 0

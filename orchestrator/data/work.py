@@ -22,6 +22,15 @@ of its own chunks has a valid claim, taking those nobody stole (and those a void
 freed), so a thief that gives up early, or misses a free chunk (a void claim leaves a gap
 in the run), costs time, never a task.
 
+A thief lists each chunk of another share in its own ``claims/<split>/stolen.r<R>.json``
+(one writer, rewritten whole) before it creates the chunk's claim: one more small write a
+steal. So the claims a rank may hold are those of its own chunks (its first share, and
+what adoptions gave it; the master claims for an adopted rank only chunks of its first
+share) and those its list names, and a restarted rank reads only those
+(:meth:`Ledger.owned`): O(own chunks + chunks stolen) opens, not one per chunk of the split
+(32 N). A chunk listed whose claim the thief then lost, or never created (killed in
+between), reads as taken or free. Only a list that reads damaged sends it back to every claim.
+
 A run resumed on fewer nodes leaves ranks of the plan absent: when the attempt starts inside
 a split's rollout, the master adopts them (:func:`adopt`): it copies each absent rank's
 records into a sealed shard of its own (``r<R>.adopted.jsonl``; every fsynced record
@@ -33,7 +42,10 @@ With ``coordination.elastic`` the master adopts a rank it marked out while the o
 the same way; from then on that rank's claims count only for the chunks it held when it was
 adopted (``owned``), so whatever a frozen process does once it wakes changes nothing. And no
 rank seals before every chunk is finished (``claims/<split>/done.r<R>.json``, one writer
-each): an adoption may still hand it new chunks.
+each): an adoption may still hand it new chunks. A finished chunk stays finished until the
+next adoption, so a waiting rank walks the chunks once, each poll going on from the first
+it found open (:meth:`Ledger.open_chunk`): a poll reads that chunk's owner's list, not one
+list per rank still working.
 
 A crash between creating a claim and writing it leaves an empty claim: once it has stayed
 invalid for ``settle_s`` it is void, and the chunk is claimed at the next generation ``G+1``.
@@ -172,8 +184,9 @@ class Ledger:
 
     def __init__(self, it: IterationLayout, split: str, rank: int, chunks: list[Chunk], *, stealing: bool, settle_s: float,
                  attempt: str, on_steal: Callable[[str], None] = lambda _where: None, adoptions: Adoptions = Adoptions()):
-        """``on_steal(point)``: called at "in-steal" (claim created, not yet written) and
-        "after-steal" (written, no record yet), for tests' fault holds."""
+        """``on_steal(point)``: called at "before-steal" (the chunk listed in ``stolen.r<R>.json``,
+        its claim not created yet), "in-steal" (claim created, not yet written) and "after-steal"
+        (written, no record yet), for tests' fault holds."""
         self.it, self.split, self.rank, self.chunks = it, split, rank, chunks
         self.stealing, self.settle_s, self.attempt, self.on_steal = stealing, settle_s, attempt, on_steal
         self.adoptions = adoptions
@@ -183,6 +196,8 @@ class Ledger:
         self.finished: dict[int, set[int]] = {}
         """Rank -> the chunks it has finished, as far as this rank knows (elastic)."""
         self._invalid_since: dict[tuple[int, int], float] = {}
+        self._stolen: set[int] | None = None
+        """The chunks of other shares listed in this rank's ``stolen.r<R>.json``, once read."""
         self._index()
 
     def _index(self) -> None:
@@ -206,6 +221,8 @@ class Ledger:
         self._victim: int | None = None
         self._misses = 0
         """Shares found spent since the last steal: at STEAL_PROBES, this rank stops stealing."""
+        self._open_from = 0
+        """Elastic: every chunk before this one is finished (:meth:`open_chunk`)."""
 
     def adopted(self, adoptions: Adoptions, chunks: list[Chunk]) -> None:
         """The master adopted more ranks: their new chunks join, and their claims beyond what
@@ -241,9 +258,40 @@ class Ledger:
             g += 1  # void: its creator died before writing it
 
     def owned(self) -> list[Chunk]:
-        """The chunks this rank holds valid claims on (a restarted rank's unfinished work)."""
+        """The chunks this rank holds valid claims on (a restarted rank's unfinished work). It
+        claims only its own chunks (its first share, and what adoptions gave it) and those its
+        ``stolen.r<R>.json`` lists (each listed before its claim is created), so it reads only
+        theirs: O(own chunks + chunks stolen) opens, whatever the number of ranks."""
         fsio.refresh_dir(self.it.claims(self.split))
-        return [c for c in self.chunks if self._read(c)[0] is Outcome.WON]
+        stolen = self._stolen_list()
+        return [c for c in self.chunks if (c.rank == self.rank or c.index in stolen) and self._read(c)[0] is Outcome.WON]
+
+    def _stolen_list(self) -> set[int]:
+        """The chunks of other shares this rank may hold: its ``stolen.r<R>.json``, read once (a
+        restarted process goes on with its predecessor's list)."""
+        if self._stolen is None:
+            data = fsio.read_bytes(self.it.stolen(self.split, self.rank))
+            body = fsio.parse_record(data)
+            if body is not None:
+                self._stolen = set(body["chunks"])
+            elif data is None:
+                self._stolen = set()  # it never stole in this split
+            else:
+                # Unreadable (sshfs can serve a file replaced by rename cut short): every claim of
+                # other shares, read the slow way; a claim that is not valid yet is void soon.
+                self._stolen = {c.index for c in self.chunks if c.rank != self.rank and self._read(c)[0] is Outcome.WON}
+        return self._stolen
+
+    def _list_stolen(self, chunk: Chunk) -> None:
+        """List ``chunk`` in ``stolen.r<R>.json`` before claiming it, so that this rank, restarted
+        after a crash at any point, finds it among those it may hold. One more small write per
+        steal (the claim's exclusive create costs as much); a chunk whose claim it then lost
+        stays listed, harmlessly: reading its claim shows it taken."""
+        stolen = self._stolen_list()
+        if chunk.index not in stolen:
+            fsio.write_record(self.it.stolen(self.split, self.rank), {"rank": self.rank, "chunks": sorted(stolen | {chunk.index})})
+            stolen.add(chunk.index)
+            self.on_steal("before-steal")
 
     def expected(self) -> int:
         """Tasks this rank does, as far as it knows now: the chunks it holds, and its own not yet taken."""
@@ -256,6 +304,8 @@ class Ledger:
         state, g = self._read(chunk)
         while state is None:
             stolen = chunk.rank != self.rank
+            if stolen:
+                self._list_stolen(chunk)
             body = {"rank": self.rank, "chunk": chunk.index, "generation": g, "first_rank": chunk.rank, "attempt": self.attempt,
                     "host": identity.host(), "pid": os.getpid()}
             hook = (lambda: self.on_steal("in-steal")) if stolen else None
@@ -364,26 +414,37 @@ class Ledger:
                 return chunk
         return None
 
-    def open_chunks(self) -> list[Chunk]:
-        """Elastic: the chunks not finished yet, as far as this rank can tell: unclaimed, or
-        held by a rank in the run that has not listed it as done. A chunk of an adopted rank is
-        finished: what it had not done is in the master's new chunks."""
+    def open_chunk(self) -> Chunk | None:
+        """Elastic: the first chunk not finished yet, as far as this rank can tell (None: every
+        chunk is). A chunk is open while it is unclaimed, or held by a rank in the run that has
+        not listed it as done; a chunk of an adopted rank is finished (what it had not done is in
+        the master's new chunks). A finished chunk stays so (done lists only grow; an adoption,
+        which can void a claim, starts the walk again: :meth:`adopted`), so each call goes on
+        from the chunk the last one found open: one walk over the chunks for the whole wait, and
+        a poll while that chunk is still open opens two files (the directory, its owner's done
+        list), not one per rank still working."""
         fsio.refresh_dir(self.it.claims(self.split))
-        still, reread = [], set()
-        for chunk in self.chunks:
-            owner = self.owner.get(chunk.index)
-            if owner is None:
-                state, _ = self._read(chunk)
-                owner = self.owner.get(chunk.index) if state in (Outcome.WON, Outcome.TAKEN) else None
-            if owner is None:
-                still.append(chunk)
-            elif owner not in self.adoptions.owned and chunk.index not in self.finished.get(owner, set()):
-                if owner not in reread:
-                    reread.add(owner)
-                    self.finished[owner] = finished_chunks(self.it, self.split, owner)
-                if chunk.index not in self.finished[owner]:
-                    still.append(chunk)
-        return still
+        reread: set[int] = set()  # ranks whose done list this call has read
+        while self._open_from < len(self.chunks):
+            chunk = self.chunks[self._open_from]
+            if not self._finished(chunk, reread):
+                return chunk
+            self._open_from += 1
+        return None
+
+    def _finished(self, chunk: Chunk, reread: set[int]) -> bool:
+        owner = self.owner.get(chunk.index)
+        if owner is None:
+            state, _ = self._read(chunk)
+            owner = self.owner.get(chunk.index) if state in (Outcome.WON, Outcome.TAKEN) else None
+        if owner is None:
+            return False
+        if owner in self.adoptions.owned:
+            return True
+        if chunk.index not in self.finished.get(owner, set()) and owner not in reread:
+            reread.add(owner)
+            self.finished[owner] = finished_chunks(self.it, self.split, owner)
+        return chunk.index in self.finished[owner]
 
 
 def finished_chunks(it: IterationLayout, split: str, rank: int) -> set[int]:

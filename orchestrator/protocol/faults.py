@@ -8,6 +8,8 @@
 - ``hold-after-arrive``: the same, right after writing the arrival at that phase's barrier.
 - ``hold-in-removal``: the same, inside the master's checkpoint removal in that phase (13),
   after the checkpoint was renamed aside and before it is deleted (data/retention.py).
+- ``hold-before-steal``: the same, inside a rank's first steal of a chunk in that phase (1 or
+  6), once the chunk is listed in its ``stolen.r<R>.json`` and before its claim is created.
 - ``hold-in-steal``: the same, inside a rank's first steal of a chunk in that phase (1 or 6),
   after its claim file was created and before it is written (data/work.py).
 - ``hold-after-steal``: the same, once that claim is written, before any of the chunk's records.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 ENV = "ORCHESTRATOR_FAULT"
 HOLD_LIMIT_S = 300.0
-ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-in-steal", "hold-after-steal", "hold-after-batch", "hold-after-round-batch", "raise")
+ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-before-steal", "hold-in-steal", "hold-after-steal", "hold-after-batch", "hold-after-round-batch", "raise")
 
 
 class InjectedFault(RuntimeError):

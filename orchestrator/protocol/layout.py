@@ -28,6 +28,7 @@
     iterations/<I>/rollout/<split>/r<R>.manifest.json   rank R: seal (count, sha256)
     iterations/<I>/rollout/<split>/r<R>.adopted.jsonl   master: rank R's records, copied when the run went on without it
     iterations/<I>/claims/<split>/c<K>.<G>.json   the rank that took chunk K (O_EXCL; generation G after a void claim)
+    iterations/<I>/claims/<split>/stolen.r<R>.json  rank R: the chunks of other shares it claims, each listed before its claim
     iterations/<I>/claims/<split>/adopted.json    master: chunks made of the unfinished work of ranks no longer in the run
     iterations/<I>/claims/<split>/done.r<R>.json  rank R: the chunks it has finished (elastic, and the resample rounds: nobody
                                               moves on before all are), with their informative groups (rl.filter_groups)
@@ -332,6 +333,11 @@ class IterationLayout:
     def claim(self, split: str, chunk: int, generation: int) -> Path:
         """Created (O_EXCL) by the rank that takes chunk ``chunk`` of ``split`` (data/work.py)."""
         return self.claims(split) / f"c{chunk:05d}.{generation}.json"
+
+    def stolen(self, split: str, rank: int) -> Path:
+        """The chunks of other ranks' shares ``rank`` claims, each written here before its claim
+        is created: with its own chunks, all a restarted rank reads to find what it holds (data/work.py)."""
+        return self.claims(split) / f"stolen.r{rank:05d}.json"
 
     def adopted(self, split: str) -> Path:
         """The master's chunks of absent ranks' unfinished work (a run resumed on fewer nodes)."""

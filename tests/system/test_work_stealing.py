@@ -61,12 +61,14 @@ def test_without_stealing_each_rank_does_exactly_its_share(cluster):
     assert it["tasks_done_per_rank"] == [12, 12, 12] and it["tasks_taken_per_rank"] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("point", ["in-steal", "after-steal"])
+@pytest.mark.parametrize("point", ["before-steal", "in-steal", "after-steal"])
 def test_kill_9_in_the_middle_of_a_steal_loses_and_duplicates_nothing(cluster, point):
-    """Rank 1 is killed while it takes one of rank 2's chunks: with the claim created but
-    empty ("in-steal": void once it has settled, so the chunk is claimed again at the next
-    generation), or written with no record of the chunk yet ("after-steal": rank 1 does it
-    when it comes back). The other ranks stop (exit 3); the same commands finish the run."""
+    """Rank 1 is killed while it takes one of rank 2's chunks: with the chunk listed in its
+    stolen.r00001.json and no claim created ("before-steal": the chunk stays free), with the
+    claim created but empty ("in-steal": void once it has settled, so the chunk is claimed
+    again at the next generation), or written with no record of the chunk yet ("after-steal":
+    rank 1, restarted, finds it through its list and does it). The other ranks stop (exit 3);
+    the same commands finish the run."""
     flags = _flags(cluster, iterations=1)
     procs = cluster.start_all(flags, env_for={1: {"ORCHESTRATOR_FAULT": f"hold-{point}@1:1"}})
     wait_state(cluster.layout, 1, "held", timeout=60)
@@ -75,8 +77,15 @@ def test_kill_9_in_the_middle_of_a_steal_loses_and_duplicates_nothing(cluster, p
     it = cluster.layout.iteration(1)
     claims = {p.name: fsio.read_record(p) for p in it.claims("train").glob("c*.json")}
     stolen = [name for name, body in claims.items() if body is None or (body["rank"] == 1 and body["first_rank"] == 2)]
-    assert len(stolen) == 1, claims
-    chunk = int(stolen[0][1:6])
+    listed = fsio.read_record(it.stolen("train", 1))["chunks"]  # (with any chunk whose claim it lost to another rank)
+    if point == "before-steal":
+        assert len(listed) == 1 and stolen == [], (listed, claims)
+        chunk = listed[0]
+        assert not any(body["rank"] == 1 and body["chunk"] == chunk for body in claims.values()), claims
+    else:
+        assert len(stolen) == 1, claims
+        chunk = int(stolen[0][1:6])
+        assert chunk in listed, (listed, claims)  # listed before its claim was created
 
     again = cluster.start_all(flags)
     assert cluster.wait_all(again, timeout=90) == [0, 0, 0], "\n".join(p.output() for p in again)
@@ -84,5 +93,5 @@ def test_kill_9_in_the_middle_of_a_steal_loses_and_duplicates_nothing(cluster, p
     owner = work.owners(it, "train", work.chunks_of(fsio.read_record(it.plan)["train"]))[chunk]
     if point == "in-steal":
         assert fsio.read_record(it.claim("train", chunk, 0)) is None and fsio.read_record(it.claim("train", chunk, 1)) is not None
-    else:
+    elif point == "after-steal":
         assert owner == 1

@@ -153,6 +153,110 @@ def test_a_restarted_rank_finds_the_chunks_it_holds(tmp_path):
     assert _ledger(tmp_path, 0, chunks).owned() == []
 
 
+def test_a_restarted_rank_opens_as_many_files_to_find_what_it_holds_at_256_ranks_as_at_64(tmp_path, monkeypatch):
+    """After a stealing wave, each rank restarted (a fresh ledger) finds exactly the chunks it
+    took (bench/stealing.py checks it), reading only its own share's claims and those of the
+    chunks its stolen.r<R>.json lists: reading every claim, it opened 8 N + 1 files (2049 a
+    rank at 256 ranks of 8 chunks, 8193 at 256 ranks of 32)."""
+    from bench import stealing
+
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # opens are counted, not durability
+    per_rank, most = {}, {}
+    for n in (64, 256):
+        wave = stealing.wave(tmp_path / f"n{n}", n, chunks_per_rank=8)
+        opens = wave["restart_opens"]
+        assert all(o <= 1 + 1 + 8 + len(wave["taken"][r]) for r, o in enumerate(opens)), opens  # dir, list, share, stolen
+        per_rank[n], most[n] = sum(opens) / n, max(opens)
+    assert per_rank[256] <= 1.2 * per_rank[64] and most[256] <= 1.2 * most[64], (per_rank, most)
+
+
+def test_a_rank_restarted_after_a_crash_at_any_step_of_a_steal_finds_exactly_the_chunks_it_holds(tmp_path, monkeypatch):
+    """Rank 1 steals chunk 5 (claimed and written), then chunk 4: killed once it listed chunk
+    4 and before it created the claim, restarted; killed again between creating the claim on
+    chunk 4 and writing it, restarted. Each time it holds its own chunks and chunk 5, never
+    chunk 4, and what it lists survives each restart; chunk 4's first rank takes it once
+    the empty claim is void."""
+    it = IterationLayout(tmp_path)
+    chunks = work.cut([3, 2], 1)  # rank 0: 0, 1, 2; rank 1: 3, 4
+    thief = _ledger(tmp_path, 1, chunks)
+    assert [thief.take()[0].index for _ in range(3)] == [3, 4, 2]  # its own, then rank 0's last
+
+    class Killed(BaseException):
+        pass
+
+    def killed_at(point):
+        def hook(where):
+            if where == point:
+                raise Killed
+        return hook
+
+    crashing = work.Ledger(it, "train", 1, chunks, stealing=True, settle_s=0.3, attempt="a", on_steal=killed_at("before-steal"))
+    assert [c.index for c in crashing.owned()] == [2, 3, 4]
+    with pytest.raises(Killed):
+        crashing.claim(chunks[1])
+    assert fsio.read_record(it.stolen("train", 1))["chunks"] == [1, 2]
+    assert not it.claim("train", 1, 0).exists()
+    crashing = work.Ledger(it, "train", 1, chunks, stealing=True, settle_s=0.3, attempt="a", on_steal=killed_at("in-steal"))
+    assert [c.index for c in crashing.owned()] == [2, 3, 4]
+    with pytest.raises(Killed):
+        crashing.claim(chunks[1])
+    assert it.claim("train", 1, 0).read_bytes() == b""  # created, never written
+    restarted = _ledger(tmp_path, 1, chunks, settle_s=0.3)
+    assert [c.index for c in restarted.owned()] == [2, 3, 4]
+    assert fsio.read_record(it.stolen("train", 1))["chunks"] == [1, 2]
+    first = _ledger(tmp_path, 0, chunks, stealing=False, settle_s=0.3)
+    assert first.take()[0].index == 0 and first.take() == (None, True)  # chunk 1's claim may still be being written
+    time.sleep(0.35)
+    assert first.take()[0].index == 1 and first.take() == (None, False)
+    assert work.owners(it, "train", chunks) == [0, 0, 1, 1, 1]
+    assert [c.index for c in _ledger(tmp_path, 1, chunks).owned()] == [2, 3, 4]
+    assert [c.index for c in _ledger(tmp_path, 0, chunks).owned()] == [0, 1]
+
+
+def test_a_rank_whose_stolen_list_reads_damaged_reads_every_claim_instead(tmp_path):
+    it = IterationLayout(tmp_path)
+    chunks = work.cut([3, 1], 1)
+    thief = _ledger(tmp_path, 1, chunks)
+    assert [thief.take()[0].index for _ in range(3)] == [3, 2, 1]
+    data = it.stolen("train", 1).read_bytes()
+    it.stolen("train", 1).write_bytes(data[: len(data) // 2])  # as sshfs can serve a file replaced by rename
+    restarted = _ledger(tmp_path, 1, chunks)
+    assert [c.index for c in restarted.owned()] == [1, 2, 3]
+    assert restarted.take()[0].index == 0
+    assert fsio.read_record(it.stolen("train", 1))["chunks"] == [0, 1, 2]  # written whole again with the next steal
+
+
+def test_an_elastic_wait_reads_two_files_a_poll_while_a_chunk_is_open_whatever_the_number_of_ranks(tmp_path, monkeypatch):
+    """A rank done with its work waits until every chunk is finished: it walks the chunks once,
+    going on from the first it found open; before, each poll read the done list of every
+    rank with a chunk not finished yet (and the claim of every chunk not known taken)."""
+    from bench import stealing
+
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    it = IterationLayout(tmp_path)
+    n = 64
+    chunks = work.cut([2] * n, 1)
+    for r in range(n):
+        ledger = _ledger(tmp_path, r, chunks, stealing=False)
+        ledger.take(), ledger.take()
+        work.note_finished(it, "train", r, {2 * r} if r % 2 else {2 * r, 2 * r + 1})  # odd ranks: one chunk to go
+    waiting = _ledger(tmp_path, 0, chunks)
+    opens, current = [0], [0]
+    with stealing.counting_opens(opens, current):
+        assert waiting.open_chunk().index == 3
+        first = opens[0]
+        for _ in range(3):
+            assert waiting.open_chunk().index == 3
+        assert opens[0] - first == 3 * 2, "the directory and rank 1's done list, each poll"
+        for r in range(1, n, 2):
+            work.note_finished(it, "train", r, {2 * r, 2 * r + 1})
+        opens[0] = 0
+        assert waiting.open_chunk() is None
+        assert opens[0] <= 1 + len(chunks) + n, opens  # the rest of the walk: each claim not read yet, each done list once
+        opens[0] = 0
+        assert waiting.open_chunk() is None and opens[0] == 1
+
+
 def test_a_claim_left_empty_by_a_crash_is_void_after_settling_and_the_next_generation_is_taken(tmp_path):
     it = IterationLayout(tmp_path)
     chunks = work.cut([1, 1], 1)
@@ -175,7 +279,8 @@ def test_a_restarted_rank_finds_a_chunk_it_claimed_behind_a_void_claim_at_once(t
     chunks = work.cut([1, 1], 1)
     it.claims("train").mkdir(parents=True)
     it.claim("train", 1, 0).write_bytes(b"")  # rank 0 was killed stealing chunk 1 ...
-    fsio.write_record(it.claim("train", 1, 1), {"rank": 2, "chunk": 1, "generation": 1})  # ... rank 2 took it after it settled
+    fsio.write_record(it.stolen("train", 2), {"rank": 2, "chunks": [1]})  # ... rank 2 listed it ...
+    fsio.write_record(it.claim("train", 1, 1), {"rank": 2, "chunk": 1, "generation": 1})  # ... and took it after it settled
     restarted = _ledger(tmp_path, 2, chunks, settle_s=60)
     assert [c.index for c in restarted.owned()] == [1]
     assert _ledger(tmp_path, 1, chunks, stealing=False, settle_s=60).take() == (None, False)  # its first rank: taken
@@ -244,7 +349,7 @@ def test_after_adoption_a_late_claim_of_the_adopted_rank_is_void_and_nobody_seal
     one = _ledger(tmp_path, 1, chunks)
     assert [one.take()[0].index for _ in range(2)] == [2, 3]
     work.note_finished(it, "train", 1, {2, 3})
-    assert [c.index for c in one.open_chunks()] == [0, 1, 4, 5]
+    assert one.open_chunk().index == 0  # unclaimed (1, 4 and 5 are open too)
 
     assert work.adopt(it, "train", plan, ids, iteration=1, ranks=[2], weights=[1, 1, 0], attempt="a") == ([2], 2)
     adoptions = work.Adoptions.read(it, "train")
@@ -253,10 +358,12 @@ def test_after_adoption_a_late_claim_of_the_adopted_rank_is_void_and_nobody_seal
     every = work.all_chunks(it, "train", plan)
     assert work.owners(it, "train", every)[0] is None  # ... but nobody counts it
     one.adopted(adoptions, every)
-    assert [c.index for c in one.open_chunks()] == [0, 1, 6, 7]  # chunks 4, 5: finished by the adoption
+    assert one.open_chunk().index == 0  # its late claim on chunk 0 is void
     zero = work.Ledger(it, "train", 0, every, stealing=True, settle_s=5.0, attempt="a", adoptions=adoptions)
     assert zero.take()[0].index == 0 and work.owners(it, "train", every)[0] == 0
     taken = [zero.take()[0].index for _ in range(3)]
     assert taken == [1, 6, 7] and zero.take() == (None, False)
+    work.note_finished(it, "train", 0, {0, 1})
+    assert one.open_chunk().index == 6  # chunks 4, 5: finished by the adoption
     work.note_finished(it, "train", 0, {0, 1, 6, 7})
-    assert one.open_chunks() == []
+    assert one.open_chunk() is None

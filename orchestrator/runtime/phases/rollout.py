@@ -123,7 +123,7 @@ def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
                         if tracked:
                             note()  # done before a restart: the others (and this rank's wait) see it finished
                 if not pipe.outstanding:
-                    if not pending and (not tracked or not claims.open_chunks()):
+                    if not pending and (not tracked or claims.open_chunk() is None):
                         break
                     # A claim is settling (see whether it is void), or (elastic) others still work:
                     # a rank marked out meanwhile leaves chunks for this one.
