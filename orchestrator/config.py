@@ -128,7 +128,8 @@ class CoordinationConfig:
     come 2 ms, 4 ms, ... after it arrives). With the heartbeat's own write, a worker costs the
     shared filesystem about 1/watch_interval_s + 2/heartbeat_interval_s metadata operations a
     second (1.4 by default). Ranks on the master's host are woken at once by inotify; lower
-    it to trade load for barrier latency across hosts."""
+    it to trade load for barrier latency across hosts. At most a quarter of node_timeout_s
+    is used."""
     work_stealing: bool = True
     """Rollout and eval tasks go out in chunks; a rank that has finished its own takes chunks
     not yet started from the rank with the most left, so a phase ends when its work ends.
@@ -145,6 +146,13 @@ class CoordinationConfig:
     the model and optimizer are larger than the ones the run was sized for."""
     min_nodes: Count = 1
     """With elastic: the fewest ranks the run goes on with; losing one more ends the attempt."""
+
+    @property
+    def watch_s(self) -> float:
+        """How often a worker reads the master's heartbeat: watch_interval_s, or a quarter of
+        node_timeout_s when that is shorter (a few reads within any node timeout, each of which
+        may find the file unreadable for a moment)."""
+        return min(self.watch_interval_s, self.node_timeout_s / 4)
 
     @property
     def master_wait(self) -> float:

@@ -80,7 +80,7 @@ class Attendance:
         self.rank = config.rank
         self.c = config.coordination
         self.backoff = Backoff(self.c.poll_min_s, self.c.poll_max_s)
-        self.idle_backoff = Backoff(self.c.poll_min_s, self.c.watch_interval_s)
+        self.idle_backoff = Backoff(self.c.poll_min_s, max(self.c.poll_min_s, self.c.watch_s))
         """A worker's long waits (for the master: to start an attempt, to release a barrier, to
         admit it back): many ranks poll the master's files, so at most once a watch interval."""
         self.lease: lease_mod.Lease | None = None
@@ -160,7 +160,7 @@ class Attendance:
         self.monitor = Monitor(
             attempt=self.attempt, rank=self.rank, num_nodes=self.config.num_nodes, cancel=self.cancel,
             heartbeat_interval_s=self.c.heartbeat_interval_s, node_timeout_s=self.c.node_timeout_s,
-            watch_interval_s=self.c.watch_interval_s, hosts=self.hosts,
+            watch_interval_s=self.c.watch_s, hosts=self.hosts,
             on_cancel=lambda: self.children.stop_all(grace_s=2.0),
         )
         self.monitor.heartbeat = self.heartbeat

@@ -62,9 +62,21 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
         raise
 
 
+PAD_BELOW = 4096
+"""Records smaller than this are padded with spaces to the next power of two (at least 512
+bytes): a record rewritten often (a heartbeat) then keeps its size. A FUSE client that
+caches a file's size (sshfs, 20 s by default) serves a replaced file cut to the old size,
+which fails its checksum: "no news" for as long as the size keeps changing, which a
+heartbeat's durations and counter would do at every beat."""
+
+
 def envelope(body: dict) -> bytes:
     data = canonical(body)
-    return b'{"sha256":"' + checksum(data).encode() + b'","body":' + data + b"}\n"
+    record = b'{"sha256":"' + checksum(data).encode() + b'","body":' + data + b"}"
+    if len(record) < PAD_BELOW:
+        size = max(512, 1 << len(record).bit_length())
+        record = record.ljust(size - 1)
+    return record + b"\n"
 
 
 def write_record(path: Path, body: dict, *, durable: bool = True) -> None:

@@ -318,16 +318,17 @@ def test_truncate_once_cuts_the_first_read_of_each_version(faultfs_mounts):
     publish(backing / "t" / "a", b"abcdefgh")  # a new version is cut once more
     assert (m.path / "t" / "a").read_bytes() == b"abcd"
     assert (m.path / "t" / "a").read_bytes() == b"abcdefgh"
-    fsio.write_record(backing / "t" / "rec.json", {"v": 1})
+    rec = {"v": 1, "text": "x" * fsio.PAD_BELOW}  # not padded: a cut ends inside the record
+    fsio.write_record(backing / "t" / "rec.json", rec)
     assert fsio.read_record(m.path / "t" / "rec.json") is None  # a cut record fails its checksum
-    assert fsio.read_record(m.path / "t" / "rec.json") == {"v": 1}
+    assert fsio.read_record(m.path / "t" / "rec.json") == rec
     m.set_faults({"glob": "t/*", "truncate_once": {"reads": 2, "fraction": 0.25, "per": "path", "count": 3}})
     assert (m.path / "t" / "a").read_bytes() == b"ab"
     assert (m.path / "t" / "a").read_bytes() == b"ab"
     assert (m.path / "t" / "a").read_bytes() == b"abcdefgh"
     whole = len((backing / "t" / "rec.json").read_bytes())
     assert len((m.path / "t" / "rec.json").read_bytes()) == whole // 4  # third and last cut (count 3)
-    assert fsio.read_record(m.path / "t" / "rec.json") == {"v": 1}
+    assert fsio.read_record(m.path / "t" / "rec.json") == rec
     assert m.wait_stats(lambda s: s["counts"]["truncated"] == 6)
 
 

@@ -42,6 +42,25 @@ def wait_for_seals(ctx: PhaseContext, split: str, sources: list[tuple[str, objec
     return found
 
 
+def final_owners(ctx: PhaseContext, split: str, chunks: list[work.Chunk]) -> list[int | None]:
+    """Each chunk's owner once every rank has sealed. Every chunk has a valid claim by then,
+    but a claim is a new file: on a network filesystem it can show up on the master's mount
+    later than the seals that follow it, so read the chunks still without one again, up to one
+    node timeout (then go on with what is known: the merge names what is missing)."""
+    owner = work.owners(ctx.it, split, chunks)
+    deadline = Deadline.after(ctx.config.coordination.node_timeout_s, f"the claims of {split}")
+
+    def settled():
+        missing = [k for k, o in enumerate(owner) if o is None]
+        for k, o in zip(missing, work.owners(ctx.it, split, [chunks[k] for k in missing])):
+            owner[k] = o
+        return owner if None not in owner or deadline.expired() else None
+
+    if None in owner:
+        poll(settled, deadline=deadline.extended(1.0), cancel=ctx.cancel, backoff=ctx.run.backoff)
+    return owner
+
+
 def adopt_late(ctx: PhaseContext, split: str) -> None:
     """Elastic: a rank marked out after it finished its chunks, but before it sealed: its
     records are adopted now. Every rank sealed, so any task it had not done has nobody left."""
@@ -57,7 +76,7 @@ def verify_seals(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     sealed = {}
     for part in rollout.train_rounds(ctx).splits:
         adopt_late(ctx, part)
-        owner = work.owners(ctx.it, part, work.all_chunks(ctx.it, part, ctx.plan[part]))
+        owner = final_owners(ctx, part, work.all_chunks(ctx.it, part, ctx.plan[part]))
         sealed |= {label: m.count for label, m in wait_for_seals(ctx, part, _sources(ctx, part, owner)).items()}
     return {"sealed": sealed}
 
@@ -78,7 +97,7 @@ def merge_split(ctx: PhaseContext, split: str, parts: list[str] | None = None) -
         adopt_late(ctx, part)
         ids = ctx.workload.task_ids(part, ctx.iteration)[: ctx.plan[part]["total"]]
         chunks = work.all_chunks(ctx.it, part, ctx.plan[part])
-        owner = work.owners(ctx.it, part, chunks)  # final: every rank has sealed
+        owner = final_owners(ctx, part, chunks)  # every rank has sealed
         part_sources = _sources(ctx, part, owner)
         wait_for_seals(ctx, part, part_sources)
         sources += part_sources
