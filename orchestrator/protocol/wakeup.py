@@ -96,11 +96,28 @@ class _Hub:
         if self._observer is None:
             from watchdog.observers import Observer
 
+            _no_move_pairing()
             observer = Observer()
             observer.daemon = True
             observer.start()
             self._observer = observer
         return self._observer
+
+
+def _no_move_pairing() -> None:
+    """watchdog holds each rename's IN_MOVED_FROM for 0.5 s to pair it with its IN_MOVED_TO,
+    and its queue then hands out nothing behind it until that time has passed, even once
+    paired: a wake-up came up to half a second late whenever the two arrived apart (often, with
+    many ranks on a few cores). A waiter needs only the name a file was renamed to, which an
+    unpaired IN_MOVED_TO reports at once (as a created file)."""
+    try:
+        from watchdog.observers.inotify_move_event_grouper import InotifyMoveEventGrouper as Grouper
+    except ImportError:  # watchdog before 7
+        try:
+            from watchdog.observers.inotify_buffer import InotifyBuffer as Grouper
+        except ImportError:  # not Linux: no inotify
+            return
+    Grouper.delay = 0.0
 
 
 def _writes() -> list:
