@@ -23,6 +23,7 @@ FAST = [
     "coordination.heartbeat_interval_s=0.25",
     "coordination.node_timeout_s=3",
     "coordination.join_timeout_s=20",
+    "coordination.watch_interval_s=0.1",  # ranks on separate mounts (no same-host wake-ups) see releases soon
     "rehearsal.work_s=0.05",
     "rehearsal.tasks=12",
     "rehearsal.eval_tasks=6",
