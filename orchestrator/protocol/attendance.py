@@ -158,7 +158,7 @@ class Attendance:
 
     def _start_monitor(self) -> None:
         self.monitor = Monitor(
-            attempt=self.attempt, rank=self.rank, num_nodes=self.config.num_nodes, cancel=self.cancel,
+            attempt=self.attempt, rank=self.rank, cancel=self.cancel,
             heartbeat_interval_s=self.c.heartbeat_interval_s, node_timeout_s=self.c.node_timeout_s,
             watch_interval_s=self.c.watch_s, hosts=self.hosts,
             on_cancel=lambda: self.children.stop_all(grace_s=2.0),
@@ -259,17 +259,13 @@ class Attendance:
         join = self._worker_join
         said: set[str] = set()
         # A master on this host wakes the wait at once: control/ made, its lease, then the attempt's start.
-        woken = threading.Event()
-        wakes = [w for w in [wakeup.on_write(self.layout.root, [self.layout.control.name], woken)] if w is not None]
+        wakes = wakeup.Wakeups()
+        wakes.watch(self.layout.root, [self.layout.control.name])
         lease_watched = False
 
         def step():
             nonlocal lease_watched
-            if not lease_watched:
-                lease_wake = wakeup.on_write(self.layout.control, ["lease.json"], woken)
-                if lease_wake is not None:
-                    wakes.append(lease_wake)
-                    lease_watched = True
+            lease_watched = lease_watched or wakes.watch(self.layout.control, ["lease.json"])
             action = join.decide(self._worker_view(), deadline)
             if isinstance(action, Enter):
                 self._check_rank_free(action.lease.attempt)
@@ -277,7 +273,7 @@ class Attendance:
                 join.joined = action.lease.attempt
                 log.info("joined attempt %s of master %s (pid %d)", action.lease.attempt, action.lease.host, action.lease.pid)
                 if action.lease.host == identity.host():
-                    wakes.extend(w for w in [wakeup.on_write(self.attempt.root, ["start.json", "abort.json"], woken)] if w)
+                    wakes.watch(self.attempt.root, ["start.json", "abort.json"])
                 action = join.decide(self._worker_view(), deadline)
             if isinstance(action, (Started, Rejoin)):
                 return action
@@ -293,12 +289,9 @@ class Attendance:
                 log.info("%s", action.message)
             return None
 
-        try:
-            action = poll(step, deadline=deadline, cancel=self.cancel, backoff=self.idle_backoff, wake=woken,
+        with wakes:
+            action = poll(step, deadline=deadline, cancel=self.cancel, backoff=self.idle_backoff, wake=wakes.event,
                           on_timeout=self._no_master)
-        finally:
-            for w in wakes:
-                w.close()
         start = records.from_dict(action.start, schema.Start, str_keys=True)
         self.hosts.update(start.hosts)
         if start.fingerprint != self.config.fingerprint():

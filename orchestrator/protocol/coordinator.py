@@ -165,22 +165,19 @@ class Coordinator(Attendance):
                 decision = barrier.released(schema.read(self.attempt.release, Release), point)
             return decision
 
-        wake = self._wakeup(self.attempt.heartbeats, [word.path.name], ranks=[0])
-        try:
+        with self._wakeups(self.attempt.heartbeats, [word.path.name], ranks=[0]) as wakes:
             return poll(probe, deadline=deadline.extended(defaults.WORKER_GRACE_S), cancel=self.cancel,
-                        backoff=self.idle_backoff, wake=wake and wake.event,
+                        backoff=self.idle_backoff, wake=wakes.event,
                         on_timeout=lambda: self._deadline(point, f"the master did not release {point.phase.label} in time", 0))
-        finally:
-            if wake is not None:
-                wake.close()
 
-    def _wakeup(self, directory, names, *, ranks) -> wakeup.Wakeup | None:
-        """Same-host wake-ups on ``names`` of ``directory`` when one of ``ranks`` (their
-        writers) runs on this host; None otherwise (the wait polls)."""
+    def _wakeups(self, directory, names, *, ranks) -> wakeup.Wakeups:
+        """A wait's same-host wake-ups: on ``names`` of ``directory`` when one of ``ranks``
+        (their writers) runs on this host; none otherwise (the wait polls)."""
+        wakes = wakeup.Wakeups()
         here = identity.host()
-        if not any(self.hosts.get(r) == here for r in ranks if r != self.rank):
-            return None
-        return wakeup.on_write(directory, names)
+        if any(self.hosts.get(r) == here for r in ranks if r != self.rank):
+            wakes.watch(directory, names)
+        return wakes
 
     def _release(self, point: Point, deadline: Deadline, decide: Callable[[dict[int, dict]], dict]) -> dict:
         rule = barrier.MasterBarrier(self.attempt_id, point, self.config.num_nodes, deadline)
@@ -202,13 +199,9 @@ class Coordinator(Attendance):
         def pace() -> float:  # a probe reads every missing arrival: at most MASTER_READS_PER_S of them a second
             return (len(rule.missing(self.monitor.out)) + 1) / defaults.MASTER_READS_PER_S
 
-        wake = self._wakeup(self.attempt.arrivals, None, ranks=range(self.config.num_nodes))
-        try:
-            action = poll(probe, deadline=deadline, cancel=self.cancel, backoff=self.backoff, wake=wake and wake.event, pace=pace,
+        with self._wakeups(self.attempt.arrivals, None, ranks=range(self.config.num_nodes)) as wakes:
+            action = poll(probe, deadline=deadline, cancel=self.cancel, backoff=self.backoff, wake=wakes.event, pace=pace,
                           on_timeout=lambda: late(rule.missing(self.monitor.out)))
-        finally:
-            if wake is not None:
-                wake.close()
         self.events.emit(Event.ALL_ARRIVED, iteration=point.iteration, phase=int(point.phase))
         if self.c.elastic and point.phase is Phase.TRAIN:
             with self._members_lock:  # a rank lost from here on does not undo the finished step

@@ -152,7 +152,6 @@ class Monitor:
         *,
         attempt: AttemptLayout,
         rank: int,
-        num_nodes: int,
         cancel: CancelToken,
         heartbeat_interval_s: float,
         node_timeout_s: float,
@@ -162,7 +161,6 @@ class Monitor:
     ):
         self.attempt = attempt
         self.rank = rank
-        self.num_nodes = num_nodes
         self.cancel = cancel
         self.hb_every = heartbeat_interval_s
         self.poll_s = poll_interval_s(heartbeat_interval_s) if rank == 0 else watch_interval_s

@@ -146,3 +146,27 @@ def on_write(directory: Path, names: Iterable[str] | None = None, event: threadi
     not exist yet, or inotify is refused). ``event``: the one to set (several wake-ups of one
     wait share it; default: a new one). ``close()`` the wake-up when the wait ends."""
     return _HUB.join(directory, names, event)
+
+
+class Wakeups:
+    """The wake-ups of one wait: each sets the same ``event`` (give it to ``poll``); a context
+    manager that ends them all. A wait with none just polls."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._each: list[Wakeup] = []
+
+    def watch(self, directory: Path, names: Iterable[str] | None = None) -> bool:
+        """Wake on ``names`` of ``directory`` too (see :func:`on_write`); False where it cannot."""
+        waiter = on_write(directory, names, self.event)
+        if waiter is not None:
+            self._each.append(waiter)
+        return waiter is not None
+
+    def __enter__(self) -> "Wakeups":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for waiter in self._each:
+            waiter.close()
+        self._each.clear()
