@@ -186,6 +186,8 @@ class Monitor:
         self.on_members: Callable[[Members], OrchestratorError | None] | None = None
         """Worker, elastic: judges the master's membership record each poll; what it returns
         (the run went on without this process, or the training step is redone) cancels the rank."""
+        self._next_hb = 0.0
+        """Master: when it reads the heartbeats next."""
         self._new_thread()
         self._lock = threading.Lock()
 
@@ -229,38 +231,43 @@ class Monitor:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        next_hb = 0.0
         while not self._halt.is_set() and self.cancel.reason is None:
-            now = time.monotonic()
-            beat = None
-            try:
-                if not self.is_master:
-                    verdict, beat = self._watch_master(now)
-                else:
-                    if now >= next_hb:
-                        self._read_heartbeats(now)
-                        next_hb = now + self.hb_every
-                    verdict = self._verdict(now)
-            except OSError as e:
-                log.warning("monitor could not read the shared filesystem: %s", e)
-                verdict = None
-            if verdict is not None:
-                self._end_attempt(verdict)
-                return
-            try:
-                news = self.on_members(self._members_now(beat)) if self.on_members is not None else None
-            except OSError:
-                news = None
-            if news is not None:
-                log.error("%s", news)
-                if self.cancel.cancel(news):
-                    self.on_cancel()
-                return
-            deadline = self.work_deadline
-            if deadline is not None and deadline.expired():
-                self._overran(deadline)
+            if self.step(time.monotonic()):
                 return
             self._halt.wait(self.poll_s)
+
+    def step(self, now: float) -> bool:
+        """One look: read what this rank's role reads, and act on a verdict. True when it
+        ended the watch (the rank is cancelled); the thread calls it every ``poll_s``."""
+        beat = None
+        try:
+            if not self.is_master:
+                verdict, beat = self._watch_master(now)
+            else:
+                if now >= self._next_hb:
+                    self._read_heartbeats(now)
+                    self._next_hb = now + self.hb_every
+                verdict = self._verdict(now)
+        except OSError as e:
+            log.warning("monitor could not read the shared filesystem: %s", e)
+            verdict = None
+        if verdict is not None:
+            self._end_attempt(verdict)
+            return True
+        try:
+            news = self.on_members(self._members_now(beat)) if self.on_members is not None else None
+        except OSError:
+            news = None
+        if news is not None:
+            log.error("%s", news)
+            if self.cancel.cancel(news):
+                self.on_cancel()
+            return True
+        deadline = self.work_deadline
+        if deadline is not None and deadline.expired():
+            self._overran(deadline)
+            return True
+        return False
 
     def _read_heartbeats(self, now: float) -> None:
         """Master: every watched rank's heartbeat, one open by name each (a heartbeat exists
