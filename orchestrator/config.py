@@ -130,6 +130,12 @@ class CoordinationConfig:
     second (1.4 by default). Ranks on the master's host are woken at once by inotify; lower
     it to trade load for barrier latency across hosts. At most a quarter of node_timeout_s
     is used."""
+    fan_in: Annotated[int, _limit("{key} must be >= 0 (0: automatic, 1: off), got {value}", ge=0)] = 0
+    """Barriers that fan in: the workers form groups of this many consecutive ranks, whose
+    leader (the lowest rank of a group still in the run) reads its members' arrivals and
+    passes them on in one file, so the master reads about sqrt(N) files a barrier instead
+    of N. 0: automatic (groups of ceil(sqrt(workers)) from 64 ranks on, off below); 1: off;
+    2 or more: groups of that size."""
     work_stealing: bool = True
     """Rollout and eval tasks go out in chunks; a rank that has finished its own takes chunks
     not yet started from the rank with the most left, so a phase ends when its work ends.

@@ -12,3 +12,8 @@ MASTER_READS_PER_S = 250.0
 """At a barrier the master reads the arrival of every rank still missing at each poll: its polls
 are spaced so that it opens at most this many files a second (1,000 missing: one poll every 4 s;
 one missing: polls as fast as the backoff allows)."""
+
+FAN_IN_FROM = 64
+"""coordination.fan_in automatic: from this many ranks on, barrier arrivals reach the master
+through group leaders (below it the master reads every arrival: one hop less, and at 63 files
+a round its reads take a quarter second at most)."""

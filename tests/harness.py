@@ -24,6 +24,7 @@ FAST = [
     "coordination.node_timeout_s=3",
     "coordination.join_timeout_s=20",
     "coordination.watch_interval_s=0.1",  # ranks on separate mounts (no same-host wake-ups) see releases soon
+    "coordination.fan_in=2",  # barriers fan in through group leaders (automatic only from 64 ranks): every fault test covers it
     "rehearsal.work_s=0.05",
     "rehearsal.tasks=12",
     "rehearsal.eval_tasks=6",

@@ -70,7 +70,7 @@ class Entry:
 
 class Attendance:
     """The base of ``Coordinator``, which adds the membership rules the monitor reports to
-    (``_go_on_without``, ``_members_news``)."""
+    (``_go_on_without``, ``_members_news``) and the group a worker leads (``_led_group``)."""
 
     def __init__(self, config: RunConfig, cancel: CancelToken, children: Children):
         self.config = config
@@ -165,6 +165,8 @@ class Attendance:
         )
         self.monitor.heartbeat = self.heartbeat
         self.monitor.where = lambda: self.where
+        self.monitor.fan_in = self.fan_in
+        self.monitor.leads = self._led_group
         self.monitor.host = identity.host()
         if self.c.elastic:
             self.monitor.on_silent = self._go_on_without if self.is_master else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import deque
 from typing import Callable
 
 from orchestrator import defaults
@@ -43,8 +44,8 @@ from orchestrator.protocol.api import Event, HeartbeatState
 from orchestrator.protocol.attendance import Attendance, Entry
 from orchestrator.protocol.monitor import publish_abort
 from orchestrator.protocol.membership import ranks_text
-from orchestrator.protocol.schema import Arrival, Members, Point, Progress, Release
-from orchestrator.protocol.waiting import CancelToken, Deadline, poll
+from orchestrator.protocol.schema import Arrival, GroupArrival, Members, Point, Progress, Release
+from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, Sweep, poll
 
 __all__ = ["Coordinator", "Entry"]
 
@@ -70,6 +71,10 @@ class Coordinator(Attendance):
         """rl.max_staleness >= 1: the iteration this node trains in the background, None when none."""
         self._members_writes = 0
         """Master: how many times it wrote members.json in this attempt (its heartbeat says it)."""
+        self.fan_in = barrier.FanIn.of(config.num_nodes, self.c.fan_in)
+        """The worker groups whose leaders pass arrivals on to the master (None: no fan-in)."""
+        self._waits: deque[float] = deque(maxlen=16)
+        """Worker: how long its latest barriers took to release, arrival to release seen."""
 
     # -- where the rank is, and what phases may tell it ----------------------------------------
 
@@ -134,7 +139,8 @@ class Coordinator(Attendance):
         self.cancel.check()  # a rank cancelled during its work must not arrive
         self.monitor.work_deadline = None  # from here on the barrier's own deadline applies
         point = Point(iteration, phase, self.train_round if phase is Phase.TRAIN else 0)
-        schema.write(self.attempt.arrive(self.rank), Arrival(self.attempt_id, iteration, phase, payload or {}, point.round))
+        payload = payload or {}
+        schema.write(self.attempt.arrive(self.rank), Arrival(self.attempt_id, iteration, phase, payload, point.round))
         arrived = time.monotonic()
         self.events.emit(Event.ARRIVE, iteration=iteration, phase=int(phase), work_s=round(arrived - self._phase_began, 4),
                          payload=_counts(payload))
@@ -143,19 +149,27 @@ class Coordinator(Attendance):
         if self.is_master:
             decision = self._release(point, deadline, decide)
         else:
-            decision = self._await_release(point, deadline)
+            decision = self._await_release(point, deadline, payload)
+            self._waits.append(time.monotonic() - arrived)
             if "out" in decision:
                 self._apply_out(decision["out"])
         self.events.emit(Event.RELEASED, iteration=iteration, phase=int(phase), wait_s=round(time.monotonic() - arrived, 4))
         return decision
 
-    def _await_release(self, point: Point, deadline: Deadline) -> dict:
+    def _await_release(self, point: Point, deadline: Deadline, payload: dict) -> dict:
         """Worker: poll the master's heartbeat (shared with the monitor) until it says it
-        released ``point``, then read the decision from ``release.json``. Polls back off from
-        poll_min_s to watch_interval_s; a master on this host wakes the wait at once."""
+        released ``point``, then read the decision from ``release.json``; a group's leader
+        first passes its members' arrivals on (``_pass_on``), and so does a rank that becomes
+        its group's leader while it waits. Polls back off to watch_interval_s, the first after
+        half the shortest of this rank's latest waits (a round that takes a second at a
+        thousand ranks is not polled every few ms); a master on this host wakes the wait at once."""
         word = self.monitor.word
+        passed_on = False
+        lead = object()
 
         def probe():
+            if not passed_on and self._led_group() is not None:
+                return lead
             beat = word.read()
             if beat is None or not barrier.said_released(beat.get("released"), point):
                 return None
@@ -165,10 +179,60 @@ class Coordinator(Attendance):
                 decision = barrier.released(schema.read(self.attempt.release, Release), point)
             return decision
 
-        with self._wakeups(self.attempt.heartbeats, [word.path.name], ranks=[0]) as wakes:
-            return poll(probe, deadline=deadline.extended(defaults.WORKER_GRACE_S), cancel=self.cancel,
-                        backoff=self.idle_backoff, wake=wakes.event,
-                        on_timeout=lambda: self._deadline(point, f"the master did not release {point.phase.label} in time", 0))
+        until = deadline.extended(defaults.WORKER_GRACE_S)
+        while True:
+            first = min(max(self.c.poll_min_s, min(self._waits, default=0.0) / 2), self.c.watch_s)
+            with self._wakeups(self.attempt.heartbeats, [word.path.name], ranks=[0]) as wakes:
+                result = poll(probe, deadline=until, cancel=self.cancel, backoff=Backoff(first, self.idle_backoff.max_s),
+                              wake=wakes.event,
+                              on_timeout=lambda: self._deadline(point, f"the master did not release {point.phase.label} in time", 0))
+            if result is not lead:
+                return result
+            passed_on = self._pass_on(point, until, payload)
+
+    def _out_seen(self) -> frozenset[int]:
+        """Worker: the ranks out of the run as it last heard (the master's membership record,
+        which its monitor reads when the master says it changed; else the last release's)."""
+        members = self.monitor.members_seen() if self.monitor is not None else None
+        return frozenset(members.out) if members is not None else self.out
+
+    def _led_group(self) -> int | None:
+        """Worker: the group it leads now (coordination.fan_in), if any."""
+        if self.fan_in is None or self.is_master:
+            return None
+        group = self.fan_in.group(self.rank)
+        return group if self.fan_in.leader(group, self._out_seen()) == self.rank else None
+
+    def _pass_on(self, point: Point, until: Deadline, payload: dict) -> bool:
+        """Group leader: read its members' arrivals until every one in the run has arrived at
+        ``point``, then write them in one file for the master (``arrivals/g<G>.json``). False
+        when it stopped leading first (a lower rank came back into the run)."""
+        fan_in = self.fan_in
+        group = fan_in.group(self.rank)
+        rule = barrier.MasterBarrier(self.attempt_id, point, self.config.num_nodes, until, arrived={self.rank: payload},
+                                     ranks=fan_in.ranks(group))
+        sweep = Sweep(defaults.MASTER_READS_PER_S)
+
+        def probe(wakes):
+            out = self._out_seen()
+            if fan_in.leader(group, out) != self.rank:
+                return False
+            missing = rule.missing(out)
+            read = sweep.pick(missing, wakes.heard(), lambda r: self.attempt.arrive(r).name)
+            if sweep.full:
+                fsio.refresh_dir(self.attempt.arrivals)
+            action = rule.decide({r: schema.read(self.attempt.arrive(r), Arrival) for r in read}, out)
+            if isinstance(action, barrier.TimedOut):
+                raise self._deadline(point, f"rank {self.rank}, leader of ranks {ranks_text(rule.ranks)}, still waits for ranks "
+                                            f"{ranks_text(action.missing)}", min(action.missing))
+            if isinstance(action, barrier.ReleaseAll):
+                schema.write(self.attempt.group_arrival(group), GroupArrival(self.attempt_id, point.iteration, point.phase,
+                                                                             self.rank, action.payloads, point.round))
+                return True
+            return None
+
+        with self._wakeups(self.attempt.arrivals, None, ranks=rule.ranks) as wakes:
+            return poll(lambda: probe(wakes), deadline=until, cancel=self.cancel, backoff=self.backoff, wake=wakes.event)
 
     def _wakeups(self, directory, names, *, ranks) -> wakeup.Wakeups:
         """A wait's same-host wake-ups: on ``names`` of ``directory`` when one of ``ranks``
@@ -181,26 +245,40 @@ class Coordinator(Attendance):
 
     def _release(self, point: Point, deadline: Deadline, decide: Callable[[dict[int, dict]], dict]) -> dict:
         rule = barrier.MasterBarrier(self.attempt_id, point, self.config.num_nodes, deadline)
+        sweep = Sweep(defaults.MASTER_READS_PER_S)
+        fan_in = self.fan_in
 
         def late(missing) -> DeadlineExceeded:
-            return self._deadline(point, f"barrier {point.phase.label} still waits for ranks {ranks_text(missing)} after "
-                                         f"deadlines.{point.phase.name.lower()}", min(missing))
+            arrived = frozenset(r for r in missing if (a := schema.read(self.attempt.arrive(r), Arrival)) and a.at(self.attempt_id, point))
+            culprit, why = barrier.blame_late(missing, arrived, fan_in, self.monitor.out)
+            return self._deadline(point, f"barrier {point.phase.label} {why} after deadlines.{point.phase.name.lower()}", culprit)
 
-        def probe():
+        def gather(missing: tuple[int, ...], heard: set[str]) -> dict[int, Arrival | None]:
+            """The arrivals to decide on: every missing rank's file, or with fan-in the files of
+            the groups with missing ranks (and the own files of ranks a group file leaves out)."""
+            if fan_in is None:
+                read = sweep.pick(missing, heard, lambda r: self.attempt.arrive(r).name)
+                if sweep.full:
+                    fsio.refresh_dir(self.attempt.arrivals)
+                return {r: schema.read(self.attempt.arrive(r), Arrival) for r in read}
+            groups = sweep.pick(fan_in.groups_of(missing), heard, lambda g: self.attempt.group_arrival(g).name)
+            if sweep.full:
+                fsio.refresh_dir(self.attempt.arrivals)
+            records = {g: schema.read(self.attempt.group_arrival(g), GroupArrival) for g in groups}
+            found, own = fan_in.unpack(self.attempt_id, point, tuple(r for r in missing if r == 0 or fan_in.group(r) in records), records)
+            return {**found, **{r: schema.read(self.attempt.arrive(r), Arrival) for r in own}}
+
+        def probe(wakes):
             if self.c.elastic and point.phase is Phase.SYNC_START:
                 self._admit_returning(point.iteration)
             out = self.monitor.out
-            fsio.refresh_dir(self.attempt.arrivals)
-            action = rule.decide({r: schema.read(self.attempt.arrive(r), Arrival) for r in rule.missing(out)}, out)
+            action = rule.decide(gather(rule.missing(out), wakes.heard()), out)
             if isinstance(action, barrier.TimedOut):
                 raise late(action.missing)
             return action if isinstance(action, barrier.ReleaseAll) else None
 
-        def pace() -> float:  # a probe reads every missing arrival: at most MASTER_READS_PER_S of them a second
-            return (len(rule.missing(self.monitor.out)) + 1) / defaults.MASTER_READS_PER_S
-
         with self._wakeups(self.attempt.arrivals, None, ranks=range(self.config.num_nodes)) as wakes:
-            action = poll(probe, deadline=deadline, cancel=self.cancel, backoff=self.backoff, wake=wakes.event, pace=pace,
+            action = poll(lambda: probe(wakes), deadline=deadline, cancel=self.cancel, backoff=self.backoff, wake=wakes.event,
                           on_timeout=lambda: late(rule.missing(self.monitor.out)))
         self.events.emit(Event.ALL_ARRIVED, iteration=point.iteration, phase=int(point.phase))
         if self.c.elastic and point.phase is Phase.TRAIN:

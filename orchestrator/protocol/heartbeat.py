@@ -50,6 +50,8 @@ class Heartbeat:
         """(when, done) of the phase's first progress report: where its rate counts from."""
         self._progress_at = 0.0
         """When progress was last reported."""
+        self.last: dict | None = None
+        """The body of the latest beat."""
 
     def start(self) -> None:
         self.beat()
@@ -85,6 +87,7 @@ class Heartbeat:
             body = {**self._state, "in_phase_s": round(now - self._phase_since, 3), "in_state_s": round(now - self._state_since, 3)}
             if body["progress"] is not None:
                 body["progress"] = {**body["progress"], "rate": self._rate(now, **body["progress"])}
+            self.last = body
             try:
                 fsio.write_record(self._path, body, durable=False)
             except OSError as e:

@@ -12,7 +12,9 @@
     attempts/<A>/notes.json                   master: what the run does other than the config asked (fewer tasks), shown by `status`
     attempts/<A>/joins/r<R>.json              rank R: joined this attempt (host, pid, fingerprint)
     attempts/<A>/heartbeats/r<R>.json         rank R: liveness counter, where it is
+    attempts/<A>/heartbeats/g<G>.json         leader of worker group G: its members' heartbeats as it last read them (coordination.fan_in)
     attempts/<A>/arrivals/r<R>.json           rank R: latest barrier it arrived at
+    attempts/<A>/arrivals/g<G>.json           leader of worker group G: its members' arrivals (coordination.fan_in)
     attempts/<A>/failures/r<R>.json           rank R: why it stopped, written before it exits
     attempts/<A>/events/r<R>.jsonl            rank R: its event log (phase and barrier times)
     attempts/<A>/rendezvous.json              node of train worker 0: the training rendezvous address (RL)
@@ -261,12 +263,18 @@ class AttemptLayout:
     def heartbeat(self, rank: int) -> Path:
         return self.heartbeats / f"r{rank:05d}.json"
 
+    def group_heartbeat(self, group: int) -> Path:
+        return self.heartbeats / f"g{group:05d}.json"
+
     @property
     def arrivals(self) -> Path:
         return self.root / "arrivals"
 
     def arrive(self, rank: int) -> Path:
         return self.arrivals / f"r{rank:05d}.json"
+
+    def group_arrival(self, group: int) -> Path:
+        return self.arrivals / f"g{group:05d}.json"
 
     @property
     def failures(self) -> Path:

@@ -9,7 +9,15 @@ reads ``release.json``) and ``members`` (how many times it rewrote ``members.jso
 the worker reads again only then). A waiting worker's barrier polls go through the same
 reader, so watching and waiting together cost one open by name per read.
 
-The master reads each rank's heartbeat once per heartbeat interval, lists the failures
+With barriers that fan in (coordination.fan_in), each group's leader also reads its
+members' heartbeats once per heartbeat interval and writes them, with its own, in one file
+(``heartbeats/g<G>.json``); the master then reads the group files, twice an interval, and
+reads by name only the ranks of a group whose file is missing, stands still (its leader
+died or froze: its members are then judged from their own files, the leader with them) or
+was written by a rank that no longer leads it.
+
+The master reads each rank's heartbeat once per heartbeat interval (or through the group
+files), lists the failures
 directory every poll (one listing, not a file per rank; a rank whose heartbeat says it
 failed has its record read by name too, since a listing can be stale on some FUSE
 filesystems), and turns what it sees into one ``abort.json`` naming the root cause.
@@ -32,6 +40,7 @@ from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, Fai
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.api import TERMINAL_STATES
+from orchestrator.protocol.barrier import FanIn
 from orchestrator.protocol.layout import AttemptLayout
 from orchestrator.protocol.liveness import LivenessTracker
 from orchestrator.protocol.membership import ranks_text
@@ -46,7 +55,7 @@ def poll_interval_s(heartbeat_interval_s: float) -> float:
     return min(0.25, heartbeat_interval_s / 2)
 
 
-def verdict_bound_s(node_timeout_s: float, heartbeat_interval_s: float, watch_interval_s: float) -> float:
+def verdict_bound_s(node_timeout_s: float, heartbeat_interval_s: float, watch_interval_s: float, fan_in: bool = False) -> float:
     """The longest, from a rank's death, until every other rank's monitor knows of it.
 
     A worker: its last beat was written at most when it died; the master, reading heartbeats
@@ -55,8 +64,10 @@ def verdict_bound_s(node_timeout_s: float, heartbeat_interval_s: float, watch_in
     master's heartbeat (``watch_interval_s``). The master: a worker sees its last beat up to
     one watch interval late and judges at a read a watch interval apart. A rank that sees the
     death first (a trainer's lost connection) waits this long for the verdict naming the rank
-    that died."""
-    return node_timeout_s + max(heartbeat_interval_s + poll_interval_s(heartbeat_interval_s), watch_interval_s) + watch_interval_s
+    that died. ``fan_in``: a worker's beat reaches the master through its group's leader, which
+    reads it up to an interval late, and the master reads the group files twice an interval."""
+    relay = heartbeat_interval_s / 2 if fan_in else 0.0
+    return node_timeout_s + max(heartbeat_interval_s + relay + poll_interval_s(heartbeat_interval_s), watch_interval_s) + watch_interval_s
 
 
 class MasterWord:
@@ -183,6 +194,15 @@ class Monitor:
         other threads read it without the lock."""
         self.on_silent: Callable[[Culprit], bool] | None = None
         """Master, elastic: offered each worker that went silent; True when the run goes on without it."""
+        self.fan_in: FanIn | None = None
+        """The worker groups whose leaders pass heartbeats on (coordination.fan_in)."""
+        self.leads: Callable[[], int | None] = lambda: None
+        """Worker: the group it leads now, if any (then it passes its members' heartbeats on)."""
+        self._groups = LivenessTracker(2 * heartbeat_interval_s)
+        """Master: when each group's heartbeat file last changed (it stands still past two
+        intervals: its members are read by name)."""
+        self._relayed = 0
+        self._next_relay = 0.0
         self.on_members: Callable[[Members], OrchestratorError | None] | None = None
         """Worker, elastic: judges the master's membership record each poll; what it returns
         (the run went on without this process, or the training step is redone) cancels the rank."""
@@ -243,10 +263,13 @@ class Monitor:
         try:
             if not self.is_master:
                 verdict, beat = self._watch_master(now)
+                if now >= self._next_relay:
+                    self._next_relay = now + self.hb_every
+                    self._pass_heartbeats_on()
             else:
                 if now >= self._next_hb:
                     self._read_heartbeats(now)
-                    self._next_hb = now + self.hb_every
+                    self._next_hb = now + (self.hb_every if self.fan_in is None else self.hb_every / 2)
                 verdict = self._verdict(now)
         except OSError as e:
             log.warning("monitor could not read the shared filesystem: %s", e)
@@ -271,10 +294,44 @@ class Monitor:
 
     def _read_heartbeats(self, now: float) -> None:
         """Master: every watched rank's heartbeat, one open by name each (a heartbeat exists
-        from the rank's join on and is replaced by rename: no directory refresh needed)."""
+        from the rank's join on and is replaced by rename: no directory refresh needed), or
+        through the group files."""
         with self._lock:
-            for r in self.tracker.watched():
+            watched = self.tracker.watched()
+            for r in watched if self.fan_in is None else self._read_groups(now, watched):
                 self.tracker.observe(r, fsio.read_record(self.attempt.heartbeat(r)), now)
+
+    def _read_groups(self, now: float, watched: list[int]) -> list[int]:
+        """Master: observe the ranks the group files carry; return those to read by name."""
+        by_group: dict[int, list[int]] = {}
+        for r in watched:
+            by_group.setdefault(self.fan_in.group(r), []).append(r)
+        direct = []
+        for group, ranks in sorted(by_group.items()):
+            record = fsio.read_record(self.attempt.group_heartbeat(group))
+            self._groups.observe(group, record, now)
+            beats = (record or {}).get("beats") or {}
+            if record is None or group in self._groups.dead(now) or record.get("leader") != self.fan_in.leader(group, self.out):
+                direct += ranks
+                continue
+            for r in ranks:
+                if str(r) in beats:
+                    self.tracker.observe(r, beats[str(r)], now)
+                else:
+                    direct.append(r)
+        return direct
+
+    def _pass_heartbeats_on(self) -> None:
+        """Worker leading a group: its members' heartbeats and its own in one file."""
+        group = self.leads()
+        if group is None or self.heartbeat is None or self.heartbeat.last is None:
+            return
+        beats = {r: fsio.read_record(self.attempt.heartbeat(r)) for r in self.fan_in.ranks(group) if r != self.rank}
+        self._relayed += 1
+        fsio.write_record(self.attempt.group_heartbeat(group), {
+            "leader": self.rank, "pid": os.getpid(), "counter": self._relayed,
+            "beats": {**{str(r): b for r, b in beats.items() if b is not None}, str(self.rank): self.heartbeat.last},
+        }, durable=False)
 
     def _watch_master(self, now: float) -> tuple[Culprit | None, dict | None]:
         """Worker: one read of the master's heartbeat (unless a barrier wait just read it);
@@ -294,6 +351,10 @@ class Monitor:
         version = beat.get("members") if beat is not None else self._members_version
         if self._members is None or version != self._members_version:
             self._members, self._members_version = Members.read(self.attempt.members), version
+        return self._members
+
+    def members_seen(self) -> Members | None:
+        """Worker, elastic: the master's membership record as this monitor last read it."""
         return self._members
 
     def _failures(self) -> dict[int, dict]:

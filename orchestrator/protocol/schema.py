@@ -71,6 +71,25 @@ class Arrival:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupArrival:
+    """``arrivals/g<G>.json``: a group's leader passes on its members' arrivals, each with
+    its payload (coordination.fan_in; protocol/barrier.py)."""
+
+    attempt: str
+    iteration: int
+    phase: Phase
+    leader: int
+    payloads: dict[int, dict] = field(default_factory=dict)
+    round: int = 0
+
+    def at(self, attempt: str, point: Point) -> bool:
+        return self.attempt == attempt and Point(self.iteration, self.phase, self.round) == point
+
+    def arrival(self, rank: int) -> Arrival:
+        return Arrival(self.attempt, self.iteration, self.phase, self.payloads[rank], self.round)
+
+
+@dataclass(frozen=True, slots=True)
 class Release:
     """``release.json``: the master let every rank past a barrier, with the phase's decision."""
 

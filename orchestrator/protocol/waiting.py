@@ -142,6 +142,28 @@ def poll(
     raise AssertionError("unreachable")
 
 
+class Sweep:
+    """Which of many files a probe reads: all it still waits for (a sweep), at most
+    ``reads_per_s`` of them a second, and between sweeps only those a same-host wake-up named
+    (``wakeup.Wakeups.heard``). A waiter reading N files then costs N opens a sweep, not N a
+    wake-up, and never more than ``reads_per_s`` a second in sweeps."""
+
+    def __init__(self, reads_per_s: float, clock: Clock = REAL_CLOCK):
+        self._rate = reads_per_s
+        self._clock = clock
+        self._next = float("-inf")
+        self.full = False
+        """Whether the last pick was a sweep (then the directory is worth refreshing first)."""
+
+    def pick(self, waiting_for: list[T], heard: set[str], name: Callable[[T], str]) -> list[T]:
+        now = self._clock.monotonic()
+        self.full = now >= self._next
+        if self.full:
+            self._next = now + (len(waiting_for) + 1) / self._rate
+            return list(waiting_for)
+        return [k for k in waiting_for if name(k) in heard]
+
+
 def retry(
     fn: Callable[[], T],
     *,

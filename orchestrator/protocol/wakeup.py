@@ -32,6 +32,19 @@ class Wakeup:
         self._hub = hub
         self._directory = directory
         self.names = names
+        self._heard: set[str] = set()
+        self._lock = threading.Lock()
+
+    def hear(self, names: set[str]) -> None:
+        with self._lock:
+            self._heard |= names
+        self.event.set()
+
+    def take(self) -> set[str]:
+        """The names written since the last call."""
+        with self._lock:
+            heard, self._heard = self._heard, set()
+        return heard
 
     def close(self) -> None:
         self._hub.leave(self._directory, self)
@@ -48,8 +61,9 @@ class _Dir:
         paths = [getattr(event, "dest_path", ""), event.src_path]
         names = {os.path.basename(os.fsdecode(p)) for p in paths if p}
         for waiter in list(self.waiters):
-            if waiter.names is None or names & waiter.names:
-                waiter.event.set()
+            mine = names if waiter.names is None else names & waiter.names
+            if mine:
+                waiter.hear(mine)
 
 
 class _Hub:
@@ -162,6 +176,11 @@ class Wakeups:
         if waiter is not None:
             self._each.append(waiter)
         return waiter is not None
+
+    def heard(self) -> set[str]:
+        """The names this wait's wake-ups saw written since the last call (a probe that reads
+        many files can read just these between its full rounds)."""
+        return set().union(*(waiter.take() for waiter in self._each))
 
     def __enter__(self) -> "Wakeups":
         return self

@@ -62,46 +62,49 @@ def _assert_each_task_once(layout: RunLayout) -> None:
 
 @pytest.mark.parametrize("how", ["kill-9", "sigstop"])
 def test_a_worker_lost_mid_rollout_is_marked_out_the_others_finish_and_it_rejoins(cluster, how):
+    """Killed: rank 1, which leads the group of ranks 1 and 2 (the harness forces
+    coordination.fan_in=2), so rank 2 leads it from then on; frozen: rank 2, a member."""
+    victim = 1 if how == "kill-9" else 2
     flags = _flags(cluster)
     procs = cluster.start_all(flags)
     layout = cluster.layout
-    wait_for(lambda: _mid_rollout(layout, 2, 2), 60, "rank 2 to be part-way through the rollout of iteration 2")
+    wait_for(lambda: _mid_rollout(layout, victim, 2), 60, f"rank {victim} to be part-way through the rollout of iteration 2")
     if how == "kill-9":
-        os.kill(procs[2].pid, signal.SIGKILL)
+        os.kill(procs[victim].pid, signal.SIGKILL)
     else:
-        os.kill(procs[2].pid, signal.SIGSTOP)
+        os.kill(procs[victim].pid, signal.SIGSTOP)
     # Marked out within the node timeout (plus a heartbeat poll), not at a barrier's deadline.
-    wait_for(lambda: _events(layout, "out"), NODE_TIMEOUT_S + 5, "the master to mark rank 2 out")
+    wait_for(lambda: _events(layout, "out"), NODE_TIMEOUT_S + 5, f"the master to mark rank {victim} out")
     out = _events(layout, "out")[0]
-    assert out["rank"] == 2 and out["iteration"] == 2 and out["phase"] == "1:rollout", out
+    assert out["rank"] == victim and out["iteration"] == 2 and out["phase"] == "1:rollout", out
     status = status_json(cluster.log_path)
-    assert status["failure"] is None and [r["rank"] for r in status["ranks_out"]] == [2], status["ranks_out"]
+    assert status["failure"] is None and [r["rank"] for r in status["ranks_out"]] == [victim], status["ranks_out"]
 
     if how == "kill-9":
-        assert procs[2].wait(timeout=10) == -9
-        procs[2] = cluster.start(2, flags)
+        assert procs[victim].wait(timeout=10) == -9
+        procs[victim] = cluster.start(victim, flags)
     else:
-        os.kill(procs[2].pid, signal.SIGCONT)  # it finds itself out, and asks to come back
-    wait_for(lambda: _events(layout, "rejoined"), 60, "rank 2 to rejoin")
+        os.kill(procs[victim].pid, signal.SIGCONT)  # it finds itself out, and asks to come back
+    wait_for(lambda: _events(layout, "rejoined"), 60, f"rank {victim} to rejoin")
     assert cluster.wait_all(procs, timeout=90) == [0, 0, 0], "\n".join(p.output() for p in procs)
 
     _assert_each_task_once(layout)
     rejoined = _events(layout, "rejoined")[0]
-    assert rejoined["rank"] == 2 and rejoined["iteration"] > 2, rejoined
+    assert rejoined["rank"] == victim and rejoined["iteration"] > 2, rejoined
     status = status_json(cluster.log_path)
     assert status["failure"] is None and status["ranks_out"] == []
-    assert [(e["event"], e["rank"]) for e in status["membership"]] == [("out", 2), ("rejoined", 2)]
+    assert [(e["event"], e["rank"]) for e in status["membership"]] == [("out", victim), ("rejoined", victim)]
     by_iteration = {it["iteration"]: it for it in status["iterations"]}
     assert by_iteration[rejoined["iteration"]]["tasks_per_rank"] == [12, 12, 12]  # back in the plan
-    assert by_iteration[rejoined["iteration"] - 1]["tasks_per_rank"][2] in (0, 12)
-    assert "rejoins attempt" in procs[2].output()
+    assert by_iteration[rejoined["iteration"] - 1]["tasks_per_rank"][victim] in (0, 12)
+    assert "rejoins attempt" in procs[victim].output()
     if how == "kill-9":
         report = subprocess.run([sys.executable, "-m", "orchestrator", "report", f"--log-path={cluster.log_path}"],
                                 capture_output=True, text=True, timeout=90)
         assert report.returncode == 0, report.stderr
         timeline = json.loads((cluster.log_path / "report" / "report.json").read_text())["timeline"]
         changes = [(m["event"], m["rank"], m["iteration"]) for m in timeline["membership"]]
-        assert changes == [("out", 2, 2), ("rejoined", 2, rejoined["iteration"])]
+        assert changes == [("out", victim, 2), ("rejoined", victim, rejoined["iteration"])]
 
 
 @pytest.mark.parametrize("how", ["kill-9", "sigstop"])
@@ -167,7 +170,7 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
     flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
              "--rank-weights=1,1,2", "--eval-interval=4", "--max-iterations=4", "rl.train_tasks=64", "rl.samples_per_prompt=2", "rollout.max_inflight=16", "rollout.prompts_per_request=4",
              "rl.eval_tasks=16", "rl.eval_samples=1", "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5",
-             "coordination.node_timeout_s=6", "coordination.join_timeout_s=120", "coordination.elastic=true",
+             "coordination.node_timeout_s=6", "coordination.join_timeout_s=120", "coordination.elastic=true", "coordination.fan_in=2",
              "checkpoint.keep_last=4",  # the test reads every iteration's checkpoint
              # Without stealing rank 2's share is its own: one chunk of 32 tasks, written in two
              # batches of 16. hold-after-batch holds it after the first (16 records fsynced).
@@ -235,7 +238,7 @@ def test_rl_pipelined_a_training_node_killed_mid_update_in_the_background_is_tra
              "--rank-weights=0,0,1", "--eval-interval=4", "--max-iterations=3", "rl.train_tasks=64", "rl.samples_per_prompt=2",
              "rollout.max_inflight=16", "rollout.prompts_per_request=4", "rl.eval_tasks=16", "rl.eval_samples=1", "rl.epochs=2",
              "rl.micro_batch=2", "coordination.heartbeat_interval_s=0.5", "coordination.node_timeout_s=6",
-             "coordination.join_timeout_s=120", "coordination.elastic=true", "checkpoint.keep_last=4",
+             "coordination.join_timeout_s=120", "coordination.elastic=true", "coordination.fan_in=2", "checkpoint.keep_last=4",
              "rl.max_staleness=1", "train.nodes=0-1", "rollout.nodes=2"]
     procs = cluster.start_all(flags)
     try:

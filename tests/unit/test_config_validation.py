@@ -148,7 +148,7 @@ def test_a_value_of_the_wrong_type_names_the_key(override, message):
 def test_an_unknown_key_names_the_closest_keys_and_the_config_command():
     assert _error("rl.lrr=1") == "unknown config key 'rl.lrr': did you mean rl.lr or rl.reward? (`orchestrator config` lists every key)"
     assert _error("coordination.nope=1") == ("unknown config key 'coordination.nope': did you mean coordination.min_nodes, "
-                                             "coordination.elastic or coordination.node_timeout_s? (`orchestrator config` lists every key)")
+                                             "coordination.fan_in or coordination.elastic? (`orchestrator config` lists every key)")
 
 
 def test_a_key_without_its_section_is_found_by_its_name():

@@ -246,3 +246,4 @@ def test_the_verdict_bound_is_the_node_timeout_plus_a_heartbeat_a_poll_and_a_wat
 
     assert verdict_bound_s(20, 5, 1) == 20 + 5 + 0.25 + 1
     assert verdict_bound_s(3, 0.2, 1) == 3 + 1 + 1  # a watch interval longer than a heartbeat's
+    assert verdict_bound_s(20, 5, 1, fan_in=True) == 20 + 5 + 2.5 + 0.25 + 1  # through a leader, group files read twice an interval

@@ -93,3 +93,38 @@ def test_the_master_word_is_read_once_however_many_ask_within_its_age(tmp_path, 
     assert len(reads) == 1
     fsio.write_record(path, {"counter": 2})
     assert word.read() == {"counter": 2} and len(reads) == 2  # a barrier poll always reads
+
+
+def test_a_sweep_reads_everything_at_its_pace_and_only_what_was_heard_between(tmp_path):
+    from orchestrator.protocol.clock import FakeClock
+    from orchestrator.protocol.waiting import Sweep
+
+    clock = FakeClock()
+    sweep = Sweep(reads_per_s=10, clock=clock)
+    name = lambda r: f"r{r}.json"  # noqa: E731
+    assert sweep.pick([1, 2, 3], set(), name) == [1, 2, 3] and sweep.full
+    clock.advance(0.1)
+    assert sweep.pick([1, 2, 3], {"r2.json", "x"}, name) == [2] and not sweep.full
+    clock.advance(0.3)  # (3 + 1) reads at 10 a second: the next sweep after 0.4 s
+    assert sweep.pick([1, 3], set(), name) == [1, 3] and sweep.full
+
+
+def test_wakeups_say_which_names_were_written(tmp_path):
+    with wakeup.Wakeups() as wakes:
+        assert wakes.watch(tmp_path, None)
+        fsio.write_record(tmp_path / "a.json", {"x": 1})
+        assert wakes.event.wait(5)
+        deadline = time.monotonic() + 5
+        heard: set[str] = set()
+        while "a.json" not in heard and time.monotonic() < deadline:
+            heard |= wakes.heard()
+            time.sleep(0.01)
+        assert "a.json" in heard
+        fsio.write_record(tmp_path / "b.json", {"x": 2})
+        assert wakes.event.wait(5)
+        deadline = time.monotonic() + 5
+        heard = set()
+        while "b.json" not in heard and time.monotonic() < deadline:
+            heard |= wakes.heard()
+            time.sleep(0.01)
+        assert "a.json" not in heard  # taken once: a name is heard again only when written again
