@@ -140,7 +140,9 @@ class Coordinator(Attendance):
         self.monitor.work_deadline = None  # from here on the barrier's own deadline applies
         point = Point(iteration, phase, self.train_round if phase is Phase.TRAIN else 0)
         payload = payload or {}
-        schema.write(self.attempt.arrive(self.rank), Arrival(self.attempt_id, iteration, phase, payload, point.round))
+        # Not fsynced, like release.json and the group files: a crash ends the attempt they belong to,
+        # and nothing resumes from them (control/progress.json is the durable resume point).
+        schema.write(self.attempt.arrive(self.rank), Arrival(self.attempt_id, iteration, phase, payload, point.round), durable=False)
         arrived = time.monotonic()
         self.events.emit(Event.ARRIVE, iteration=iteration, phase=int(phase), work_s=round(arrived - self._phase_began, 4),
                          payload=_counts(payload))
@@ -227,7 +229,7 @@ class Coordinator(Attendance):
                                             f"{ranks_text(action.missing)}", min(action.missing))
             if isinstance(action, barrier.ReleaseAll):
                 schema.write(self.attempt.group_arrival(group), GroupArrival(self.attempt_id, point.iteration, point.phase,
-                                                                             self.rank, action.payloads, point.round))
+                                                                             self.rank, action.payloads, point.round), durable=False)
                 return True
             return None
 
@@ -298,7 +300,7 @@ class Coordinator(Attendance):
         self.monitor.work_deadline = None
         if self.monitor.stop_requested is not None:
             decision = {**decision, "stop": self.monitor.stop_requested}
-        schema.write(self.attempt.release, Release(point.iteration, point.phase, decision, point.round))
+        schema.write(self.attempt.release, Release(point.iteration, point.phase, decision, point.round), durable=False)
         schema.write(self.layout.progress, Progress(point.iteration, point.phase, self.attempt_id,
                                                            self.config.rl.max_staleness))
         self.heartbeat.update(released=barrier.said(point))  # what the waiting workers poll
