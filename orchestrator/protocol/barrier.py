@@ -24,6 +24,7 @@ returns (tests/unit/test_barrier.py drives it with plain records and a fake cloc
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -100,6 +101,16 @@ def said_released(value: object, point: Point) -> bool:
     """Worker: whether the master's heartbeat says it released ``point`` (then ``release.json``
     holds its decision: the master writes that file first)."""
     return value == said(point)
+
+
+SMALL_DECISION_BYTES = 256
+"""A decision this small (as JSON) rides in the master's heartbeat with its ``released``: the
+workers then need not open ``release.json`` (most phases decide ``{}``)."""
+
+
+def small(decision: dict) -> dict | None:
+    """Master: ``decision`` if it is small enough for its heartbeat, else None (read the file)."""
+    return decision if len(json.dumps(decision, separators=(",", ":"))) <= SMALL_DECISION_BYTES else None
 
 
 @dataclass(frozen=True, slots=True)

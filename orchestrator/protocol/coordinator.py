@@ -19,6 +19,7 @@ arrival of the try before.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import traceback
 from collections import deque
@@ -163,7 +164,7 @@ class Coordinator(Attendance):
         released ``point``, then read the decision from ``release.json``; a group's leader
         first passes its members' arrivals on (``_pass_on``), and so does a rank that becomes
         its group's leader while it waits. Polls back off to watch_interval_s, the first after
-        half the shortest of this rank's latest waits (a round that takes a second at a
+        half the median of this rank's latest waits (a round that takes a second at a
         thousand ranks is not polled every few ms); a master on this host wakes the wait at once."""
         word = self.monitor.word
         passed_on = False
@@ -175,6 +176,8 @@ class Coordinator(Attendance):
             beat = word.read()
             if beat is None or not barrier.said_released(beat.get("released"), point):
                 return None
+            if beat.get("decision") is not None:  # small: the heartbeat carries it
+                return beat["decision"]
             decision = barrier.released(schema.read(self.attempt.release, Release), point)
             if decision is None:  # an NFS client that cached the directory: look again
                 fsio.refresh_dir(self.attempt.root)
@@ -183,7 +186,7 @@ class Coordinator(Attendance):
 
         until = deadline.extended(defaults.WORKER_GRACE_S)
         while True:
-            first = min(max(self.c.poll_min_s, min(self._waits, default=0.0) / 2), self.c.watch_s)
+            first = min(max(self.c.poll_min_s, statistics.median(self._waits or [0.0]) / 2), self.c.watch_s)
             with self._wakeups(self.attempt.heartbeats, [word.path.name], ranks=[0]) as wakes:
                 result = poll(probe, deadline=until, cancel=self.cancel, backoff=Backoff(first, self.idle_backoff.max_s),
                               wake=wakes.event,
@@ -234,7 +237,7 @@ class Coordinator(Attendance):
             return None
 
         with self._wakeups(self.attempt.arrivals, None, ranks=rule.ranks) as wakes:
-            return poll(lambda: probe(wakes), deadline=until, cancel=self.cancel, backoff=self.backoff, wake=wakes.event)
+            return poll(lambda: probe(wakes), deadline=until, cancel=self.cancel, backoff=self.idle_backoff, wake=wakes.event)
 
     def _wakeups(self, directory, names, *, ranks) -> wakeup.Wakeups:
         """A wait's same-host wake-ups: on ``names`` of ``directory`` when one of ``ranks``
@@ -303,7 +306,7 @@ class Coordinator(Attendance):
         schema.write(self.attempt.release, Release(point.iteration, point.phase, decision, point.round), durable=False)
         schema.write(self.layout.progress, Progress(point.iteration, point.phase, self.attempt_id,
                                                            self.config.rl.max_staleness))
-        self.heartbeat.update(released=barrier.said(point))  # what the waiting workers poll
+        self.heartbeat.update(released=barrier.said(point), decision=barrier.small(decision))  # what the waiting workers poll
         return decision
 
     def _deadline(self, point: Point, message: str, culprit_rank: int) -> DeadlineExceeded:

@@ -145,3 +145,8 @@ def test_at_the_deadline_the_master_names_the_late_rank_or_the_leader_that_did_n
     assert rank == 4 and "rank 4, the leader of ranks 4,5,6" in why
     assert barrier.blame_late((5, 6), frozenset({5, 6}), fan_in, frozenset({4}))[0] == 5
     assert barrier.blame_late((2,), frozenset(), None, NONE)[0] == 2
+
+
+def test_a_small_decision_rides_in_the_masters_heartbeat_and_a_plan_goes_by_release_json():
+    assert barrier.small({}) == {} and barrier.small({"eval_due": True}) == {"eval_due": True}
+    assert barrier.small({"plan": {"tasks": list(range(100))}}) is None
