@@ -308,26 +308,6 @@ def drive_ranks_from_one_thread() -> Driver:
     return driver
 
 
-def _one_msgspec_call_at_a_time() -> None:
-    """msgspec (0.22) builds a record type's decoding info on its first use, calling back into
-    Python (typing's forward references) half-way: another thread converting the same type
-    then can crash the process (SIGSEGV; a few tries in ten with 8 threads). One rank per
-    process rarely meets it; 32 ranks reading start.json within a second do. Serialize the
-    calls (they hold the GIL anyway)."""
-    import msgspec
-
-    lock = threading.Lock()
-
-    def serialized(call):
-        def one_at_a_time(*args, **kwargs):
-            with lock:
-                return call(*args, **kwargs)
-        return one_at_a_time
-
-    msgspec.convert = serialized(msgspec.convert)
-    msgspec.json.encode = serialized(msgspec.json.encode)
-
-
 def child(first: int, last: int, num_nodes: int, log_path: Path, data_path: Path, window_s: float, rounds: int,
           node_timeout_s: float = NODE_TIMEOUT_S, kill: bool = True) -> int:
     from orchestrator.node import gpus
@@ -342,7 +322,6 @@ def child(first: int, last: int, num_nodes: int, log_path: Path, data_path: Path
     # herd spent several times the parsing's own CPU in the kernel and held every process's
     # driver off for 30 s. A rank alone in its process never meets it; fewer wake-ups here.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    _one_msgspec_call_at_a_time()
     drive_ranks_from_one_thread()
     lock = threading.Lock()
 

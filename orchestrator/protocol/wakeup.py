@@ -111,6 +111,7 @@ class _Hub:
             from watchdog.observers import Observer
 
             _no_move_pairing()
+            _quiet_stopped_emitter()
             observer = Observer()
             observer.daemon = True
             observer.start()
@@ -132,6 +133,14 @@ def _no_move_pairing() -> None:
         except ImportError:  # not Linux: no inotify
             return
     Grouper.delay = 0.0
+
+
+def _quiet_stopped_emitter() -> None:
+    """watchdog logs an ERROR when an event arrives for a watch just unscheduled (its emitter
+    thread stopped between reading the event and queueing it): here that is a wait that
+    ended, and the event is not needed. Only that message is dropped."""
+    logging.getLogger("watchdog.observers.inotify").addFilter(
+        lambda record: "called when the thread is inactive" not in record.getMessage())
 
 
 def _writes() -> list:

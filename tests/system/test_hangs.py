@@ -120,8 +120,10 @@ def test_a_rank_killed_while_the_group_trains_is_the_root_cause_not_the_trainer_
     log_path = cluster.log_path
     flags = [f"--data-path={demo_data}", f"--log-path={log_path}", "--rl-phase=both", "--eval-interval=2", "--num-nodes=2",
              "--rank-weights=1,1", "--max-iterations=2", "rl.train_tasks=8", "rl.samples_per_prompt=4", "rl.eval_tasks=8",
-             "rl.eval_samples=1", "rl.epochs=1", "rl.micro_batch=4", "coordination.node_timeout_s=12",
+             "rl.eval_samples=1", "rl.epochs=50", "rl.micro_batch=4", "coordination.node_timeout_s=12",
              "coordination.heartbeat_interval_s=3", "coordination.join_timeout_s=60"]
+    # 100 optimizer steps (about 4 s here): the update outlasts the wait for rank 1's next beat
+    # (up to 3 s), so the node dies in phase 10; with 2 steps it could reach phase 11 first.
     procs = cluster.start_all(flags, n=2)
     try:
         def in_update():
