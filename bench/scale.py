@@ -70,9 +70,9 @@ DEFAULT_OUT = RESULTS / "scale.json"
 NODE_TIMEOUT_S = 30.0
 PHASES_WITH_BARRIERS = 12
 RANK_START_SPACING_S = 0.005
+"""Between two ranks' starts in one process: their first polls (2 ms apart, doubling) do not all fall together."""
 SWITCH_INTERVAL_S = 0.05
 """The GIL's switch interval in a process of simulated ranks (Python's default: 5 ms)."""
-"""Between two ranks' starts in one process: their first polls (2 ms apart, doubling) do not all fall together."""
 
 
 # -- a simulated rank ------------------------------------------------------------------------
