@@ -202,12 +202,11 @@ class Monitor:
         """Master: when each group's heartbeat file last changed (it stands still past two
         intervals: its members are read by name)."""
         self._relayed = 0
-        self._next_relay = 0.0
         self.on_members: Callable[[Members], OrchestratorError | None] | None = None
         """Worker, elastic: judges the master's membership record each poll; what it returns
         (the run went on without this process, or the training step is redone) cancels the rank."""
         self._next_hb = 0.0
-        """Master: when it reads the heartbeats next."""
+        """When it reads heartbeats next (the master: the ranks' or the groups'; a leader: its members')."""
         self._new_thread()
         self._lock = threading.Lock()
 
@@ -263,8 +262,8 @@ class Monitor:
         try:
             if not self.is_master:
                 verdict, beat = self._watch_master(now)
-                if now >= self._next_relay:
-                    self._next_relay = now + self.hb_every
+                if now >= self._next_hb:
+                    self._next_hb = now + self.hb_every
                     self._pass_heartbeats_on()
             else:
                 if now >= self._next_hb:
