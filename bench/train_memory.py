@@ -3,6 +3,7 @@
     python bench/train_memory.py                           # ~103M-parameter Llama, 1, 2 and 3 workers (~5 min on 2 cores)
     python bench/train_memory.py --data-path /tmp/demo     # take the tokenizer from existing demo data
     python bench/train_memory.py --workers 1,2 --layers 4  # smaller and quicker
+    python bench/train_memory.py --lora-rank 16            # the whole model against LoRA: bytes written per update
 
 Makes a Llama-architecture model here (``LlamaConfig``, random init from ``--seed``, no
 download: hidden 768, 12 layers of 12 heads, MLP 2048, vocabulary 12,000, untied head;
@@ -115,15 +116,18 @@ def _tail(path: Path, lines: int = 15) -> str:
 # -- one update ----------------------------------------------------------------------------------
 
 def run_update(work: Path, *, workers: int, strategy: str, model: Path, data: Path, micro_batch: int, timeout_s: float,
-               extra_env: dict[str, str], parallel_write: bool = True) -> dict:
+               extra_env: dict[str, str], parallel_write: bool = True, lora_rank: int = 0) -> dict:
     """One update by ``workers`` processes; their done records reduced to the largest figures.
     ``parallel_write`` false: with fsdp, worker 0 gathers and writes the whole checkpoint.
+    ``lora_rank`` > 0: LoRA adapters of that rank on the default modules (train.lora_rank).
     Raises BenchError (with the failing workers' log tails) when a worker fails or hangs."""
-    name = f"{strategy}-{workers}" + ("" if parallel_write else "-gather")
+    name = f"{strategy}-{workers}" + ("" if parallel_write else "-gather") + (f"-lora{lora_rank}" if lora_rank else "")
     output = work / name
     config = {"iteration": 1, "data": str(data), "init_checkpoint": str(model), "reference_checkpoint": None, "output": str(output),
               "seed": 1, "lr": 1e-5, "epochs": 1, "micro_batch": micro_batch, "clip_eps": 0.2, "kl_coef": 0.0, "max_grad_norm": 1.0,
               "strategy": strategy, "parallel_write": parallel_write}
+    if lora_rank:
+        config |= {"lora_rank": lora_rank, "base_model": str(model)}
     config_path = work / f"{name}.train.json"
     config_path.write_text(json.dumps(config))
     port, threads = free_port(29600), max(1, (os.cpu_count() or 1) // workers)
@@ -163,6 +167,8 @@ def run_update(work: Path, *, workers: int, strategy: str, model: Path, data: Pa
         "workers": workers,
         "strategy": strategy,
         "parallel_write": parallel_write,
+        "lora_rank": lora_rank,
+        "checkpoint_bytes": bodies[0]["stats"]["checkpoint_bytes"],
         "omp_threads": threads,
         "steps": steps,
         "wall_s": round(wall, 2),
@@ -202,6 +208,8 @@ def _ratios(runs: list[dict]) -> None:
 
 
 def _label(run: dict) -> str:
+    if run.get("lora_rank"):
+        return f"LoRA rank {run['lora_rank']}"
     if run["workers"] == 1:
         return "one worker (both)"
     return run["strategy"] if run["parallel_write"] else f"{run['strategy']}, worker 0 writes"
@@ -226,8 +234,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="an environment variable for every worker (repeatable), e.g. MALLOC_TRIM_THRESHOLD_=0")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     parser.add_argument("--max-load", type=float, help="wait until the 1-minute load average is below this")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="instead: one worker's update of the whole model against LoRA adapters of this rank, the bytes "
+                             "each writes (the checkpoint) and holds")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    if args.lora_rank < 0:
+        parser.error("--lora-rank must be at least 0")
     try:
         counts = sorted({int(w) for w in args.workers.split(",")})
     except ValueError:
@@ -258,12 +271,15 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"model: Llama, {parameters / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers, MLP {args.intermediate}, "
                       f"vocabulary {args.vocab}), fp32; {args.records} records x {args.samples} samples of {args.tokens}+{args.tokens} tokens, "
                       f"{args.steps} steps of {args.records // args.steps} records")
+        configurations = ([(1, "ddp", True, 0), (1, "ddp", True, args.lora_rank)] if args.lora_rank else
+                          [(*c, 0) for c in _configurations(counts, strategies)])
         try:
-            for workers, strategy, parallel_write in _configurations(counts, strategies):
-                console.print(f"{_label({'workers': workers, 'strategy': strategy, 'parallel_write': parallel_write})} x{workers} ...")
+            for workers, strategy, parallel_write, lora_rank in configurations:
+                console.print(f"{_label({'workers': workers, 'strategy': strategy, 'parallel_write': parallel_write, 'lora_rank': lora_rank})} "
+                              f"x{workers} ...")
                 run = run_update(work, workers=workers, strategy=strategy, model=work / "model", data=work / "agg.jsonl",
                                  micro_batch=args.records // args.steps, timeout_s=args.timeout_s, extra_env=extra_env,
-                                 parallel_write=parallel_write)
+                                 parallel_write=parallel_write, lora_rank=lora_rank)
                 console.print(f"  {run['wall_s']:.0f} s; {run['total_bytes'] / MIB:,.0f} MiB params+grads+optimizer, "
                               f"peak RSS {run['peak_rss_bytes'] / MIB:,.0f} MiB, {run['step_s']:.2f} s/step, "
                               f"checkpoint {run['checkpoint_s']:.1f} s", markup=False)
@@ -272,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             err_console.print(f"train_memory: error: {e}", markup=False)
             return 1
 
+    if args.lora_rank:
+        return _lora_report(args, runs, load, parameters)
     _ratios(runs)
     table("per worker, the largest over a run's workers (MiB; seconds)",
           ["strategy", "workers", "params", "grads", "optimizer", "total", "total / DDP", "peak RSS", "worker 0 RSS", "s/step",
@@ -292,6 +310,27 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, {"bench": "train_memory", "machine": machine(), "load_before": load, "parameters": parameters,
                           "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                           "fsdp3_total_vs_ddp": check, "bound": BOUND, "met": None if check is None else check <= BOUND, "runs": runs})
+    return 0
+
+
+LORA_BOUND = 0.05
+"""A LoRA update writes at most this share of the bytes of a whole-model one."""
+
+
+def _lora_report(args, runs: list[dict], load, parameters: int) -> int:
+    full, lora = runs
+    ratio = lora["checkpoint_bytes"] / full["checkpoint_bytes"]
+    table(f"one update of {parameters / 1e6:.1f}M parameters, one worker: the whole model against LoRA rank {args.lora_rank}",
+          ["trained", "checkpoint written (MB)", "vs whole", "optimizer state (MiB)", "params+grads+optimizer (MiB)", "s/step",
+           "checkpoint s"],
+          [[_label(r) if r["lora_rank"] else "whole model", f"{r['checkpoint_bytes'] / 1e6:,.2f}",
+            f"{r['checkpoint_bytes'] / full['checkpoint_bytes']:.4f}", f"{r['optimizer_bytes'] / MIB:,.1f}", f"{r['total_bytes'] / MIB:,.0f}",
+            f"{r['step_s']:.2f}", f"{r['checkpoint_s']:.2f}"] for r in runs])
+    console.print(f"acceptance: a LoRA update writes {ratio:.4f}x the bytes of a whole-model one (bound {LORA_BOUND}): "
+                  f"{'met' if ratio <= LORA_BOUND else 'NOT met'}", markup=False)
+    write_json(args.out, {"bench": "train_memory", "mode": "lora", "machine": machine(), "load_before": load, "parameters": parameters,
+                          "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                          "lora_written_vs_full": ratio, "bound": LORA_BOUND, "met": ratio <= LORA_BOUND, "runs": runs})
     return 0
 
 

@@ -434,6 +434,12 @@ class DataConfig:
 
 
 STRATEGIES = ("ddp", "fsdp")
+VLLM_MAX_LORA_RANK = 512
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of Llama, Qwen2, Mistral and most decoder-only models."""
+LoraRank = Annotated[int, _limit("{key} must be >= 0 (0: no LoRA, the whole model is trained), got {value}", ge=0)]
+LoraAlpha = Annotated[float, _limit("{key} must be a positive number, got {value}", gt=0)]
+LoraDropout = Annotated[float, _limit("{key} must be in [0, 1), got {value}", ge=0, lt=1)]
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -462,9 +468,27 @@ class TrainPlacementConfig:
     """Most tokens (padding included) in one micro-batch; a worker accumulates gradients over
     as many as its part of an optimizer step needs. 0: its whole part at once. The update is
     the same whatever this is (the loss is the token mean over the whole step)."""
+    lora_rank: LoraRank = 0
+    """LoRA (peft): train rank-r adapters on the base model's projections, the base frozen; each
+    checkpoint is the adapter, megabytes, and engines take it without reloading the base
+    (docs/training.md, "LoRA"). 0: off, the whole model is trained."""
+    lora_alpha: LoraAlpha = 32.0
+    """The adapters' scale: their product is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: LoraDropout = 0.0
+    """Dropout on the adapters' input in the update's forward passes (not in the log-probs of
+    the old policy and the reference)."""
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    """The modules that get an adapter, by name (as peft matches them), e.g.
+    train.lora_target_modules=q_proj,v_proj; or all-linear. Default: the attention and MLP
+    projections."""
 
     def __post_init__(self) -> None:
         _check_fields(self, "train")
+        names = [n.strip() for item in self.lora_target_modules for n in item.split(",") if n.strip()]
+        if not names:
+            raise ConfigError("train.lora_target_modules is empty: name the modules that get an adapter, e.g. "
+                              "train.lora_target_modules=q_proj,v_proj, or all-linear")
+        self.lora_target_modules = list(dict.fromkeys(names))
 
 
 _EngineGPUs = Annotated[int, _limit("rollout.gpus_per_engine and rollout.pipeline_parallel_size must be at least 1", ge=1)]
@@ -639,6 +663,8 @@ class RunConfig:
         if not self.train.device_mapping and self.rank_weights is not None:
             placement.check_cpu_weights(self.rank_weights, rollout_nodes)
         self._check_overlap(train_nodes, rollout_nodes)
+        if self.workload is Workload.RL and self.rollout.engine == "vllm" and self.train.lora_rank > VLLM_MAX_LORA_RANK:
+            raise ConfigError(f"train.lora_rank={self.train.lora_rank}: vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANK}")
         if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:
             for temp, n, what in ((self.rl.temperature, self.rl.samples_per_prompt, "rl.temperature/rl.samples_per_prompt"),
                                   (self.rl.eval_temperature, self.rl.eval_samples, "rl.eval_temperature/rl.eval_samples")):

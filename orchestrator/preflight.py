@@ -75,6 +75,26 @@ def _check(config: RunConfig) -> None:
         prompts.measure(config, split)  # every prompt rendered and counted against rl.max_prompt_tokens
     if config.rl.environment:
         check_environment(config)
+    if config.train.lora_rank:
+        check_lora_targets(model, config.train.lora_target_modules)
+
+
+def check_lora_targets(model: Path, targets: list[str]) -> None:
+    """Every module train.lora_target_modules names is one of the base model's (built on the
+    meta device from its config.json: no weights read), so that a typo stops the run here and
+    not in its first update."""
+    if list(targets) == ["all-linear"]:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        names = {name.rsplit(".", 1)[-1] for name, _ in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).named_modules()}
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        linear = sorted({n for n in names if n.endswith("_proj")})
+        raise ConfigError(f"train.lora_target_modules names {', '.join(unknown)}, which the model {model} has no module of"
+                          + (f"; its projections are {', '.join(linear)}" if linear else "") + " (or all-linear)")
 
 
 def check_environment(config: RunConfig) -> None:

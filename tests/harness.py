@@ -157,6 +157,15 @@ def start_ranks(flags: list[str], n: int, env_for: dict[int, dict] | None = None
             for r in range(n)]
 
 
+def exit_codes(procs: list[subprocess.Popen], timeout: float = 600) -> list[int]:
+    """The ranks' exit codes, each waited for up to ``timeout``; every process tree killed after."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+
+
 def hold_after_first_batch(rank: int, iteration: int = 1) -> dict[int, dict]:
     """``env_for`` that holds ``rank`` once its first batch of rollout records in
     ``iteration`` is durable (part-way through a share of at least two batches): wait with

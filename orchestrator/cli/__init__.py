@@ -1,4 +1,4 @@
-"""The one CLI: `orchestrator run|local|status|stop|recover|report|doctor|plan|config|demo-data` (one module per command)."""
+"""The one CLI: `orchestrator run|local|status|stop|recover|report|export|doctor|plan|config|demo-data` (one module per command)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from orchestrator import __version__
 from orchestrator.cli.config import config_command
 from orchestrator.cli.demo_data import demo_data
 from orchestrator.cli.doctor import doctor
+from orchestrator.cli.export import export
 from orchestrator.cli.local import local
 from orchestrator.cli.plan import plan
 from orchestrator.cli.recover import recover
@@ -44,6 +45,7 @@ cli.add_command(demo_data)
 cli.add_command(plan)
 cli.add_command(recover)
 cli.add_command(report)
+cli.add_command(export)
 cli.add_command(doctor)
 cli.add_command(config_command)
 

@@ -131,8 +131,11 @@ def config_command(prefix: str, as_json: bool) -> None:
             # Aligned columns while the line fits; a long default gives up the type's padding, then the key's.
             pad_type = 2 + key_width + 2 + type_width + 2 + len(default) <= width
             pad_key = pad_type or 2 + key_width + 2 + len(k.type) + 2 + len(default) <= width
+            fits = pad_key or 2 + len(k.key) + 2 + len(k.type) + 2 + len(default) <= width
             terminal.out.print(Text.assemble("  ", (k.key.ljust(key_width if pad_key else 0), "bold cyan"), "  ",
-                                             (k.type.ljust(type_width if pad_type else 0), "dim"), "  ", default))
+                                             (k.type.ljust(type_width if pad_type else 0), "dim"), "  ", default if fits else ""))
+            if not fits:  # a default too long for the line: under it, wrapped
+                _lines(textwrap.wrap(f"default: {default}", width=max(width - 6, 40), break_on_hyphens=False), 6)
             _lines(textwrap.wrap(k.help if len(chosen) == 1 else k.summary, width=max(width - 6, 40), break_on_hyphens=False), 6)
 
 

@@ -194,7 +194,13 @@ def time_line(iteration: int, timing: dict) -> str:
     if rest:
         shown.append(f"other {_duration(rest)}")
     line = f"last iteration {iteration} took {_duration(timing['total_s'])}: {', '.join(shown)}"
-    return line + (f"; engines (slowest): {', '.join(engine)}" if engine else "")
+    line += f"; engines (slowest): {', '.join(engine)}" if engine else ""
+    moved = timing.get("bytes")
+    return line + (f"; checkpoint {_size(moved['written'])} written, {_size(moved['read'])} read by the engines" if moved else "")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
 
 def _staleness(span: list[int] | None) -> str:

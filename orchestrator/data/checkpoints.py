@@ -16,6 +16,28 @@ from orchestrator.protocol import fsio
 log = logging.getLogger(__name__)
 
 MANIFEST = "orchestrator.manifest.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""A LoRA checkpoint (train.lora_rank) holds these, peft's, instead of the model's weights."""
+
+
+def is_adapter(directory: Path) -> bool:
+    """Whether the checkpoint at ``directory`` is a LoRA adapter of the base model rather than a whole model."""
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def weight_bytes(directory: Path) -> int:
+    """The bytes of the weights an engine reads to serve ``directory``: its safetensors at the
+    top level (a LoRA checkpoint's adapter; not the optimizer state)."""
+    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
+
+
+def adapter_base(directory: Path) -> str:
+    """The base model a LoRA checkpoint was trained on, as its adapter_config.json names it
+    (the path on the node that trained it)."""
+    import json
+
+    return json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path") or ""
 
 
 class CheckpointCorrupt(OrchestratorError):

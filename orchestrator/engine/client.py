@@ -173,6 +173,10 @@ class EngineClient:
         self._model = served_model_name
         return float(body.get("seconds", 0.0))
 
+    def use(self, name: str) -> None:
+        """Send ``name`` as the model from now on (the engine serves the new policy under it)."""
+        self._model = name
+
     def model(self) -> str:
         if self._model is None:
             names = self.models()

@@ -34,6 +34,11 @@ while the batch drains, DIR's safetensors are copied into the loaded model, and 
 the server answers to NAME only, so that a client still asking for the old name gets a 404
 instead of the new policy's samples. A checkpoint that does not fit (another architecture,
 missing tensors) is a 400 and the old one serves on.
+
+LoRA (``--base-model BASE``): ``--model`` and a reload's DIR may be an adapter directory
+(peft's ``adapter_config.json`` and ``adapter_model.safetensors``, as the trainer writes with
+``train.lora_rank``). The server loads BASE once and merges each adapter into it in place
+(``orchestrator/engine/lora.py``): a reload reads megabytes and never the base again.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from orchestrator.data import checkpoints, shards
+from orchestrator.engine import lora
 from orchestrator.engine.sampling import Generation, PromptRejected, Sampler, SamplingParams
 from orchestrator.engine.scheduler import EngineStopped, Scheduler
 from orchestrator.errors import EXIT_BAD_INPUT
@@ -261,6 +267,8 @@ class EngineHTTPServer(ThreadingHTTPServer):
         """Written on the scheduler thread only (by a reload, between two steps)."""
         self.model_dir = model_dir
         self.created = int(time.time())
+        self.adapters = lora.Merger(self.sampler.model)
+        """The base's own weights under the adapter served (--base-model); used on the scheduler thread only."""
 
 
 class _CompletionJob:
@@ -392,7 +400,11 @@ class _Handler(BaseHTTPRequestHandler):
         server = self.server
 
         def swap() -> None:  # on the scheduler thread, the batch empty: no request sees two sets of weights
-            load_weights(server.sampler.model, directory)
+            if checkpoints.is_adapter(directory):
+                server.adapters.apply(directory)
+            else:
+                load_weights(server.sampler.model, directory)
+                server.adapters.forget()
             server.model_name, server.model_dir = body["served_model_name"], str(directory)
 
         started = time.monotonic()
@@ -403,8 +415,8 @@ class _Handler(BaseHTTPRequestHandler):
         except EngineStopped as e:
             raise RequestRejected(str(e), HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError") from e
         seconds = time.monotonic() - started
-        log.info("reloaded %s in place in %.2fs as %r (model.safetensors sha256 %s)", directory, seconds, body["served_model_name"],
-                 _weights_sha256(directory))
+        log.info("reloaded %s in place in %.2fs as %r (%s sha256 %s)", directory, seconds, body["served_model_name"],
+                 "LoRA adapter, merged into the base" if checkpoints.is_adapter(directory) else "model.safetensors", _weights_sha256(directory))
         return HTTPStatus.OK, {"model": body["served_model_name"], "root": str(directory), "seconds": round(seconds, 4)}, ""
 
     def _completions(self):
@@ -457,6 +469,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", required=True, type=int, help="port to listen on; 0 picks a free one")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port-file", type=Path, help="once listening, write the port there (useful with --port 0)")
+    parser.add_argument("--base-model", type=Path,
+                        help="with LoRA: the base model that --model and every reload, when an adapter directory, apply to")
     parser.add_argument("--served-model-name", help="model name in the API (default: the --model argument)")
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                         help="most sequences (prompts x n) decoding at once, over all requests; a larger request "
@@ -470,9 +484,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--max-num-seqs must be at least 1, got {args.max_num_seqs}")
     if not _DEVICE.fullmatch(args.device):
         parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-    if not (args.model / "config.json").is_file():
-        # Otherwise transformers reads the path as a Hub repo id and says something confusing.
-        parser.error(f"--model {args.model}: no config.json there; expected a Hugging Face model directory")
+    if checkpoints.is_adapter(args.model) and args.base_model is None:
+        parser.error(f"--model {args.model} is a LoRA adapter: give the model it applies to with --base-model")
+    for flag, model in (("--model", args.model if not checkpoints.is_adapter(args.model) else None), ("--base-model", args.base_model)):
+        if model is not None and not (model / "config.json").is_file():
+            # Otherwise transformers reads the path as a Hub repo id and says something confusing.
+            parser.error(f"{flag} {model}: no config.json there; expected a Hugging Face model directory")
     return args
 
 
@@ -531,11 +548,12 @@ def _weights_sha256(model_dir: Path) -> str:
     """The content hash of the weights served, so operators (and tests) can tell that every
     node's engine serves the same checkpoint: the one the checkpoint's manifest records (the
     rank verified it before asking), else hashed here (the base model has no manifest)."""
-    weights = model_dir / "model.safetensors"
+    name = checkpoints.ADAPTER_WEIGHTS if checkpoints.is_adapter(model_dir) else "model.safetensors"
+    weights = model_dir / name
     if not weights.is_file():
         return "sharded"
     manifest = fsio.read_record(model_dir / checkpoints.MANIFEST)
-    recorded = (manifest or {}).get("files", {}).get("model.safetensors", {}).get("sha256")
+    recorded = (manifest or {}).get("files", {}).get(name, {}).get("sha256")
     return recorded or shards.sha256_file(weights)
 
 
@@ -550,21 +568,24 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.demo.model import load
 
         started = time.monotonic()
-        model, tokenizer = load(args.model)
+        adapter = args.model if checkpoints.is_adapter(args.model) else None
+        model, tokenizer = load(args.base_model if adapter else args.model)
         sampler = Sampler(place(model, args.device, args.dtype), tokenizer)
         # The model, torch and transformers leave some 400k objects for the cyclic collector to
         # walk in every full collection (0.2 s each, in the middle of a step); frozen, it skips them.
         gc.collect()
         gc.freeze()
         log.info(
-            "loaded %s in %.1fs on %s in %s (context length %d; model.safetensors sha256 %s)",
+            "loaded %s in %.1fs on %s in %s (context length %d; %s sha256 %s)",
             args.model, time.monotonic() - started, sampler.device, str(model.dtype).removeprefix("torch."), sampler.max_model_len,
-            _weights_sha256(args.model),
+            checkpoints.ADAPTER_WEIGHTS if adapter else "model.safetensors", _weights_sha256(args.model),
         )
         name = args.served_model_name or str(args.model)
         scheduler = Scheduler(sampler, max_num_seqs=args.max_num_seqs)
-        scheduler.start()
         server = EngineHTTPServer((args.host, args.port), scheduler, name, str(args.model))
+        if adapter is not None:
+            log.info("merged the LoRA adapter %s into %s (%d weights)", adapter, args.base_model, server.adapters.apply(adapter))
+        scheduler.start()
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
         serving = True
         host, port = server.server_address[:2]

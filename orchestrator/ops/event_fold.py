@@ -15,6 +15,7 @@ What one log folds into:
   report read the master's);
 - ``parts``: (iteration, phase, part, worker, engine) -> seconds, the sum of the rank's
   ``timing`` events with that key (a part done twice in one phase took both times);
+  ``part_bytes`` the same for the bytes those events say they wrote or read (``bytes``);
 - segments, one per stretch of time, of three kinds:
 
   - ``work``: from the rank's ``phase`` event (it enters the phase) to its ``arrive`` event
@@ -112,6 +113,7 @@ class RankLog:
     events: int = 0
     durations: dict[tuple[int, int], float] = field(default_factory=dict)
     parts: dict[tuple[int, int, str, object, object], float] = field(default_factory=dict)
+    part_bytes: dict[tuple[int, int, str, object, object], int] = field(default_factory=dict)
     steals: list[dict] = field(default_factory=list)
     membership: list[dict] = field(default_factory=list)
     first_t: float | None = None
@@ -138,6 +140,8 @@ class RankLog:
             if isinstance(e.get("iteration"), int) and isinstance(e.get("part"), str) and isinstance(seconds, (int, float)):
                 key = (e["iteration"], e.get("phase"), e["part"], e.get("worker"), e.get("engine"))
                 self.parts[key] = self.parts.get(key, 0.0) + float(seconds)
+                if isinstance(e.get("bytes"), int):
+                    self.part_bytes[key] = self.part_bytes.get(key, 0) + e["bytes"]
         else:
             self._feed_duration(kind, e)
         if self.spans and is_number(e.get("t")):

@@ -47,6 +47,11 @@ def time_tables(rows: list[dict]) -> str:
             cells = ([t["total_s"]] if of_phases else []) + [figures.get(k) for k in keys]
             body.append(f"<tr><td>{r['iteration']}</td>" + "".join(f"<td>{e(_cell(v))}</td>" for v in cells) + "</tr>")
         out.append(f'<table class="time">\n<caption>{e(caption)}</caption>\n<tr>{head}</tr>\n' + "\n".join(body) + "\n</table>")
+    moved = [(r["iteration"], r["timing"]["bytes"]) for r in timed if r["timing"].get("bytes")]
+    if moved:
+        body = "\n".join(f"<tr><td>{i}</td><td>{b['written']}</td><td>{b['read']}</td></tr>" for i, b in moved)
+        out.append('<table class="time">\n<caption>bytes of the policy per iteration: the checkpoint written, what the engines '
+                   'read to serve it</caption>\n<tr><th>iteration</th><th>written</th><th>read</th></tr>\n' + body + "\n</table>")
     return "\n".join(out)
 
 

@@ -37,7 +37,9 @@ def phase_durations(logs: list[RankLog]) -> dict[tuple[int, int], float]:
 
 
 def iteration_timing(logs: list[RankLog]) -> dict[int, dict]:
-    """Per iteration: ``{"phases": {label: s}, "total_s": s, "parts": {part: s}}``.
+    """Per iteration: ``{"phases": {label: s}, "total_s": s, "parts": {part: s}}``, and
+    ``"bytes": {"written": n, "read": n}`` when the run recorded them: the checkpoint the
+    trainers wrote, and what every engine read to serve it (a reload, or a start's model).
 
     ``phases`` are the master's phase durations, ``total_s`` their sum. ``parts[p]`` is the
     slowest actor's time in part ``p`` (ranks, train workers and engines run in parallel):
@@ -45,9 +47,17 @@ def iteration_timing(logs: list[RankLog]) -> dict[int, dict]:
     the same phase a later attempt's figure replaces an earlier one's.
     """
     by_key: dict[tuple[int, int, str, object, object, int], float] = {}
+    moved: dict[tuple[int, int, str, object, object, int], int] = {}
     for log in logs:
         for (iteration, phase, part, worker, engine), seconds in log.parts.items():
             by_key[(iteration, phase, part, worker, engine, log.rank)] = seconds
+        for (iteration, phase, part, worker, engine), n in log.part_bytes.items():
+            moved[(iteration, phase, part, worker, engine, log.rank)] = n  # a later attempt's replaces an earlier one's
+    bytes_: dict[int, dict[str, int]] = {}
+    for (iteration, _, part, *_), n in moved.items():
+        way = "written" if part.startswith("train.") else "read"
+        totals = bytes_.setdefault(iteration, {"written": 0, "read": 0})
+        totals[way] += n
     per_actor: dict[tuple[int, str, object, object, int], float] = {}
     for (iteration, _, part, worker, engine, rank), seconds in by_key.items():
         actor = (iteration, part, worker, engine, rank)
@@ -61,11 +71,13 @@ def iteration_timing(logs: list[RankLog]) -> dict[int, dict]:
         if isinstance(iteration, int) and isinstance(phase, int):
             phases.setdefault(iteration, {})[phase] = seconds
     out = {}
-    for iteration in sorted(set(phases) | set(parts)):
+    for iteration in sorted(set(phases) | set(parts) | set(bytes_)):
         mine = phases.get(iteration, {})
         out[iteration] = {
             "phases": {phase_label(p): round(mine[p], 3) for p in sorted(mine)},
             "total_s": round(sum(mine.values()), 3),
             "parts": {p: round(s, 3) for p, s in sorted(parts.get(iteration, {}).items(), key=lambda kv: part_sort_key(kv[0]))},
         }
+        if iteration in bytes_:
+            out[iteration]["bytes"] = bytes_[iteration]
     return out

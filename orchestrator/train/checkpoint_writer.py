@@ -1,6 +1,7 @@
 """The new checkpoint, written into the staging directory ``output`` after the update: with
 ddp worker 0 writes it all, with fsdp every worker its shards and worker 0 the indexes
-(train/sharded.py). ``train_stats.json`` comes last, so it vouches for everything else; the
+(train/sharded.py); with LoRA worker 0 writes the adapter (train/lora.py) and the optimizer
+state as for the whole model. ``train_stats.json`` comes last, so it vouches for everything else; the
 final barrier after it is what a ``done`` answer waits for."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 import time
 
 from orchestrator.protocol import fsio
-from orchestrator.train import optimizer_state, sharded
+from orchestrator.train import lora, optimizer_state, sharded
 from orchestrator.train.errors import TrainerError
 from orchestrator.train.policy import Policy
 from orchestrator.train.train_config import TrainConfig
@@ -29,7 +30,19 @@ def write(policy: Policy, config: TrainConfig, stats: dict, started: float) -> N
         output.mkdir(parents=True, exist_ok=True)
         # A stats file left by an earlier attempt would vouch for weights being rewritten now.
         (output / STATS_FILE).unlink(missing_ok=True)
-    if policy.setup.sharded:
+    if policy.setup.lora:  # the adapter and its optimizer state only: megabytes (train/lora.py)
+        def barrier() -> None:
+            _barrier(device, "checkpoint shard")
+
+        if policy.setup.sharded:
+            barrier()  # worker 0 made the directory
+        lora.save(model, output, rank=rank)
+        if policy.setup.sharded:
+            optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
+                                         parallel=config.parallel_write)
+        elif rank == 0:
+            optimizer_state.save(optimizer, model, output)
+    elif policy.setup.sharded:
         def barrier() -> None:
             _barrier(device, "checkpoint shard")
 
@@ -45,7 +58,9 @@ def write(policy: Policy, config: TrainConfig, stats: dict, started: float) -> N
         model.save_pretrained(output)
         optimizer_state.save(optimizer, model, output)
     if rank == 0:
-        policy.tokenizer.save_pretrained(output)
+        if not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)
+            policy.tokenizer.save_pretrained(output)
+        stats["checkpoint_bytes"] = sum(p.stat().st_size for p in output.rglob("*") if p.is_file())
         stats["seconds"] = round(time.monotonic() - started, 3)
         fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
         log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.train import optimizer_state, parallel
+from orchestrator.train import lora, optimizer_state, parallel
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.rendezvous import Rendezvous
 from orchestrator.train.train_config import TrainConfig
@@ -23,23 +23,29 @@ class Setup:
     strategy: str
     mixed_precision: str
     activation_checkpointing: bool
+    lora: tuple = ()
+    """(rank, alpha, dropout, target modules) with LoRA; () without."""
 
     @classmethod
     def of(cls, config: TrainConfig) -> "Setup":
-        return cls(config.strategy, config.mixed_precision, config.activation_checkpointing)
+        lora = (config.lora_rank, config.lora_alpha, config.lora_dropout, tuple(config.lora_target_modules)) if config.lora_rank else ()
+        return cls(config.strategy, config.mixed_precision, config.activation_checkpointing, lora)
 
     @property
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
 
 
-def _load_model(path: Path, device, setup: Setup, world_size: int):
-    """The Hugging Face model at ``path``, prepared for ``setup``'s strategy (parallel.py)."""
+def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: TrainConfig | None = None):
+    """The Hugging Face model at ``path``, with LoRA adapters when ``lora_from`` is given (new,
+    or those of its init checkpoint: lora.attach), prepared for ``setup``'s strategy (parallel.py)."""
     from transformers import AutoModelForCausalLM
 
     # Eval mode throughout: no dropout, so the first step's ratio is exactly what the
     # precomputed old log-probs say it is. Gradients (and their reduction) do not depend on it.
     model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).eval()
+    if lora_from is not None:
+        model = lora.attach(model, lora_from).eval()
     if not setup.sharded:
         model.to(device)  # FSDP moves each block to the device as it shards it: one whole block on the GPU at a time
     try:
@@ -78,11 +84,15 @@ class Policy:
         from transformers import AutoTokenizer
 
         self.model = self.optimizer = None
-        self.tokenizer = AutoTokenizer.from_pretrained(config.init_checkpoint)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.base_model if setup.lora else config.init_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.model = _load_model(config.init_checkpoint, self.device, setup, self.rdv.world_size)
+        if setup.lora:  # the base, from this node's model.path, with the adapter of the init checkpoint (or new ones)
+            self.model = _load_model(config.base_model, self.device, setup, self.rdv.world_size, lora_from=config)
+        else:
+            self.model = _load_model(config.init_checkpoint, self.device, setup, self.rdv.world_size)
         self.setup = setup
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=0.0)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
+        self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
         try:
             self.continued_from = optimizer_state.load(self.optimizer, self.model, config.init_checkpoint)
         except ValueError as e:
@@ -94,7 +104,7 @@ class Policy:
         """The KL reference model, loaded once per path, sharded as the policy is (no gradients,
         no optimizer, no activation checkpointing)."""
         if self._reference is None or self._reference[0] != (config.reference_checkpoint, self.setup):
-            setup = Setup(self.setup.strategy, self.setup.mixed_precision, False)
+            setup = Setup(self.setup.strategy, self.setup.mixed_precision, False)  # no adapters: the reference is a whole model
             model = _load_model(config.reference_checkpoint, self.device, setup, self.rdv.world_size)
             model.requires_grad_(False)
             self._reference = ((config.reference_checkpoint, self.setup), model)

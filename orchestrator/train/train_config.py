@@ -14,7 +14,21 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from orchestrator.config import ClipEps, Epochs, ISCap, ISCorrection, KLCoef, LearningRate, MaxGradNorm, MicroBatch, MicroBatchTokens
+from orchestrator.config import (
+    LORA_TARGET_MODULES,
+    ClipEps,
+    Epochs,
+    ISCap,
+    ISCorrection,
+    KLCoef,
+    LearningRate,
+    LoraAlpha,
+    LoraDropout,
+    LoraRank,
+    MaxGradNorm,
+    MicroBatch,
+    MicroBatchTokens,
+)
 from orchestrator.train.errors import BadTrainInput
 
 log = logging.getLogger(__name__)
@@ -89,8 +103,18 @@ class TrainConfig:
     """The rollout's longest completion (needed by ``penalty``)."""
     filter_groups: bool = False
     """Leave out of the update the groups whose rewards do not vary (zero advantage)."""
+    lora_rank: LoraRank = 0
+    """LoRA adapters of this rank on ``lora_target_modules``, the base frozen (train/lora.py); 0: off."""
+    lora_alpha: LoraAlpha = 32.0
+    lora_dropout: LoraDropout = 0.0
+    lora_target_modules: tuple[str, ...] = LORA_TARGET_MODULES
+    base_model: Path | None = None
+    """With LoRA: the base model's directory on this node, which ``init_checkpoint`` (an
+    adapter, after the first iteration) applies to."""
 
     def __post_init__(self) -> None:
+        if self.lora_rank and self.base_model is None:
+            raise ValueError("lora_rank > 0 needs base_model, the directory the adapters apply to")
         if self.overlong == "penalty" and not self.overlong_buffer <= self.max_tokens:
             raise ValueError(f"overlong=penalty needs 1 <= overlong_buffer <= max_tokens, got {self.overlong_buffer} and {self.max_tokens}")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from orchestrator.train import checkpoint_writer, grpo, parallel, plan
+from orchestrator.train import checkpoint_writer, grpo, lora, parallel, plan
 from orchestrator.train.batches import Batches, prepare, read_records, trained_records
 from orchestrator.train.policy import Policy
 from orchestrator.train.train_config import TrainConfig
@@ -56,7 +56,13 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
                  f"optimizer continued from step {policy.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
         log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s%s", rdv.rank, len(kept), config.epochs, len(steps[0]),
                  config.micro_batch, config.strategy, config.mixed_precision, ", activation checkpointing" if config.activation_checkpointing else "")
-        per_step, memory = _optimizer_steps(policy, config, batches, steps, sync)
+        if config.lora_dropout:
+            lora.dropout(policy.model, True)  # in the steps' forward passes only
+        try:
+            per_step, memory = _optimizer_steps(policy, config, batches, steps, sync)
+        finally:
+            if config.lora_dropout:
+                lora.dropout(policy.model, False)
         del sync
         lap("steps")
     else:  # every worker reads the same records, so every worker takes this branch alike
@@ -203,6 +209,9 @@ def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept
         **per_step,
         "seconds": None,
     }
+    if config.lora_rank:
+        stats |= {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha,
+                  "trainable_parameters": sum(p.numel() for p in policy.model.parameters() if p.requires_grad)}
     if config.filter_groups:
         stats["filtered_groups"] = len(records) - len(kept)
     truncated = sum(1 for s in samples if s.finish_reason == "length")

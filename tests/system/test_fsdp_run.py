@@ -6,26 +6,17 @@ FSDP uninterrupted, docs/training.md; seven iterations rather than ten to spare 
 time); its checkpoints are standard sharded Hugging Face checkpoints."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from orchestrator.data import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import kill_trainer_mid_update, kill_tree, rank_flag, status_json
+from tests.harness import exit_codes, kill_trainer_mid_update, start_ranks, status_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NODE_TIMEOUT_S = 10
-
-
-def _start(flags: list[str]) -> list[subprocess.Popen]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return [subprocess.Popen([sys.executable, "-m", "orchestrator", "run", *flags, rank_flag(r)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env=env, start_new_session=True) for r in range(2)]
 
 
 def test_main_job_on_two_ranks_with_fsdp_survives_a_killed_trainer_resumes_its_optimizer_and_learns(readme_demo_data, tmp_path):
@@ -35,15 +26,10 @@ def test_main_job_on_two_ranks_with_fsdp_survives_a_killed_trainer_resumes_its_o
              "--num-nodes=2", "--rank-weights=1,1", "train.strategy=fsdp", "coordination.heartbeat_interval_s=0.5", f"coordination.node_timeout_s={NODE_TIMEOUT_S}",
              "checkpoint.keep_last=7"]  # the test reads every iteration's stats
     layout = RunLayout(log_path)
-    procs = _start(flags)
+    procs = start_ranks(flags, 2)
     kill_trainer_mid_update(procs, log_path, worker=1, rank=1, iteration=2, codes=[3, 1], timeout=300)
 
-    procs = _start(flags)
-    try:
-        codes = [p.wait(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            kill_tree(p.pid)
+    codes = exit_codes(start_ranks(flags, 2))
     assert codes == [0, 0], codes
 
     first, second = (json.loads((layout.checkpoint(i) / "train_stats.json").read_text()) for i in (1, 2))

@@ -56,6 +56,10 @@ BOUNDS = {
     "data": ("data.id_key=", "data.id_key must not be empty"),
     "train choice": ("train.strategy=zero", "train.strategy='zero': valid strategies are ddp, fsdp"),
     "train trainer bound": ("train.micro_batch_tokens=-1", "train.micro_batch_tokens must be >= 0 (0: no limit), got -1"),
+    "lora rank": ("train.lora_rank=-4", "train.lora_rank must be >= 0 (0: no LoRA, the whole model is trained), got -4"),
+    "lora dropout": ("train.lora_dropout=1", "train.lora_dropout must be in [0, 1), got 1.0"),
+    "lora modules": ("train.lora_target_modules=,", "train.lora_target_modules is empty: name the modules that get an adapter, "
+                     "e.g. train.lora_target_modules=q_proj,v_proj, or all-linear"),
     "rollout choice": ("rollout.engine=sglang", "rollout.engine='sglang': valid engines are embedded, vllm"),
     "rollout port": ("rollout.engine_port=70000", "rollout.engine_port must be a TCP port (0-65535), got 70000"),
     "rollout timeout": ("rollout.memory_release_timeout_s=0", "rollout.memory_release_timeout_s must be a positive number of seconds"),

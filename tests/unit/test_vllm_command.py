@@ -206,3 +206,14 @@ def test_sleep_and_wake_up_calls(stub):
     assert [c for c, _ in s.calls] == ["POST /sleep?level=2", "POST /wake_up", "POST /wake_up?tags=weights"]
     with pytest.raises(ValueError):
         vllm.sleep(s.url, 3, timeout_s=5)
+
+
+def test_serve_command_with_lora_serves_adapters_up_to_the_rank_vllm_takes():
+    argv = vllm.serve_command(model="/base", served_model_name="base-p", port=1, lora_rank=12, adapter=("p", "/run/iter-1"))
+    assert argv[argv.index("--enable-lora"):] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--lora-modules", "p=/run/iter-1"]
+    assert "--enable-lora" not in vllm.serve_command(model="/m", served_model_name="x", port=1)
+    assert vllm.serve_env(gpus=(), base={}, lora=True)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm.serve_env(gpus=(), base={})
+    assert [vllm.max_lora_rank(r) for r in (1, 2, 8, 64, 500)] == [1, 8, 8, 64, 512]
+    with pytest.raises(ValueError, match="up to rank 512"):
+        vllm.max_lora_rank(513)

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 from orchestrator.config import RolloutConfig
+from orchestrator.data import checkpoints
 from orchestrator.engine import vllm
 from orchestrator.engine.client import EngineClient
 from orchestrator.errors import ChildFailed, DeadlineExceeded
@@ -44,9 +45,12 @@ class EngineFailed(ChildFailed):
 
 
 class EngineProcess:
-    def __init__(self, children: Children, spec: Engine, rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0):
+    def __init__(self, children: Children, spec: Engine, rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0,
+                 base: Path | None = None, lora_rank: int = 0):
         self.children = children
         self.spec = spec
+        self.base = base  # with LoRA: the base model, which each checkpoint (an adapter) applies to
+        self.lora_rank = lora_rank
         self.rollout = rollout
         self.log_file = layout.engine_log(rank, spec.engine)
         self._port_file = layout.engine_port_file(rank, spec.engine)
@@ -90,18 +94,23 @@ class EngineProcess:
 
     def _command(self, checkpoint: Path) -> tuple[list[str], dict]:
         if self.rollout.engine == "vllm":
+            # With LoRA vLLM serves the base under a name of its own and the adapter under the policy's.
+            adapter = self.base is not None and checkpoints.is_adapter(checkpoint)
             argv = vllm.serve_command(
-                model=str(checkpoint), served_model_name=self.name, port=self.port,
-                tensor_parallel_size=self.rollout.tensor_parallel_size, pipeline_parallel_size=self.rollout.pipeline_parallel_size,
-                gpu_memory_utilization=self.rollout.gpu_memory_utilization, max_model_len=self.rollout.max_model_len,
-                dtype=self.rollout.dtype, seed=self.seed, extra_args=self.rollout.engine_args,
+                model=str(self.base if adapter else checkpoint), served_model_name=f"base-{self.name}" if adapter else self.name,
+                port=self.port, tensor_parallel_size=self.rollout.tensor_parallel_size,
+                pipeline_parallel_size=self.rollout.pipeline_parallel_size, gpu_memory_utilization=self.rollout.gpu_memory_utilization,
+                max_model_len=self.rollout.max_model_len, dtype=self.rollout.dtype, seed=self.seed, extra_args=self.rollout.engine_args,
+                lora_rank=self.lora_rank, adapter=(self.name, str(checkpoint)) if adapter else None,
             )
-            return argv, vllm.serve_env(gpus=self.spec.gpus, base=os.environ)
+            return argv, vllm.serve_env(gpus=self.spec.gpus, base=os.environ, lora=bool(self.lora_rank))
         env = dict(os.environ)
         if self.spec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices(self.spec.gpus)
         argv = [sys.executable, "-m", "orchestrator.engine.server", "--model", str(checkpoint), "--port", str(self.port),
                 "--served-model-name", self.name, "--port-file", str(self._port_file)]
+        if self.base is not None:
+            argv += ["--base-model", str(self.base)]
         self._port_file.unlink(missing_ok=True)
         child_error.clear(self._error_file)
         env[child_error.ENV] = str(self._error_file)
@@ -172,6 +181,8 @@ class EngineProcess:
             return False
         if self.rollout.engine == "embedded":
             return self._reload_embedded(checkpoint)
+        if self.lora_rank:
+            return self._swap_adapter(checkpoint)
         began = time.monotonic()
         try:
             if self.asleep and not vllm.wake_up(self.client.base_url, timeout_s=self.rollout.engine_start_timeout_s):
@@ -184,6 +195,28 @@ class EngineProcess:
             return False
         self.checkpoint = checkpoint
         log.info("engine %d reloaded %s in place in %.1f s", self.spec.engine, checkpoint, time.monotonic() - began)
+        return True
+
+    def _swap_adapter(self, checkpoint: Path) -> bool:
+        """vLLM with LoRA: serve the adapter at ``checkpoint`` under a new name and stop serving
+        the previous adapter's, the base untouched (the served-name fence as for a reload)."""
+        if not checkpoints.is_adapter(checkpoint):
+            return False  # a whole model: start on it
+        began, name = time.monotonic(), _policy_name()
+        try:
+            if self.asleep and not vllm.wake_up(self.client.base_url, timeout_s=self.rollout.engine_start_timeout_s):
+                return False
+            self.asleep = False
+            vllm.load_adapter(self.client.base_url, name, str(checkpoint), timeout_s=self.rollout.engine_start_timeout_s)
+            self.client.use(name)
+            if self.checkpoint is not None and checkpoints.is_adapter(self.checkpoint):
+                vllm.unload_adapter(self.client.base_url, self.name, timeout_s=self.rollout.engine_start_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure of the fast path falls back to a restart
+            log.warning("engine %d could not take the LoRA adapter %s in place (%s); restarting it", self.spec.engine, checkpoint, e)
+            return False
+        self.name, self.checkpoint = name, checkpoint
+        log.info("engine %d serves the LoRA adapter %s as %s, loaded in place in %.2f s", self.spec.engine, checkpoint, name,
+                 time.monotonic() - began)
         return True
 
     def _reload_embedded(self, checkpoint: Path) -> bool:
@@ -216,7 +249,9 @@ class EngineProcess:
             return "kept"
         if self.running and self.client is not None and self._can_sleep():
             try:
-                if vllm.sleep(self.client.base_url, level=2, timeout_s=60.0):
+                # Level 2 discards the weights, and waking would read them again: with LoRA the
+                # base stays (level 1 offloads it to host memory) and only an adapter comes in.
+                if vllm.sleep(self.client.base_url, level=1 if self.lora_rank else 2, timeout_s=60.0):
                     self.asleep = True
                     log.info("engine %d sleeps until phase 12 brings the new weights", self.spec.engine)
                     return "slept"
@@ -246,8 +281,10 @@ def _policy_name() -> str:
 class NodeEngines:
     """The engines the placement puts on this node."""
 
-    def __init__(self, children: Children, specs: list[Engine], rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0):
-        self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed) for s in specs]
+    def __init__(self, children: Children, specs: list[Engine], rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0,
+                 base: Path | None = None, lora_rank: int = 0):
+        self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed, base=base, lora_rank=lora_rank) for s in specs]
+        self.base = base
         self.rollout = rollout
 
     def ensure(self, checkpoint: Path, cancel: CancelToken, timing=None) -> list[EngineClient]:
@@ -257,12 +294,14 @@ class NodeEngines:
         timing = timing or (lambda *a, **k: None)
         began = time.monotonic()
         starting = []
+        reload_bytes = checkpoints.weight_bytes(checkpoint)  # with LoRA: the adapter alone
+        start_bytes = reload_bytes + (checkpoints.weight_bytes(self.base) if self.base and checkpoints.is_adapter(checkpoint) else 0)
         for e in self.engines:
             if e.running and e.checkpoint == checkpoint and not e.asleep:
                 continue
             t = time.monotonic()
             if e.switch_in_place(checkpoint):
-                timing("engine.reload", time.monotonic() - t, engine=e.spec.engine)
+                timing("engine.reload", time.monotonic() - t, engine=e.spec.engine, bytes=reload_bytes)
                 continue
             how = "engine.restart" if e.started else "engine.start"
             e.launch(checkpoint, self._ports_taken(e))
@@ -270,7 +309,7 @@ class NodeEngines:
             starting.append((e, how))
         for e, how in starting:
             e.wait_ready(cancel, self._ports_taken(e))
-            timing(how, time.monotonic() - began, engine=e.spec.engine)
+            timing(how, time.monotonic() - began, engine=e.spec.engine, bytes=start_bytes)
         return [e.client for e in self.engines]
 
     def _ports_taken(self, me: EngineProcess) -> set[int]:

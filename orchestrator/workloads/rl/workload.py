@@ -147,7 +147,9 @@ class RLWorkload:
     def _node_engines(self, ctx: PhaseContext) -> NodeEngines:
         if self.engines is None:
             specs = ctx.run.placement.engines_on(ctx.rank)
-            self.engines = NodeEngines(self.children, specs, self.config.rollout, self.layout, ctx.rank, seed=self.config.seed)
+            self.engines = NodeEngines(self.children, specs, self.config.rollout, self.layout, ctx.rank, seed=self.config.seed,
+                                       base=self.config.model_path if self.config.train.lora_rank else None,
+                                       lora_rank=self.config.train.lora_rank)
         return self.engines
 
     def engine_start(self, ctx: PhaseContext) -> None:
@@ -311,8 +313,10 @@ class RLWorkload:
                    for w in workers}
         done = self.trainers.update(ctx, configs)
         for worker, record in sorted(done.items()):
+            written = (record.get("stats") or {}).get("checkpoint_bytes")  # worker 0's: the whole checkpoint
             for part, seconds in record["timing"].items():
-                ctx.run.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"])
+                extra = {"bytes": written} if part == "checkpoint" and written else {}
+                ctx.run.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"], **extra)
         ctx.run.timing("train.total", time.monotonic() - began)
 
     def _trainer_config(self, ctx: PhaseContext, train_config: dict) -> dict:
@@ -347,4 +351,12 @@ class RLWorkload:
             "strategy": self.config.train.strategy,
             "mixed_precision": self.config.train.mixed_precision,
             "activation_checkpointing": self.config.train.activation_checkpointing,
-        }
+        } | self._lora()
+
+    def _lora(self) -> dict:
+        """The train config's LoRA keys (train.lora_rank > 0), with this node's base model."""
+        t = self.config.train
+        if not t.lora_rank:
+            return {}
+        return {"lora_rank": t.lora_rank, "lora_alpha": t.lora_alpha, "lora_dropout": t.lora_dropout,
+                "lora_target_modules": list(t.lora_target_modules), "base_model": str(self.config.model_path)}

@@ -1,0 +1,90 @@
+"""LoRA with peft: the policy as its frozen base with rank-r adapters on the projections
+(``train.lora_rank``), and each checkpoint as the adapter alone, in peft's own format:
+
+    checkpoints/iter-<I>/
+      adapter_config.json          peft's: r, lora_alpha, target_modules, base_model_name_or_path
+      adapter_model.safetensors    the adapters' weights under peft's names
+      optimizer/adamw.safetensors  AdamW's state, of the adapters only
+      train_stats.json, orchestrator.manifest.json       (no tokenizer: the base's applies)
+
+The base is referenced, never copied: every node has it at its ``model.path`` (ranks whose
+base files differ are refused when they join), and the trainer and the engines apply the
+adapter to it. ``peft.PeftModel.from_pretrained`` and vLLM's ``--enable-lora`` read the
+directory as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator.data.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter
+from orchestrator.train.errors import BadTrainInput
+from orchestrator.train.train_config import TrainConfig
+
+
+def adapter_config(directory: Path) -> dict:
+    return json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+
+
+def _lora_config(config: TrainConfig):
+    from peft import LoraConfig
+
+    targets = config.lora_target_modules
+    return LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, bias="none",
+                      task_type="CAUSAL_LM", target_modules="all-linear" if tuple(targets) == ("all-linear",) else list(targets))
+
+
+def attach(model, config: TrainConfig):
+    """``model`` (the base, loaded) with adapters: fresh ones (seeded by ``config.seed``: B is
+    zero, so the policy starts as the base) when ``config.init_checkpoint`` is the base, else
+    the adapter saved there, trainable. Raises BadTrainInput when that adapter was made with
+    another rank, scale or modules than the config asks for, or names modules the base lacks."""
+    import torch
+    from peft import PeftModel, get_peft_model
+
+    init = config.init_checkpoint
+    if not is_adapter(init):
+        torch.manual_seed(config.seed)
+        try:
+            return get_peft_model(model, _lora_config(config))
+        except ValueError as e:  # target modules not found in the base model
+            raise BadTrainInput(f"train.lora_target_modules={','.join(config.lora_target_modules)}: {e}") from None
+    saved = adapter_config(init)
+    want = {"r": config.lora_rank, "lora_alpha": config.lora_alpha}
+    differs = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+    if sorted(saved.get("target_modules") or []) != sorted(config.lora_target_modules) and config.lora_target_modules != ("all-linear",):
+        differs["target_modules"] = (saved.get("target_modules"), list(config.lora_target_modules))
+    if differs:
+        said = ", ".join(f"{k} {have} (the config: {w})" for k, (have, w) in differs.items())
+        raise BadTrainInput(f"{init} holds an adapter with {said}: continue with the settings it was trained with "
+                            f"(train.lora_rank, train.lora_alpha, train.lora_target_modules), or start a new --log-path")
+    return PeftModel.from_pretrained(model, str(init), is_trainable=True)
+
+
+def dropout(model, on: bool) -> None:
+    """The adapters' dropout on (the update's forward passes) or off (log-probs of the old policy)."""
+    for module in model.modules():
+        drop = getattr(module, "lora_dropout", None)
+        if drop is not None and hasattr(drop, "train"):
+            drop.train(on)
+
+
+def save(model, output: Path, *, rank: int) -> int:
+    """Write the adapter into ``output`` from worker 0 (each sharded tensor gathered whole by
+    every worker, in the same order: a collective). Returns the bytes of its weights on worker 0."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    whole = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            tensor = param.detach()
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            whole[name] = tensor.to("cpu", copy=True).contiguous()
+    if rank != 0:
+        return 0
+    tensors = get_peft_model_state_dict(model, state_dict=whole)
+    save_file(tensors, output / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    model.peft_config["default"].save_pretrained(str(output))
+    return (output / ADAPTER_WEIGHTS).stat().st_size
