@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.train import grpo, parallel, plan
+from orchestrator.train import grpo, lora, parallel, plan
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.policy import Policy
 from orchestrator.train.train_config import TrainConfig
@@ -92,8 +92,13 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
         same = config.reference_checkpoint.resolve() == config.init_checkpoint.resolve()
         if same and config.old_logprobs == "trainer":
             batches.ref = batches.old
+        elif same:
+            batches.ref = _logprobs(model, batches, passes, config, policy.device)
+        elif lora.is_base_of(policy, config.reference_checkpoint):  # the base under the adapters: no second copy of it
+            with lora.adapters_off(model):
+                batches.ref = _logprobs(model, batches, passes, config, policy.device)
         else:
-            batches.ref = _logprobs(model if same else policy.reference(config), batches, passes, config, policy.device)
+            batches.ref = _logprobs(policy.reference(config), batches, passes, config, policy.device)
     elif config.kl_coef > 0:
         log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.kl_coef)
     if config.is_correction != "none":

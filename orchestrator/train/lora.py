@@ -62,6 +62,18 @@ def attach(model, config: TrainConfig):
     return PeftModel.from_pretrained(model, str(init), is_trainable=True)
 
 
+def is_base_of(policy, reference: Path) -> bool:
+    """Whether ``reference`` (the KL reference) is the base under ``policy``'s adapters."""
+    base = policy.base if policy.setup.lora else None
+    return base is not None and Path(reference).resolve() == Path(base).resolve()
+
+
+def adapters_off(model):
+    """A context in which ``model`` (with adapters) computes as its base alone (peft's
+    ``disable_adapter``): the KL reference without a second copy of the base in memory."""
+    return model.disable_adapter()
+
+
 def dropout(model, on: bool) -> None:
     """The adapters' dropout on (the update's forward passes) or off (log-probs of the old policy)."""
     for module in model.modules():

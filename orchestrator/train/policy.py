@@ -70,6 +70,7 @@ class Policy:
         self.holds: int | None = None  # the iteration whose update the model holds (None: loaded, or nothing)
         self.continued_from: int | None = None
         self._reference = None  # ((path, setup), model)
+        self.base: Path | None = None  # with LoRA: the base model under the adapters
         self.offloaded = False
 
     def load(self, config: TrainConfig) -> str:
@@ -88,6 +89,7 @@ class Policy:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if setup.lora:  # the base, from this node's model.path, with the adapter of the init checkpoint (or new ones)
             self.model = _load_model(config.base_model, self.device, setup, self.rdv.world_size, lora_from=config)
+            self.base = config.base_model
         else:
             self.model = _load_model(config.init_checkpoint, self.device, setup, self.rdv.world_size)
         self.setup = setup

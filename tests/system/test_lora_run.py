@@ -1,6 +1,6 @@
 """LoRA (train.lora_rank) end to end with the embedded engine: the README's main job learns
-with adapters; on two ranks with FSDP a train worker killed with kill -9 mid-update and the
-same commands run again give the adapter an uninterrupted run gives; every checkpoint is the
+with adapters; on two ranks with FSDP and a KL term a train worker killed with kill -9
+mid-update and the same commands run again give the adapter an uninterrupted run gives; every checkpoint is the
 adapter alone; the engines merge each new adapter in place without loading the base again;
 and `orchestrator export` writes a merged model that AutoModelForCausalLM loads and that
 gives the engine's log-probs."""
@@ -53,6 +53,7 @@ def test_lora_on_two_ranks_with_fsdp_survives_a_killed_trainer_and_exports_a_mer
     data = readme_demo_data.path
     common = ["--rl-phase=both", "--eval-interval=1", "--max-iterations=2", "--num-nodes=2", "--rank-weights=1,1",
               "train.strategy=fsdp", "train.lora_rank=16", "rl.train_tasks=64", "rl.eval_tasks=32",
+              "rl.kl_coef=0.01",  # the KL reference: the base under the adapters, switched off
               "coordination.heartbeat_interval_s=0.5", f"coordination.node_timeout_s={NODE_TIMEOUT_S}"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert exit_codes(start_ranks([f"--data-path={data}", f"--log-path={whole}", *common], 2)) == [0, 0]

@@ -124,3 +124,12 @@ def test_the_preflight_names_a_target_module_the_base_lacks(tmp_path):
     with pytest.raises(ConfigError, match=r"names qkv_proj, which the model .* has no module of; its projections are down_proj, "
                                           r"gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):
         preflight.check_lora_targets(directory, ["q_proj", "qkv_proj"])
+
+
+def test_with_adapters_off_the_policy_is_its_base_the_kl_reference(tmp_path):
+    peft_model, _ = _adapter(tmp_path, "a", seed=1)
+    base_logits = _logits(demo_model.create(0).eval())
+    assert not torch.allclose(_logits(peft_model), base_logits)
+    with train_lora.adapters_off(peft_model):
+        torch.testing.assert_close(_logits(peft_model), base_logits)
+    assert not torch.allclose(_logits(peft_model), base_logits)
