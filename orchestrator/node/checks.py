@@ -60,7 +60,8 @@ def _whos(facts: Mapping[int, dict], ranks: Iterable[int]) -> str:
 def split_majority(values: Mapping[int, Any]) -> tuple[Any, list[int], list[tuple[Any, list[int]]]]:
     """(reference value, its ranks, [(other value, its ranks), ...]).
 
-    The reference is the most common value; a tie goes to the group of the lowest rank."""
+    The reference is the most common value; a tie goes to the group of the lowest rank.
+    ``values`` must not be empty."""
     groups: dict[str, tuple[Any, list[int]]] = {}
     for r in sorted(values):
         key = repr(values[r])
@@ -75,7 +76,10 @@ def _show(value: Any, missing: str = "not installed") -> str:
 
 
 def _differs(facts: Mapping[int, dict], values: Mapping[int, Any], *, missing: str) -> tuple[list[int], str] | None:
-    """Deviating ranks and a detail naming every group, or None when all agree."""
+    """Deviating ranks and a detail naming every group, or None when all agree (or no rank
+    reported the fact: nothing to compare)."""
+    if not values:
+        return None
     ref, ref_ranks, others = split_majority(values)
     if not others:
         return None

@@ -65,6 +65,14 @@ def test_consistent_cluster_has_no_problems():
     assert run_checks(facts, fs) == []
 
 
+def test_facts_no_rank_reported_are_not_compared():
+    facts = cluster()
+    for f in facts.values():
+        f["gpus"] = None  # no nvidia-smi anywhere: nothing to compare, not a crash
+    assert "gpu_count" not in checks_fired(run_checks(facts))
+    assert checks._differs(facts, {}, missing="unknown") is None
+
+
 def test_problem_shape():
     p = the(run_checks(cluster(r2={"vllm": "9.9.9"})), "versions")
     assert set(p) == {"check", "ranks", "detail", "fix"}
