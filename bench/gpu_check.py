@@ -20,7 +20,8 @@ engine      the embedded engine (``python -m orchestrator.engine.server --device
             Completion tokens/s of both, and many's over one's
 engine-cpu  the same on ``--device cpu``, one round: the comparison (GPU over CPU, one request)
 train       one bf16 optimizer step (``train.mixed_precision=bf16``) of the demo model by one
-            train worker on the GPU, with ``train.strategy`` ddp, then fsdp: 48 records of 8
+            train worker on the GPU, with ``train.strategy`` ddp, then fsdp, then ddp with
+            LoRA adapters of rank 16 (``train.lora_rank``; the checkpoint's bytes too): 48 records of 8
             samples (``train.micro_batch`` 48, the main job's). The worker runs the
             trainer's own serve loop (``orchestrator.train.server.serve``, what
             ``train.keep_alive`` runs) for two updates: the first step includes CUDA's
@@ -356,11 +357,16 @@ def _aggregate(check: Check, path: Path) -> None:
 
 
 def _train_config(check: Check, data: Path, output: Path, *, iteration: int, init: Path, init_iteration: int | None,
-                  strategy: str, offload: bool = False) -> dict:
+                  strategy: str, offload: bool = False, lora_base: Path | None = None) -> dict:
+    """``lora_base``: LoRA adapters (rank LORA_RANK) on that base, ``init`` the base or an adapter."""
+    lora = {"lora_rank": LORA_RANK, "base_model": str(lora_base)} if lora_base else {}
     return {"iteration": iteration, "data": str(data), "init_checkpoint": str(init), "init_iteration": init_iteration,
             "reference_checkpoint": None, "output": str(output), "seed": check.seed, "lr": 1e-5, "epochs": 1,
             "micro_batch": check.sizes.train_records, "clip_eps": 0.2, "kl_coef": 0.0, "max_grad_norm": 1.0, "strategy": strategy,
-            "mixed_precision": "bf16", "offload": offload}
+            "mixed_precision": "bf16", "offload": offload, **lora}
+
+
+LORA_RANK = 16
 
 
 def _step_s(done: dict) -> float:
@@ -378,33 +384,36 @@ def part_train(check: Check) -> dict:
     _aggregate(check, data)
     model = check.demo("arith") / "model"
     out = {}
-    for strategy in ("ddp", "fsdp"):
-        trainer = Trainer(work / strategy, check.cuda)
+    for name, strategy, lora_base in (("ddp", "ddp", None), ("fsdp", "fsdp", None), (f"ddp, LoRA r{LORA_RANK}", "ddp", model)):
+        where = work / name.replace(", ", "-").replace(" ", "")
+        trainer = Trainer(where, check.cuda)
         try:
-            first = trainer.update(**_train_config(check, data, work / strategy / "1", iteration=1, init=model, init_iteration=None,
-                                                   strategy=strategy))
-            second = trainer.update(**_train_config(check, data, work / strategy / "2", iteration=2, init=work / strategy / "1",
-                                                    init_iteration=1, strategy=strategy))
+            first = trainer.update(**_train_config(check, data, where / "1", iteration=1, init=model, init_iteration=None,
+                                                   strategy=strategy, lora_base=lora_base))
+            second = trainer.update(**_train_config(check, data, where / "2", iteration=2, init=where / "1",
+                                                    init_iteration=1, strategy=strategy, lora_base=lora_base))
         except BenchError as e:
-            raise BenchError(f"{strategy}: {e}") from e
+            raise BenchError(f"{name}: {e}") from e
         finally:
             trainer.close()
         if len(second["stats"]["loss"]) != 1:
-            raise BenchError(f"{strategy}: the update made {len(second['stats']['loss'])} optimizer steps, not one")
-        out[strategy] = {
+            raise BenchError(f"{name}: the update made {len(second['stats']['loss'])} optimizer steps, not one")
+        out[name] = {
             "mixed_precision": second["stats"]["mixed_precision"], "records": second["stats"]["records"],
             "samples": second["stats"]["samples"], "tokens": second["stats"]["tokens"][0], "loss": second["stats"]["loss"][0],
             "first_step_s": _step_s(first), "step_s": _step_s(second), "startup_s": round(first["timing"]["startup"], 2),
             "peak_gpu_allocated_bytes": (second["cuda"] or {}).get("peak_allocated_bytes"),
             "gpu_allocated_after_bytes": (second["cuda"] or {}).get("allocated_bytes"),
             "state_bytes": second["memory"]["total_bytes"], "peak_rss_bytes": second["memory"]["peak_rss_bytes"],
+            "checkpoint_bytes": second["stats"].get("checkpoint_bytes"),
             "timing": {"first": first["timing"], "second": second["timing"]},
         }
     table(f"one bf16 optimizer step on {check.device}, one train worker (MiB; seconds)",
           ["strategy", "records x samples", "tokens", "startup s", "first step s", "step s", "peak GPU allocated",
-           "GPU allocated after", "params+grads+optimizer", "peak RSS"],
+           "GPU allocated after", "params+grads+optimizer", "peak RSS", "checkpoint"],
           [[s, f"{r['records']} x {r['samples'] // r['records']}", r["tokens"], r["startup_s"], r["first_step_s"], r["step_s"],
-            _mib(r["peak_gpu_allocated_bytes"]), _mib(r["gpu_allocated_after_bytes"]), _mib(r["state_bytes"]), _mib(r["peak_rss_bytes"])]
+            _mib(r["peak_gpu_allocated_bytes"]), _mib(r["gpu_allocated_after_bytes"]), _mib(r["state_bytes"]), _mib(r["peak_rss_bytes"]),
+            _mib(r["checkpoint_bytes"])]
            for s, r in out.items()], right_from=1)
     return out
 
