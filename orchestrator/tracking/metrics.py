@@ -12,6 +12,8 @@ names follow the peers' habits (verl, prime-rl), grouped by a prefix::
     rollout/response_length, rollout/tokens_per_s, rollout/zero_advantage_groups, rollout/filtered_groups,
     rollout/overlong_samples, rollout/staleness
     timing_s/<phase>, timing_s/iteration     the master's seconds in each phase, and their sum
+    perf/checkpoint_bytes, perf/weights_read_bytes   the checkpoint the update wrote; the weights every engine read
+                                       to serve a policy in the iteration (ops/timing.py; with LoRA, adapters)
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ def _number(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
-def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float] | None = None) -> dict[str, float] | None:
+def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float] | None = None,
+                      moved: dict[str, int] | None = None) -> dict[str, float] | None:
     """The figures of ``iteration``, or None while it is not complete. ``phases``: the master's
-    seconds per phase label (``1:rollout``), as ops/timing.py gives them."""
+    seconds per phase label (``1:rollout``), and ``moved`` the bytes written and read, as
+    ops/timing.py gives them."""
     s = summary.read(layout, iteration)
     if not s or not s.get("complete"):
         return None
@@ -64,4 +68,6 @@ def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float
         out[f"timing_s/{label.split(':', 1)[-1]}"] = seconds
     if phases:
         out["timing_s/iteration"] = sum(phases.values())
+    if moved:
+        out["perf/checkpoint_bytes"], out["perf/weights_read_bytes"] = moved.get("written"), moved.get("read")
     return {k: v for k, value in out.items() if (v := _number(value)) is not None}

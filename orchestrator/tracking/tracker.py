@@ -114,7 +114,8 @@ class Tracker:
         timing = iteration_timing(events.read())
         iteration, wrote = self._next, False
         while self._backends:
-            metrics = iteration_metrics(self.layout, iteration, (timing.get(iteration) or {}).get("phases"))
+            times = timing.get(iteration) or {}
+            metrics = iteration_metrics(self.layout, iteration, times.get("phases"), times.get("bytes"))
             if metrics is None:
                 break
             for name, backend in list(self._backends.items()):
