@@ -32,12 +32,17 @@ def weight_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
 
 
+def adapter_config(directory: Path) -> dict:
+    """A LoRA checkpoint's ``adapter_config.json`` (peft's: r, lora_alpha, target_modules, ...)."""
+    import json
+
+    return json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+
+
 def adapter_base(directory: Path) -> str:
     """The base model a LoRA checkpoint was trained on, as its adapter_config.json names it
     (the path on the node that trained it)."""
-    import json
-
-    return json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path") or ""
+    return adapter_config(directory).get("base_model_name_or_path") or ""
 
 
 class CheckpointCorrupt(OrchestratorError):

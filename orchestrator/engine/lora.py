@@ -11,11 +11,11 @@ stored transposed are refused with a message, never merged wrong.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from orchestrator.data.checkpoints import ADAPTER_CONFIG as CONFIG
 from orchestrator.data.checkpoints import ADAPTER_WEIGHTS as WEIGHTS
+from orchestrator.data.checkpoints import adapter_config
 
 _PREFIX = "base_model.model."
 
@@ -25,7 +25,7 @@ def deltas(directory: Path) -> dict[str, object]:
     Raises ValueError for an adapter this merge does not cover."""
     from safetensors.torch import load_file
 
-    cfg = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
+    cfg = adapter_config(directory)
     unsupported = [k for k in ("use_dora", "use_rslora", "fan_in_fan_out") if cfg.get(k)]
     if cfg.get("peft_type", "LORA") != "LORA" or unsupported or cfg.get("bias", "none") != "none":
         raise ValueError(f"{directory / CONFIG}: only plain LoRA adapters are merged here (peft_type LORA, bias none; not "

@@ -15,16 +15,11 @@ directory as it is.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from orchestrator.data.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter
+from orchestrator.data.checkpoints import ADAPTER_WEIGHTS, adapter_config, is_adapter
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.train_config import TrainConfig
-
-
-def adapter_config(directory: Path) -> dict:
-    return json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
 
 
 def _lora_config(config: TrainConfig):

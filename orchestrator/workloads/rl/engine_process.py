@@ -294,14 +294,12 @@ class NodeEngines:
         timing = timing or (lambda *a, **k: None)
         began = time.monotonic()
         starting = []
-        reload_bytes = checkpoints.weight_bytes(checkpoint)  # with LoRA: the adapter alone
-        start_bytes = reload_bytes + (checkpoints.weight_bytes(self.base) if self.base and checkpoints.is_adapter(checkpoint) else 0)
         for e in self.engines:
             if e.running and e.checkpoint == checkpoint and not e.asleep:
                 continue
             t = time.monotonic()
             if e.switch_in_place(checkpoint):
-                timing("engine.reload", time.monotonic() - t, engine=e.spec.engine, bytes=reload_bytes)
+                timing("engine.reload", time.monotonic() - t, engine=e.spec.engine, bytes=self._bytes(checkpoint, start=False))
                 continue
             how = "engine.restart" if e.started else "engine.start"
             e.launch(checkpoint, self._ports_taken(e))
@@ -309,8 +307,15 @@ class NodeEngines:
             starting.append((e, how))
         for e, how in starting:
             e.wait_ready(cancel, self._ports_taken(e))
-            timing(how, time.monotonic() - began, engine=e.spec.engine, bytes=start_bytes)
+            timing(how, time.monotonic() - began, engine=e.spec.engine, bytes=self._bytes(checkpoint, start=True))
         return [e.client for e in self.engines]
+
+    def _bytes(self, checkpoint: Path, *, start: bool) -> int:
+        """The weights an engine reads to serve ``checkpoint``: a reload the checkpoint's (with
+        LoRA the adapter alone), a start the base's too under an adapter. Looked up only when an
+        engine moves: a rollout that finds its engines current reads no directory."""
+        adapter = start and self.base is not None and checkpoints.is_adapter(checkpoint)
+        return checkpoints.weight_bytes(checkpoint) + (checkpoints.weight_bytes(self.base) if adapter else 0)
 
     def _ports_taken(self, me: EngineProcess) -> set[int]:
         return {e.port for e in self.engines if e is not me and e.port}
