@@ -461,7 +461,8 @@ class TrainPlacementConfig:
     FSDP2, each holds 1/N of them, and the checkpoint is written as one shard per worker
     (docs/training.md)."""
     mixed_precision: Annotated[str, _one_of(PRECISIONS, "values")] = "fp32"
-    """"bf16": compute in bfloat16, with fp32 master weights, gradient reduction and optimizer state."""
+    """"bf16": compute in bfloat16. Master weights, gradient reduction and optimizer state are
+    fp32 either way, whatever dtype the model was saved in (train/precision.py)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them."""
     micro_batch_tokens: MicroBatchTokens = 16384

@@ -1,7 +1,8 @@
 """The new checkpoint, written into the staging directory ``output`` after the update: with
 ddp worker 0 writes it all, with fsdp every worker its shards and worker 0 the indexes
 (train/sharded.py); with LoRA worker 0 writes the adapter (train/lora.py) and the optimizer
-state as for the whole model. ``train_stats.json`` comes last, so it vouches for everything else; the
+state as for the whole model. Weights and optimizer state are fp32 (the master copy), and a
+whole model's ``config.json`` names the dtype the engines serve it in (train/precision.py). ``train_stats.json`` comes last, so it vouches for everything else; the
 final barrier after it is what a ``done`` answer waits for."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import time
 
 from orchestrator.protocol import fsio
-from orchestrator.train import lora, optimizer_state, sharded
+from orchestrator.train import lora, optimizer_state, precision, sharded
 from orchestrator.train.errors import TrainerError
 from orchestrator.train.policy import Policy
 from orchestrator.train.train_config import TrainConfig
@@ -52,10 +53,12 @@ def write(policy: Policy, config: TrainConfig, stats: dict, started: float) -> N
                                      parallel=config.parallel_write)
         if rank == 0:
             model.config.save_pretrained(output)
+            precision.write_served_dtype(output, policy.served_dtype)
             if model.can_generate() and model.generation_config is not None:
                 model.generation_config.save_pretrained(output)
     elif rank == 0:
         model.save_pretrained(output)
+        precision.write_served_dtype(output, policy.served_dtype)
         optimizer_state.save(optimizer, model, output)
     if rank == 0:
         if not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)

@@ -8,7 +8,8 @@
   for its forward and backward and freed after, and gradients are reduce-scattered.
 
 ``bf16`` computes in bfloat16 and keeps fp32 master weights, gradient reduction and optimizer
-state: FSDP through its ``MixedPrecisionPolicy``, DDP under ``torch.autocast``.
+state: FSDP through its ``MixedPrecisionPolicy``, DDP under ``torch.autocast``. The weights are
+fp32 whatever dtype the model was saved in (precision.py).
 
 Activation checkpointing recomputes each block's activations in the backward instead of
 keeping them (``torch.distributed._composable.checkpoint``, which keeps parameter names as

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.train import lora, optimizer_state, parallel
+from orchestrator.train import lora, optimizer_state, parallel, precision
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.rendezvous import Rendezvous
 from orchestrator.train.train_config import TrainConfig
@@ -37,15 +37,18 @@ class Setup:
 
 
 def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: TrainConfig | None = None):
-    """The Hugging Face model at ``path``, with LoRA adapters when ``lora_from`` is given (new,
-    or those of its init checkpoint: lora.attach), prepared for ``setup``'s strategy (parallel.py)."""
+    """The Hugging Face model at ``path`` in fp32 whatever its saved dtype (a frozen LoRA base
+    may keep its own: precision.py), with LoRA adapters when ``lora_from`` is given (new, or
+    those of its init checkpoint: lora.attach), prepared for ``setup``'s strategy (parallel.py)."""
     from transformers import AutoModelForCausalLM
 
+    dtype = precision.load_dtype(path, frozen=lora_from is not None, mixed_precision=setup.mixed_precision)
     # Eval mode throughout: no dropout, so the first step's ratio is exactly what the
     # precomputed old log-probs say it is. Gradients (and their reduction) do not depend on it.
-    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=dtype).eval()
     if lora_from is not None:
         model = lora.attach(model, lora_from).eval()
+        precision.to_master(model)
     if not setup.sharded:
         model.to(device)  # FSDP moves each block to the device as it shards it: one whole block on the GPU at a time
     try:
@@ -71,6 +74,7 @@ class Policy:
         self.continued_from: int | None = None
         self._reference = None  # ((path, setup), model)
         self.base: Path | None = None  # with LoRA: the base model under the adapters
+        self.served_dtype = precision.MASTER  # the dtype the engines serve, which every checkpoint's config.json names
         self.offloaded = False
 
     def load(self, config: TrainConfig) -> str:
@@ -90,8 +94,10 @@ class Policy:
         if setup.lora:  # the base, from this node's model.path, with the adapter of the init checkpoint (or new ones)
             self.model = _load_model(config.base_model, self.device, setup, self.rdv.world_size, lora_from=config)
             self.base = config.base_model
+            self.served_dtype = precision.checkpoint_dtype(config.base_model)
         else:
             self.model = _load_model(config.init_checkpoint, self.device, setup, self.rdv.world_size)
+            self.served_dtype = precision.checkpoint_dtype(config.init_checkpoint)
         self.setup = setup
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)

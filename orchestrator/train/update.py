@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from orchestrator.train import checkpoint_writer, grpo, lora, parallel, plan
+from orchestrator.train import checkpoint_writer, grpo, lora, parallel, plan, precision
 from orchestrator.train.batches import Batches, prepare, read_records, trained_records
 from orchestrator.train.policy import Policy
 from orchestrator.train.train_config import TrainConfig
@@ -54,8 +54,10 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
         sync = parallel.Sync(policy.model, strategy=config.strategy, device=policy.device)
         log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if policy.continued_from is None else
                  f"optimizer continued from step {policy.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
-        log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s%s", rdv.rank, len(kept), config.epochs, len(steps[0]),
-                 config.micro_batch, config.strategy, config.mixed_precision, ", activation checkpointing" if config.activation_checkpointing else "")
+        log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s compute, %s master weights and optimizer state%s "
+                 "(served in %s)%s", rdv.rank, len(kept), config.epochs, len(steps[0]), config.micro_batch, config.strategy,
+                 config.mixed_precision, precision.MASTER, _frozen(policy), policy.served_dtype,
+                 ", activation checkpointing" if config.activation_checkpointing else "")
         if config.lora_dropout:
             lora.dropout(policy.model, True)  # in the steps' forward passes only
         try:
@@ -191,6 +193,8 @@ def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept
         "world_size": policy.rdv.world_size,
         "strategy": config.strategy,
         "mixed_precision": config.mixed_precision,
+        "master_dtype": precision.MASTER,
+        "served_dtype": policy.served_dtype,
         "activation_checkpointing": config.activation_checkpointing,
         "records": len(records),
         "samples": len(samples),
@@ -210,7 +214,7 @@ def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept
         "seconds": None,
     }
     if config.lora_rank:
-        stats |= {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha,
+        stats |= {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "frozen_dtype": precision.frozen_dtype(policy.model),
                   "trainable_parameters": sum(p.numel() for p in policy.model.parameters() if p.requires_grad)}
     if config.filter_groups:
         stats["filtered_groups"] = len(records) - len(kept)
@@ -218,6 +222,11 @@ def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept
     if config.overlong != "keep":
         stats["overlong_samples"] = truncated  # masked, or penalised by their length (with the others past the ramp's start)
     return stats
+
+
+def _frozen(policy: Policy) -> str:
+    frozen = precision.frozen_dtype(policy.model)
+    return f", the frozen base in {frozen}" if frozen else ""
 
 
 def _peak_rss_bytes() -> int:

@@ -305,3 +305,95 @@ def test_a_step_with_no_informative_group_leaves_the_policy_as_it_was(work, trai
     init = {k: v for k, v in load_file(work / "init" / "model.safetensors").items()}
     worst, where = _worst_relative_difference(init, _tensors(out, "model"))
     assert worst == 0.0, f"{where} moved by {worst:.2e}"
+
+
+# Master weights: a bf16 base (as every released model is saved) trains in fp32.
+
+SMALL_LR = 1e-5
+"""Each of an update's 4 steps moves a weight by about this: under half a bf16 unit in the
+last place of nearly every demo weight (|w| ~ 0.02: an ulp of 1.2e-4), so a bf16 master would
+round every step away."""
+
+
+@pytest.fixture(scope="module")
+def bf16_bases(work) -> tuple[Path, Path]:
+    """The demo model rounded to bf16 and saved so, and the same values saved in fp32."""
+    model = demo_model.create(0).to(torch.bfloat16)
+    demo_model.save(model, work / "base-bf16")
+    demo_model.save(model.float(), work / "base-bf16-as-fp32")
+    return work / "base-bf16", work / "base-bf16-as-fp32"
+
+
+def _delta(checkpoint: Path, base: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
+    before = _tensors(base, "model")
+    return {n: t - before[n].float() for n, t in _tensors(checkpoint, prefix).items()}
+
+
+def _lora_options(base: Path, **more) -> dict:
+    return {"lora_rank": 8, "base_model": str(base), "init_checkpoint": str(base), "lr": SMALL_LR * 100, **more}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["whole-model", "lora"])
+def test_a_bf16_base_trains_with_fp32_master_weights_as_the_same_model_loaded_in_fp32(work, trained, bf16_bases, lora):
+    bf16, as_fp32 = bf16_bases
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    options = (lambda base: _lora_options(base)) if lora else (lambda base: {"init_checkpoint": str(base), "lr": SMALL_LR})
+    tag = "lora-" if lora else ""
+    reference = trained(f"{tag}fp32-of-bf16-ddp-2", 2, strategy="ddp", **options(as_fp32))
+    runs = {"ddp-2": trained(f"{tag}bf16-ddp-2", 2, strategy="ddp", **options(bf16)),
+            "fsdp-3": trained(f"{tag}bf16-fsdp-3", 3, strategy="fsdp", micro_batch_tokens=24, **options(bf16))}
+    weights = "adapter_model" if lora else "model"
+    for name, out in runs.items():
+        stats = json.loads((out / "train_stats.json").read_text())
+        assert (stats["master_dtype"], stats["served_dtype"]) == ("float32", "bfloat16"), stats
+        for prefix in (weights, "optimizer/adamw"):
+            tensors = _tensors(out, prefix)
+            assert {str(t.dtype) for n, t in tensors.items() if not n.endswith("/step")} == {"torch.float32"}, f"{name}: {prefix}"
+        if not lora:
+            assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16", "the engines serve the base's dtype"
+            served, _ = demo_model.load(out)  # as the embedded engine loads a checkpoint
+            assert served.dtype == torch.bfloat16
+        for prefix in (weights, "optimizer/adamw"):
+            if lora or prefix != "model":
+                worst, where = _worst_relative_difference(_tensors(reference, prefix), _tensors(out, prefix))
+            else:  # the weights barely move at this rate: compare what moved
+                worst, where = _worst_relative_difference(_delta(reference, as_fp32), _delta(out, bf16))
+            print(f"{tag}bf16 {name}: {prefix} worst relative difference {worst:.2e} ({where})")
+            assert worst <= (0.0 if name == "ddp-2" else 1e-3), f"{name}: {prefix} {where} differs from the fp32 model's by {worst:.2e}"
+    if lora:
+        assert stats["frozen_dtype"] == "float32", "fp32 compute: the frozen base computes in fp32 too"
+
+
+def test_sub_ulp_updates_accumulate_in_the_fp32_master_across_checkpoints(work, trained, bf16_bases):
+    """Each update moves most weights by less than half a bf16 ulp, which a bf16 master would
+    round away at every step; the fp32 master keeps it, through the checkpoint, and the next
+    update adds to it. The norms' weights (1.0: an ulp of 0.0078) show it whole."""
+    bf16, _ = bf16_bases
+    first = trained("bf16-ddp-2", 2, strategy="ddp", init_checkpoint=str(bf16), lr=SMALL_LR)
+    second = trained("bf16-ddp-2-second", 2, strategy="ddp", init_checkpoint=str(first), iteration=2, seed=12, lr=SMALL_LR)
+    assert json.loads((second / "train_stats.json").read_text())["optimizer_continued_from_step"] == 4
+    base = {n: t.float() for n, t in _tensors(bf16, "model").items()}
+    one, two = _delta(first, bf16), _delta(second, bf16)
+    for name, b in base.items():
+        half_ulp = torch.finfo(torch.bfloat16).eps * b.abs() / 2
+        kept = ((one[name] != 0) & (one[name].abs() < half_ulp)).float().mean().item()
+        assert kept > 0.4, f"{name}: {kept:.2f} of the weights moved by a nonzero amount under half a bf16 ulp"
+        assert two[name].abs().mean() > 1.5 * one[name].abs().mean(), f"{name}: the second update did not add to the first"
+        if name.endswith("norm.weight"):
+            assert (one[name] != 0).all() and torch.equal((b + one[name]).to(torch.bfloat16).float(), b), \
+                f"{name}: every weight moved, by less than bf16 can hold"
+
+
+def test_lora_on_a_bf16_base_with_bf16_compute_keeps_the_base_in_bf16_and_the_adapters_in_fp32(work, trained, bf16_bases):
+    bf16, as_fp32 = bf16_bases
+    out = trained("lora-bf16-fsdp-3-bf16", 3, strategy="fsdp", mixed_precision="bf16", **_lora_options(bf16))
+    stats = json.loads((out / "train_stats.json").read_text())
+    assert (stats["master_dtype"], stats["frozen_dtype"], stats["served_dtype"]) == ("float32", "bfloat16", "bfloat16"), stats
+    for prefix in ("adapter_model", "optimizer/adamw"):
+        assert {str(t.dtype) for n, t in _tensors(out, prefix).items() if not n.endswith("/step")} == {"torch.float32"}, prefix
+    # Adam's first steps move each weight by about the rate in its gradient's sign, which bf16
+    # compute flips for the smallest gradients: the adapters are compared through the loss.
+    reference = json.loads((trained("lora-fp32-of-bf16-ddp-2", 2, strategy="ddp", **_lora_options(as_fp32)) / "train_stats.json").read_text())
+    assert stats["loss"][0] == pytest.approx(reference["loss"][0], rel=0.02), "the first step computes the same model (B = 0)"
+    assert stats["kl"][0] == pytest.approx(reference["kl"][0], rel=0.02)
+    assert all(t.abs().max() > 0 for n, t in _tensors(out, "adapter_model").items() if "lora_B" in n), "every adapter trained"
