@@ -557,7 +557,7 @@ class RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    """Which iteration checkpoints the master keeps (data/retention.py). Whatever these say,
+    """Which iteration checkpoints the master keeps (checkpoints/retention.py). Whatever these say,
     the current checkpoint and every checkpoint a consumer marker names are kept too."""
 
     keep_last: Annotated[int, _limit("{key} must be at least 1 (the current checkpoint is always kept), got {value}", ge=1)] = 3

@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 
 from orchestrator import terminal
-from orchestrator.data.checkpoints import CheckpointCorrupt
+from orchestrator.checkpoints import CheckpointCorrupt
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR, BadInput
-from orchestrator.ops import export as export_mod
+from orchestrator.checkpoints import export as export_mod
 
 
 @click.command()

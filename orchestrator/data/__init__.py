@@ -1,3 +1,4 @@
 """What the phases produce on the shared filesystem: trajectory shards (``shards``),
-checkpoint manifests (``checkpoints``), per-iteration summaries (``summary``) and the
-split of tasks over ranks (``splitting``)."""
+per-iteration summaries (``summary``), the split of tasks over ranks (``splitting``) and
+the tasks themselves (``tasks``, ``prompts``). Checkpoints have a package of their own
+(``orchestrator.checkpoints``)."""

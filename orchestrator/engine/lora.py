@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.data.checkpoints import ADAPTER_CONFIG as CONFIG
-from orchestrator.data.checkpoints import ADAPTER_WEIGHTS as WEIGHTS
-from orchestrator.data.checkpoints import adapter_config
+from orchestrator.checkpoints.files import ADAPTER_CONFIG as CONFIG
+from orchestrator.checkpoints.files import ADAPTER_WEIGHTS as WEIGHTS
+from orchestrator.checkpoints.files import adapter_config
 
 _PREFIX = "base_model.model."
 

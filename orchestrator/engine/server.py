@@ -60,7 +60,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from orchestrator.data import checkpoints, shards
+from orchestrator import checkpoints
+from orchestrator.data import shards
 from orchestrator.engine import lora
 from orchestrator.engine.sampling import Generation, PromptRejected, Sampler, SamplingParams
 from orchestrator.engine.scheduler import EngineStopped, Scheduler

@@ -7,7 +7,7 @@
   known point.
 - ``hold-after-arrive``: the same, right after writing the arrival at that phase's barrier.
 - ``hold-in-removal``: the same, inside the master's checkpoint removal in that phase (13),
-  after the checkpoint was renamed aside and before it is deleted (data/retention.py).
+  after the checkpoint was renamed aside and before it is deleted (checkpoints/retention.py).
 - ``hold-before-steal``: the same, inside a rank's first steal of a chunk in that phase (1 or
   6), once the chunk is listed in its ``stolen.r<R>.json`` and before its claim is created.
 - ``hold-in-steal``: the same, inside a rank's first steal of a chunk in that phase (1 or 6),

@@ -52,7 +52,7 @@
 Sync files live under ``attempts/<A>/``: a file from another attempt can never release a
 barrier of this one (fencing). Work products live under ``iterations/`` and
 ``checkpoints/``: durable, keyed by iteration, reused on resume (checkpoints until
-retention removes them, data/retention.py). A name that starts with a dot is never a work
+retention removes them, checkpoints/retention.py). A name that starts with a dot is never a work
 product: staging directories, temp files, trash.
 """
 

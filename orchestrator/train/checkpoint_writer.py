@@ -1,6 +1,6 @@
 """The new checkpoint, written into the staging directory ``output`` after the update: with
 ddp worker 0 writes it all, with fsdp every worker its shards and worker 0 the indexes
-(train/sharded.py); with LoRA worker 0 writes the adapter (train/lora.py) and the optimizer
+(checkpoints/sharded.py); with LoRA worker 0 writes the adapter (train/lora.py) and the optimizer
 state as for the whole model. Weights and optimizer state are fp32 (the master copy), and a
 whole model's ``config.json`` names the dtype the engines serve it in (train/precision.py). ``train_stats.json`` comes last, so it vouches for everything else; the
 final barrier after it is what a ``done`` answer waits for."""
@@ -12,7 +12,8 @@ import logging
 import time
 
 from orchestrator.protocol import fsio
-from orchestrator.train import lora, optimizer_state, precision, sharded
+from orchestrator.checkpoints import optimizer_state, sharded
+from orchestrator.train import lora, precision
 from orchestrator.train.errors import TrainerError
 from orchestrator.train.policy import Policy
 from orchestrator.train.train_config import TrainConfig

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.data.checkpoints import ADAPTER_WEIGHTS, adapter_config, is_adapter
+from orchestrator.checkpoints.files import ADAPTER_WEIGHTS, adapter_config, is_adapter
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.train_config import TrainConfig
 

@@ -8,7 +8,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.train import lora, optimizer_state, parallel, precision
+from orchestrator.checkpoints import optimizer_state
+from orchestrator.train import lora, parallel, precision
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.rendezvous import Rendezvous
 from orchestrator.train.train_config import TrainConfig

@@ -39,7 +39,7 @@ everything else, by rank 0), so ``train_stats.json`` vouches for the rest. With 
 writes it all: ``model.safetensors`` and ``optimizer/adamw.safetensors``. With fsdp every
 worker writes its shard, ``model-0000i-of-0000n.safetensors`` and
 ``optimizer/adamw-0000i-of-0000n.safetensors``, and rank 0 the two indexes after them
-(train/sharded.py), so ``output`` must be the same directory for every worker.
+(checkpoints/sharded.py), so ``output`` must be the same directory for every worker.
 
 Exit status: 0 done (all ranks passed the final barrier); 2 bad config, environment or
 trajectory data; 1 anything else (rendezvous failed, a peer died, a collective timed out).

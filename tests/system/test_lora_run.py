@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from orchestrator.data import checkpoints
+from orchestrator import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from tests.harness import exit_codes, kill_trainer_mid_update, start_ranks, status_json

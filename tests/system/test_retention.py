@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from orchestrator.data import retention
+from orchestrator.checkpoints import retention
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import TRASH_PREFIX, RunLayout, checkpoint_iteration

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from orchestrator.data import checkpoints
+from orchestrator import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.train import optimizer_state
+from orchestrator.checkpoints import optimizer_state
 from orchestrator.phase_table import Phase
 from tests.harness import (NODE_TIMEOUT_S, heartbeat, hold_after_first_batch, kill_tree, start_ranks, status_json, wait_for,
                            wait_held_mid_rollout)

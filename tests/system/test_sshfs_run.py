@@ -92,7 +92,7 @@ def test_fsdp_workers_on_separate_sshfs_mounts_write_one_sealed_sharded_checkpoi
     other node made, the index comes last, and the sealing node (rank 0) lists and hashes a
     shard another client wrote. The same checkpoint read back through the export verifies,
     and the next iteration trains from it."""
-    from orchestrator.data import checkpoints
+    from orchestrator import checkpoints
     from orchestrator.protocol import fsio
     from orchestrator.protocol.layout import RunLayout
 

@@ -12,7 +12,7 @@ LAYERS = [
     {"orchestrator.node"},
     {"orchestrator.config"},
     {"orchestrator.protocol"},
-    {"orchestrator.data", "orchestrator.preflight"},
+    {"orchestrator.data", "orchestrator.checkpoints", "orchestrator.preflight"},
     {"orchestrator.runtime"},
     {"orchestrator.workloads", "orchestrator.engine", "orchestrator.train", "orchestrator.demo"},
     {"orchestrator.ops", "orchestrator.tracking"},

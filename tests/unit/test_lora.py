@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from orchestrator.data import checkpoints
+from orchestrator import checkpoints
 from orchestrator.demo import model as demo_model
 from orchestrator.engine import lora as engine_lora
 from orchestrator.train import lora as train_lora

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from orchestrator.train import optimizer_state
+from orchestrator.checkpoints import optimizer_state
 
 
 def _model(seed=0):

@@ -1,4 +1,4 @@
-"""Checkpoint retention (data/retention.py): the pure keep/remove decision, consumer markers,
+"""Checkpoint retention (checkpoints/retention.py): the pure keep/remove decision, consumer markers,
 removal by rename-then-delete, and the `checkpoint.*` keys."""
 
 import logging
@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator import config
 from orchestrator.config import RunConfig
-from orchestrator.data import retention
+from orchestrator.checkpoints import retention
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import RLPhase
 from orchestrator.protocol import faults, fsio

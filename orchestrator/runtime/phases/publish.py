@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 
+from orchestrator.checkpoints import store
 from orchestrator.data import summary
-from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
 
 
 def publish_checkpoint(ctx: PhaseContext) -> None:
-    final = ctx.layout.checkpoint(ctx.iteration)
-    if not final.is_dir():
-        raise FileNotFoundError(f"checkpoint {final} of iteration {ctx.iteration} is missing; training did not finish")
+    final = store.publish(ctx.layout, ctx.iteration).path
     rel = str(final.relative_to(ctx.layout.root))
-    fsio.write_record(ctx.layout.current_checkpoint, {"iteration": ctx.iteration, "path": rel})
     stats = _stats(final / "train_stats.json")
     summary.update(ctx.layout, ctx.iteration, checkpoint=rel, **_update_figures(stats), **_importance(stats))
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from orchestrator.config import RolloutSplit
 from orchestrator.config import Workload
-from orchestrator.data import resample, retention, summary, work
+from orchestrator.checkpoints import retention
+from orchestrator.data import resample, summary, work
 from orchestrator.phase_table import RLPhase, eval_due
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext

@@ -5,10 +5,7 @@ checkpoint directory is either complete or absent."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
-from orchestrator.data import checkpoints
+from orchestrator.checkpoints import store
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
@@ -26,9 +23,7 @@ def _train_config(ctx: PhaseContext) -> dict:
 
 def train(ctx: PhaseContext) -> None:
     cfg = _train_config(ctx)
-    final = ctx.layout.checkpoint(ctx.iteration)
-    fsio.refresh_dir(final.parent)  # every rank must see a checkpoint an earlier attempt renamed into place
-    if final.is_dir():
+    if store.exists(ctx.layout, ctx.iteration):
         ctx.log.info("checkpoint of iteration %d exists already: not training again", ctx.iteration)
         if ctx.rank == ctx.run.placement.checkpoint_node:
             _remove_stagings(ctx)
@@ -36,23 +31,14 @@ def train(ctx: PhaseContext) -> None:
     if ctx.rank != ctx.run.placement.checkpoint_node:
         ctx.workload.train(ctx, cfg, None)
         return
-    staging = ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.run.train_round)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = store.new_staging(ctx.layout, ctx.iteration, ctx.attempt_id, ctx.run.train_round)
     ctx.workload.train(ctx, cfg, staging)
-    checkpoints.seal(staging)  # it checks that every shard an index names is there (other nodes write some)
-    fsio.fsync_dir(staging)
-    os.replace(staging, final)
-    fsio.fsync_dir(final.parent)
+    store.place(ctx.layout, ctx.iteration, staging)
     _remove_stagings(ctx)
 
 
 def _remove_stagings(ctx: PhaseContext) -> None:
-    """Once the checkpoint is in place, the staging directories of the tries that never got
-    there: an attempt that crashed in this phase, a round a lost rank cut short (elastic)."""
-    left = ctx.layout.checkpoint_stagings(ctx.iteration)
-    for staging in left:
-        shutil.rmtree(staging, ignore_errors=True)
+    left = store.remove_stagings(ctx.layout, ctx.iteration)
     if left:
         ctx.log.info("removed %d staging director%s of earlier tries of iteration %d: %s", len(left), "y" if len(left) == 1 else "ies",
                      ctx.iteration, ", ".join(p.name for p in left))

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from orchestrator.config import RolloutConfig
-from orchestrator.data import checkpoints
+from orchestrator import checkpoints
 from orchestrator.engine import vllm
 from orchestrator.engine.client import EngineClient
 from orchestrator.errors import ChildFailed, DeadlineExceeded

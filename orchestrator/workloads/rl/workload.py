@@ -18,7 +18,9 @@ from pathlib import Path
 
 from orchestrator import environments, rewards
 from orchestrator.config import RunConfig
-from orchestrator.data import checkpoints, prompts, resample, retention
+from orchestrator import checkpoints
+from orchestrator.checkpoints import retention
+from orchestrator.data import prompts, resample
 from orchestrator.engine.client import EngineClient
 from orchestrator.node.procs import Children
 from orchestrator.protocol import fsio

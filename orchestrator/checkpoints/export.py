@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.data import checkpoints
+from orchestrator import checkpoints
 from orchestrator.errors import BadInput
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout, checkpoint_iteration

@@ -11,7 +11,7 @@ On a shared filesystem (prime-rl's ``save_state_dict_parallel`` learned the same
 directory exists before anyone writes (worker 0 makes it, then a barrier), each worker
 writes a temp file, fsyncs it and renames only its own file, and the index comes after a
 barrier that every worker reaches only once its file is in place. A complete index therefore
-means complete shards; the checkpoint's manifest (data/checkpoints.py) then covers every file.
+means complete shards; the checkpoint's manifest (manifest.py) then covers every file.
 
 Index format, as Hugging Face's ``model.safetensors.index.json``:
 ``{"metadata": {"total_size": BYTES, ...}, "weight_map": {tensor name: file name}}``.

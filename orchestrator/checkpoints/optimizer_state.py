@@ -13,7 +13,7 @@ subdirectory keeps the file out of the weights that vLLM and transformers load f
 checkpoint's top level.
 
 With FSDP each worker holds 1/N of the state; each writes the whole tensors of the
-parameters it owns (train/sharded.py) into ``optimizer/adamw-0000i-of-0000n.safetensors``,
+parameters it owns (checkpoints/sharded.py) into ``optimizer/adamw-0000i-of-0000n.safetensors``,
 and worker 0 writes ``optimizer/adamw.safetensors.index.json`` last, mapping each
 ``<name>/<key>`` to its file. Either layout loads into either strategy at any number of
 workers: a sharded parameter reads only its own rows of each tensor.
@@ -53,7 +53,7 @@ def save(optimizer, model, checkpoint: Path) -> None:
 def save_sharded(optimizer, model, checkpoint: Path, *, rank: int, world_size: int, barrier, parallel: bool = True) -> None:
     """Every worker's part of the state of a sharded ``model``'s AdamW, as whole tensors in
     one file per owner, and the index from worker 0 once every file is in place."""
-    from orchestrator.train import sharded
+    from orchestrator.checkpoints import sharded
 
     named = []
     for name, param in model.named_parameters():
@@ -83,7 +83,7 @@ class _Reader:
     """The saved tensors by name, single file or sharded; each opened lazily, read by rows."""
 
     def __init__(self, checkpoint: Path):
-        from orchestrator.train import sharded
+        from orchestrator.checkpoints import sharded
 
         directory = checkpoint / DIRECTORY
         self.where = directory

@@ -1,7 +1,7 @@
-"""What a checkpoint directory holds, sealed: ``orchestrator.manifest.json`` lists every
-file with its size and sha256, written by the node that trains before the directory is
-renamed into place. A rank verifies a checkpoint against it before serving or training from
-it, so a damaged file (a bad disk, a partial copy, a bit flip) is named instead of served.
+"""A checkpoint directory sealed: ``orchestrator.manifest.json`` lists every file with its
+size and sha256, written by the node that trains before the directory is renamed into place.
+A rank verifies a checkpoint against it before serving or training from it, so a damaged
+file (a bad disk, a partial copy, a bit flip) is named instead of served.
 """
 
 from __future__ import annotations
@@ -16,33 +16,6 @@ from orchestrator.protocol import fsio
 log = logging.getLogger(__name__)
 
 MANIFEST = "orchestrator.manifest.json"
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-"""A LoRA checkpoint (train.lora_rank) holds these, peft's, instead of the model's weights."""
-
-
-def is_adapter(directory: Path) -> bool:
-    """Whether the checkpoint at ``directory`` is a LoRA adapter of the base model rather than a whole model."""
-    return (Path(directory) / ADAPTER_CONFIG).is_file()
-
-
-def weight_bytes(directory: Path) -> int:
-    """The bytes of the weights an engine reads to serve ``directory``: its safetensors at the
-    top level (a LoRA checkpoint's adapter; not the optimizer state)."""
-    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
-
-
-def adapter_config(directory: Path) -> dict:
-    """A LoRA checkpoint's ``adapter_config.json`` (peft's: r, lora_alpha, target_modules, ...)."""
-    import json
-
-    return json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-
-
-def adapter_base(directory: Path) -> str:
-    """The base model a LoRA checkpoint was trained on, as its adapter_config.json names it
-    (the path on the node that trained it)."""
-    return adapter_config(directory).get("base_model_name_or_path") or ""
 
 
 class CheckpointCorrupt(OrchestratorError):

@@ -1,0 +1,14 @@
+"""A run's checkpoints, in one package: what a directory holds (``files``), its manifest and
+verification (``manifest``), staging, rename into place and the current pointer
+(``store``), retention and consumer markers (``retention``), export as a plain model
+(``export``), and the formats the trainer writes (``sharded`` safetensors,
+``optimizer_state``).
+
+The names most callers need are here: ``checkpoints.verify(path)``, ``checkpoints.is_adapter(path)``.
+"""
+
+from orchestrator.checkpoints.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, adapter_config, is_adapter, weight_bytes
+from orchestrator.checkpoints.manifest import MANIFEST, CheckpointCorrupt, Verified, seal, verify
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MANIFEST", "CheckpointCorrupt", "Verified", "adapter_base", "adapter_config",
+           "is_adapter", "seal", "verify", "weight_bytes"]

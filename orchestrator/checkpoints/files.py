@@ -1,0 +1,35 @@
+"""Which files a checkpoint directory holds: a whole Hugging Face model (``config.json``,
+safetensors, tokenizer), or a LoRA adapter of the base model in peft's format
+(``adapter_config.json``, ``adapter_model.safetensors``); the optimizer state in
+``optimizer/`` either way (optimizer_state.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""A LoRA checkpoint (train.lora_rank) holds these, peft's, instead of the model's weights."""
+
+
+def is_adapter(directory: Path) -> bool:
+    """Whether the checkpoint at ``directory`` is a LoRA adapter of the base model rather than a whole model."""
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def weight_bytes(directory: Path) -> int:
+    """The bytes of the weights an engine reads to serve ``directory``: its safetensors at the
+    top level (a LoRA checkpoint's adapter; not the optimizer state)."""
+    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
+
+
+def adapter_config(directory: Path) -> dict:
+    """A LoRA checkpoint's ``adapter_config.json`` (peft's: r, lora_alpha, target_modules, ...)."""
+    return json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+
+
+def adapter_base(directory: Path) -> str:
+    """The base model a LoRA checkpoint was trained on, as its adapter_config.json names it
+    (the path on the node that trained it)."""
+    return adapter_config(directory).get("base_model_name_or_path") or ""
