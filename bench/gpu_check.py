@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import engine_batching  # noqa: E402
 from bench.common import RESULTS, BenchError, console, err_console, kill_tree, machine, python_env, table, write_json  # noqa: E402
+from orchestrator.train import request  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "gpu_check.json"
 ENGINE_START_S = 300.0  # loading the model and starting CUDA
@@ -310,7 +311,7 @@ class Trainer:
         k = self.updates
         self.updates += 1
         path, done, note = self.work / f"update-{k}.train.json", self.work / f"update-{k}.done.json", self.notes / f"{k}.json"
-        path.write_text(json.dumps(config))
+        path.write_text(json.dumps(request.of(**config)))
         try:
             self.proc.stdin.write(json.dumps({"config": str(path), "done": str(done)}) + "\n")
             self.proc.stdin.flush()
@@ -362,7 +363,7 @@ def _train_config(check: Check, data: Path, output: Path, *, iteration: int, ini
     lora = {"lora_rank": LORA_RANK, "base_model": str(lora_base)} if lora_base else {}
     return {"iteration": iteration, "data": str(data), "init_checkpoint": str(init), "init_iteration": init_iteration,
             "reference_checkpoint": None, "output": str(output), "seed": check.seed, "lr": 1e-5, "epochs": 1,
-            "micro_batch": check.sizes.train_records, "clip_eps": 0.2, "kl_coef": 0.0, "max_grad_norm": 1.0, "strategy": strategy,
+            "micro_batch": check.sizes.train_records, "micro_batch_tokens": 0, "clip_eps": 0.2, "kl_coef": 0.0, "max_grad_norm": 1.0, "strategy": strategy,
             "mixed_precision": "bf16", "offload": offload, **lora}
 
 

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS, BenchError, console, demo_data, err_console, kill_tree, machine, python_env, table, wait_for_quiet, write_json  # noqa: E402
 from orchestrator.node.ports import free_port  # noqa: E402
+from orchestrator.train import request  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "train_memory.json"
 STRATEGIES = ("ddp", "fsdp")
@@ -124,12 +125,12 @@ def run_update(work: Path, *, workers: int, strategy: str, model: Path, data: Pa
     name = f"{strategy}-{workers}" + ("" if parallel_write else "-gather") + (f"-lora{lora_rank}" if lora_rank else "")
     output = work / name
     config = {"iteration": 1, "data": str(data), "init_checkpoint": str(model), "reference_checkpoint": None, "output": str(output),
-              "seed": 1, "lr": 1e-5, "epochs": 1, "micro_batch": micro_batch, "clip_eps": 0.2, "kl_coef": 0.0, "max_grad_norm": 1.0,
+              "seed": 1, "lr": 1e-5, "epochs": 1, "micro_batch": micro_batch, "micro_batch_tokens": 0, "clip_eps": 0.2, "kl_coef": 0.0, "max_grad_norm": 1.0,
               "strategy": strategy, "parallel_write": parallel_write}
     if lora_rank:
         config |= {"lora_rank": lora_rank, "base_model": str(model)}
     config_path = work / f"{name}.train.json"
-    config_path.write_text(json.dumps(config))
+    config_path.write_text(json.dumps(request.of(**config)))
     port, threads = free_port(29600), max(1, (os.cpu_count() or 1) // workers)
     logs = [work / f"{name}.rank{r}.log" for r in range(workers)]
     dones = [work / f"{name}.rank{r}.done.json" for r in range(workers)]

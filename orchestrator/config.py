@@ -30,6 +30,17 @@ from orchestrator import defaults
 from orchestrator.node import base_model
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import PHASE_TABLE, Phase, RLPhase
+from orchestrator.train.settings import (  # noqa: F401 - the option names, for the modules that list them
+    LORA_TARGET_MODULES,
+    PRECISIONS,
+    STRATEGIES,
+    Count,
+    NonNegativeInt,
+    TrainerSettings,
+    UpdateSettings,
+    limit as _limit,
+    one_of as _one_of,
+)
 
 
 class RolloutSplit(enum.Enum):
@@ -46,17 +57,6 @@ class Workload(enum.Enum):
 # A constrained field's error is ``"{key} must be > 0, got {value}"`` with its bounds; a field
 # worded otherwise carries its own template in the Meta's ``extra["error"]``, formatted with
 # ``key`` (``rl.lr``, or the flag ``--num-nodes`` at the top level), ``value`` and ``self``.
-
-
-def _limit(error: str, **constraints) -> msgspec.Meta:
-    """Constraints whose error is worded by ``error`` rather than by the bounds alone."""
-    return msgspec.Meta(**constraints, extra={"error": error})
-
-
-def _one_of(values: tuple[str, ...], what: str) -> msgspec.Meta:
-    """A string that is one of ``values``; its error lists them."""
-    return _limit(f"{{key}}={{value!r}}: valid {what} are {', '.join(values)}",
-                  pattern=rf"\A(?:{'|'.join(map(re.escape, values))})\Z")
 
 
 def _bounds(meta: msgspec.Meta) -> str:
@@ -96,10 +96,8 @@ def _check_fields(obj, section: str | None) -> None:
             raise ConfigError(error.format(key=key, value=value, self=obj)) from None
 
 
-Count = Annotated[int, _limit("{key} must be at least 1, got {value}", ge=1)]
 Seconds = Annotated[float, _limit("{key} must be a positive number of seconds, got {value}", gt=0)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -241,40 +239,22 @@ class RehearsalConfig:
         return factors
 
 
-# The update's hyper-parameters and their bounds: the rl.* and train.* keys and the trainer's
-# config (its TrainConfig, which msgspec decodes) both take their types from here.
-LearningRate = Annotated[float, msgspec.Meta(gt=0)]
-Epochs = Annotated[int, msgspec.Meta(ge=1)]
-MicroBatch = Annotated[int, msgspec.Meta(ge=1)]
-MicroBatchTokens = Annotated[int, _limit("{key} must be >= 0 (0: no limit), got {value}", ge=0)]
-ClipEps = Annotated[float, msgspec.Meta(gt=0)]
-KLCoef = Annotated[float, msgspec.Meta(ge=0)]
-MaxGradNorm = Annotated[float, msgspec.Meta(gt=0)]
+# The update's keys, types, bounds and option names are the trainer's (train/settings.py): the
+# rl and train sections derive from its UpdateSettings and TrainerSettings.
 MaxPromptTokens = Annotated[int, msgspec.Meta(ge=0)]
-ADVANTAGES = ("grpo", "dr_grpo", "rloo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-OLD_LOGPROBS = ("trainer", "engine")
-LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
-RATIO_LEVELS = ("token", "sequence")
-OVERLONG = ("keep", "mask", "penalty")
-IS_CORRECTIONS = ("auto", "none", "tis", "mis")
-ISCorrection = Annotated[str, _one_of(IS_CORRECTIONS, "corrections")]
-ISCap = Annotated[float, _limit("{key} must be >= 1, got {value}", ge=1)]
 
 _Temperature = Annotated[float, _limit("rl.temperature and rl.eval_temperature must be >= 0", ge=0)]
 _StopStrings = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], _limit("{key} must be non-empty strings, got {value!r}")]
 
 
 @dataclass(kw_only=True, slots=True)
-class RLConfig:
+class RLConfig(UpdateSettings):
     train_tasks: Count = 384
     """Train tasks (prompts) per iteration, sampled from tasks/train.jsonl, split by weight."""
     samples_per_prompt: Count = 8
     """Completions drawn per prompt: one GRPO group."""
     temperature: _Temperature = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    max_tokens: Count = 8
-    """Longest completion, in tokens."""
     max_prompt_tokens: MaxPromptTokens = 0
     """Tasks whose prompt (as the engine sees it: rendered, special tokens included) is longer
     than this many tokens are left out of the run, with a count in the log and in every
@@ -300,67 +280,14 @@ class RLConfig:
     env_timeout_s: Seconds = 60.0
     """With rl.environment: an environment call (the class, reset, step) that takes longer ends
     its sample with reward 0 and the error recorded, as a failing reward does."""
-    lr: LearningRate = 3e-4
-    """AdamW learning rate; the optimizer's moments carry over from one iteration to the next."""
-    epochs: Epochs = 4
-    """Passes over the iteration's trajectories per update."""
-    micro_batch: MicroBatch = 48
-    """Prompts (GRPO groups) per optimiser step, over all train workers: the update does not
-    depend on how many there are (train/plan.py). Each worker accumulates its part of a step
-    in micro-batches of train.micro_batch_tokens."""
-    advantage: Annotated[str, _one_of(ADVANTAGES, "advantages")] = "grpo"
-    """How a group's rewards become advantages: grpo ((r - mean) / std), dr_grpo (r - mean,
-    no std: Dr. GRPO), rloo (r minus the mean of the group's others). docs/rl.md."""
-    clip_eps: ClipEps = 0.2
-    """PPO clip range of the ratio, both sides unless rl.clip_eps_low or rl.clip_eps_high set one."""
-    clip_eps_low: Annotated[float, _limit("{key} must be >= 0 (0: rl.clip_eps), got {value}", ge=0)] = 0.0
-    """The lower clip, 1 - this (0: rl.clip_eps)."""
-    clip_eps_high: Annotated[float, _limit("{key} must be >= 0 (0: rl.clip_eps), got {value}", ge=0)] = 0.0
-    """The upper clip, 1 + this (0: rl.clip_eps); larger than the lower is DAPO's clip-higher (0.28 with 0.2)."""
-    kl_coef: KLCoef = 0.0
-    """Weight of the KL penalty to the base model (0: none)."""
-    kl_estimator: Annotated[str, _one_of(KL_ESTIMATORS, "estimators")] = "k3"
-    """The per-token KL estimate: k1 (log ratio), k2 (half its square), k3 (exp(d) - d - 1)."""
-    old_logprobs: Annotated[str, _one_of(OLD_LOGPROBS, "sources")] = "trainer"
-    """The old policy's log-probs in the PPO ratio: trainer (computed by the trainer, a forward
-    pass over every sample before the first step) or engine (the engine's, kept in each
-    record: no such pass; sound when the engine serves the trainer's weights at a close
-    precision, as the embedded engine does in fp32). docs/rl.md."""
-    loss_agg: Annotated[str, _one_of(LOSS_AGGS, "aggregations")] = "token_mean"
-    """How a step's per-token losses become one: token_mean (the mean over the step's tokens),
-    seq_mean_token_sum (each sequence's token sum, averaged over sequences: Dr. GRPO),
-    seq_mean_token_mean (each sequence's token mean, averaged: GRPO's paper, GSPO). docs/rl.md."""
-    ratio_level: Annotated[str, _one_of(RATIO_LEVELS, "levels")] = "token"
-    """The PPO ratio per token, or per sequence (GSPO: the geometric mean of its tokens'
-    ratios, clipped as one; use small clips, e.g. rl.clip_eps_low=0.0003, rl.clip_eps_high=0.0004)."""
-    filter_groups: bool = False
-    """DAPO's dynamic sampling: groups whose rewards do not vary (no advantage) leave the
-    update, and the rollout draws further prompts until rl.train_tasks informative groups are
-    in hand or rl.max_resample_rounds rounds are spent."""
     max_resample_rounds: NonNegativeInt = 2
     """With rl.filter_groups: how many further rounds of prompts an iteration's rollout may draw."""
-    overlong: Annotated[str, _one_of(OVERLONG, "choices")] = "keep"
-    """Completions cut at rl.max_tokens: keep (trained as any), mask (out of the loss: DAPO's
-    overlong filtering), penalty (every reward shaped by its length: DAPO's soft overlong
-    punishment, falling from 0 to -1 over the last rl.overlong_buffer tokens)."""
-    overlong_buffer: NonNegativeInt = 0
-    """With rl.overlong=penalty: the tokens before rl.max_tokens over which the penalty ramps
-    (0: a quarter of rl.max_tokens)."""
-    max_grad_norm: MaxGradNorm = 1.0
     max_staleness: NonNegativeInt = 0
     """How many checkpoints a trajectory may lag behind the update that trains on it. 0:
     lockstep, each iteration's rollout then its update. K >= 1: the rollout of iteration i
     runs while iterations i-K.. train, once checkpoint i-1-K is published (rollout and
     training on different nodes: train.nodes/rollout.nodes, or disaggregated device mappings).
     docs/rl.md, "Asynchronous RL"."""
-    is_correction: ISCorrection = "auto"
-    """Importance-sampling correction for the gap between the policy that sampled a token (the
-    engine, whose log-prob the record keeps) and the policy the update starts from (the
-    trainer's): each token's loss is weighed by their ratio, truncated at rl.is_cap (tis), or
-    dropped where the ratio passes it (mis). none: no weight, the update as before. auto: tis
-    when rl.max_staleness >= 1 (unless rl.old_logprobs=engine), else none."""
-    is_cap: ISCap = 2.0
-    """The largest importance weight rl.is_correction keeps."""
     train_on_partial: bool = False
     """Train on an aggregate that `orchestrator recover --salvage` marked partial (some
     planned tasks missing). Off: such an iteration is refused in phase 8."""
@@ -371,12 +298,10 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, "rl")
-        if self.overlong_buffer > self.max_tokens:
-            raise ConfigError(f"rl.overlong_buffer={self.overlong_buffer} is longer than rl.max_tokens={self.max_tokens}: the "
-                              f"penalty ramps over the last rl.overlong_buffer tokens of a completion; set it at most rl.max_tokens")
-        if self.old_logprobs == "engine" and self.correction != "none":
-            raise ConfigError(f"rl.is_correction={self.correction} weighs by the trainer's log-probs over the engine's, and "
-                              f"rl.old_logprobs=engine makes them the same: nothing is left to correct; set one of them back")
+        try:
+            self.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         from orchestrator import rewards
 
         from orchestrator import environments
@@ -387,11 +312,6 @@ class RLConfig:
                 environments.parse(self.environment)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-    @property
-    def overlong_ramp(self) -> int:
-        """rl.overlong_buffer resolved: 0 is a quarter of rl.max_tokens (at least 1)."""
-        return self.overlong_buffer or max(1, self.max_tokens // 4)
 
     @property
     def correction(self) -> str:
@@ -433,18 +353,11 @@ class DataConfig:
                 raise ConfigError(f"data.{name}={getattr(self, name)!r}: task files are JSON lines (.jsonl) or Parquet (.parquet)")
 
 
-STRATEGIES = ("ddp", "fsdp")
 VLLM_MAX_LORA_RANK = 512
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The attention and MLP projections of Llama, Qwen2, Mistral and most decoder-only models."""
-LoraRank = Annotated[int, _limit("{key} must be >= 0 (0: no LoRA, the whole model is trained), got {value}", ge=0)]
-LoraAlpha = Annotated[float, _limit("{key} must be a positive number, got {value}", gt=0)]
-LoraDropout = Annotated[float, _limit("{key} must be in [0, 1), got {value}", ge=0, lt=1)]
-PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainPlacementConfig:
+class TrainPlacementConfig(TrainerSettings):
     device_mapping: str = ""
     """Global GPU ranks of the train workers, one GPU each: "0-15", "0,1,2,3" (empty: CPU, one
     worker per node). See docs/placement.md."""
@@ -456,40 +369,14 @@ class TrainPlacementConfig:
     """One trainer process per train worker for the whole attempt: it forms the process group
     once and keeps the model and the optimizer in memory across iterations. false: a new
     trainer process per iteration, which loads the checkpoint (weights and optimizer state)."""
-    strategy: Annotated[str, _one_of(STRATEGIES, "strategies")] = "ddp"
-    """"ddp": every train worker holds the whole model, gradients and optimizer state. "fsdp":
-    FSDP2, each holds 1/N of them, and the checkpoint is written as one shard per worker
-    (docs/training.md)."""
-    mixed_precision: Annotated[str, _one_of(PRECISIONS, "values")] = "fp32"
-    """"bf16": compute in bfloat16. Master weights, gradient reduction and optimizer state are
-    fp32 either way, whatever dtype the model was saved in (train/precision.py)."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in the backward instead of keeping them."""
-    micro_batch_tokens: MicroBatchTokens = 16384
-    """Most tokens (padding included) in one micro-batch; a worker accumulates gradients over
-    as many as its part of an optimizer step needs. 0: its whole part at once. The update is
-    the same whatever this is (the loss is the token mean over the whole step)."""
-    lora_rank: LoraRank = 0
-    """LoRA (peft): train rank-r adapters on the base model's projections, the base frozen; each
-    checkpoint is the adapter, megabytes, and engines take it without reloading the base
-    (docs/training.md, "LoRA"). 0: off, the whole model is trained."""
-    lora_alpha: LoraAlpha = 32.0
-    """The adapters' scale: their product is multiplied by lora_alpha / lora_rank."""
-    lora_dropout: LoraDropout = 0.0
-    """Dropout on the adapters' input in the update's forward passes (not in the log-probs of
-    the old policy and the reference)."""
-    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
-    """The modules that get an adapter, by name (as peft matches them), e.g.
-    train.lora_target_modules=q_proj,v_proj; or all-linear. Default: the attention and MLP
-    projections."""
+
 
     def __post_init__(self) -> None:
         _check_fields(self, "train")
-        names = [n.strip() for item in self.lora_target_modules for n in item.split(",") if n.strip()]
-        if not names:
-            raise ConfigError("train.lora_target_modules is empty: name the modules that get an adapter, e.g. "
-                              "train.lora_target_modules=q_proj,v_proj, or all-linear")
-        self.lora_target_modules = list(dict.fromkeys(names))
+        try:
+            self.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 _EngineGPUs = Annotated[int, _limit("rollout.gpus_per_engine and rollout.pipeline_parallel_size must be at least 1", ge=1)]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
+from orchestrator.checkpoints.store import Checkpoint
 from orchestrator.node import identity
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import TRASH_PREFIX, RunLayout, checkpoint_iteration
@@ -70,10 +71,11 @@ def decide(present: Iterable[int], current: int, keep_last: int, keep_every: int
     return Decision(keep={i: r for i, r in why.items() if r}, remove=[i for i, r in why.items() if not r])
 
 
-def prune(layout: RunLayout, keep_last: int, keep_every: int, log: logging.Logger, *, ranks: int = 1,
+def prune(layout: RunLayout, current: Checkpoint, keep_last: int, keep_every: int, log: logging.Logger, *, ranks: int = 1,
           before_delete: Callable[[Path], None] | None = None) -> list[int]:
-    """Master, once every engine serves the current checkpoint: delete what an earlier removal
-    left, then remove the checkpoints :func:`decide` does not keep; return their iterations.
+    """Master, once every engine serves the ``current`` checkpoint (the published policy;
+    nothing is removed while it is the base model): delete what an earlier removal left, then
+    remove the checkpoints :func:`decide` does not keep; return their iterations.
 
     ``ranks``: the run's ranks, whose markers are read by name (a directory listing may lag);
     other markers in ``consumers/`` count too. A marker that exists but does not validate
@@ -88,15 +90,14 @@ def prune(layout: RunLayout, keep_last: int, keep_every: int, log: logging.Logge
     for name in sorted(n for n in names if n.startswith(TRASH_PREFIX)):
         if _delete(layout.checkpoints / name, log):
             log.info("deleted %s, left by a removal that was cut short", name)
-    current = fsio.read_record(layout.current_checkpoint)
-    if current is None:
+    if current.is_base:
         return []
     consumers = _consumers(layout, ranks, log)
     if consumers is None:
         return []
     present = [i for i in map(checkpoint_iteration, names) if i is not None]
-    named = _iteration(layout, current["path"])
-    decision = decide(present, current["iteration"] if named is None else named, keep_last, keep_every, consumers)
+    named = _iteration(layout, _name(layout, current.path))
+    decision = decide(present, current.iteration if named is None else named, keep_last, keep_every, consumers)
     if not decision.remove:
         return []
     log.info("removing the checkpoints of iteration(s) %s; keeping %s", ", ".join(map(str, decision.remove)),

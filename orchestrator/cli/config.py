@@ -50,19 +50,25 @@ def keys() -> list[Key]:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of dataclass ``cls``, as one paragraph; {} when its
-    source cannot be read (a class made by ``dataclasses.make_dataclass``)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
-    return {
-        stmt.target.id: " ".join(doc.value.value.replace("``", "").split())
-        for stmt, doc in zip(body, body[1:])
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
-    }
+    """The docstring under each field of dataclass ``cls`` or of a dataclass it derives from
+    (the trainer's settings: train/settings.py), as one paragraph; {} for a class whose source
+    cannot be read (one made by ``dataclasses.make_dataclass``)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        docs |= {
+            stmt.target.id: " ".join(doc.value.value.replace("``", "").split())
+            for stmt, doc in zip(body, body[1:])
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
+        }
+    return docs
 
 
 def section_doc(cls: type) -> str:

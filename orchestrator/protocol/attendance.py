@@ -64,6 +64,8 @@ class Entry:
     iteration: int
     phase: Phase
     plan: dict | None
+    training: tuple[schema.TrainingPlan, ...] = ()
+    """The training plans released and not yet published where the attempt starts."""
     rejoined: bool = False
     """Admitted back into a running attempt (elastic), not at its start."""
 
@@ -118,7 +120,7 @@ class Attendance:
         progress = schema.read(self.layout.progress, schema.Progress)
         return progress if schedule.finished(progress, self.config.rl_phase, self.config.max_iterations) else None
 
-    def join(self, resume: Callable[[], tuple[int, Phase, dict | None]],
+    def join(self, resume: Callable[[], tuple[int, Phase, dict | None, tuple[schema.TrainingPlan, ...]]],
              prepare: Callable[[int, Phase, dict | None, Placement], None] = lambda *_: None) -> Entry:
         """Enter an attempt with every other rank; ``resume`` (master only) says where to
         start, and ``prepare`` (master only) readies the work products for this attempt's
@@ -180,7 +182,7 @@ class Attendance:
         log.info("master holds lease generation %d; attempt %s", self.lease.generation, self.attempt_id)
         self.hosts[0] = identity.host()
         self._start_monitor()
-        iteration, phase, plan = resume()
+        iteration, phase, plan, training = resume()
         join = MasterJoin(self.attempt_id, self.config.num_nodes, Deadline.after(self.c.join_timeout_s, "ranks to join"))
         if join.missing:
             log.info("waiting for ranks %s to join (up to %.0f s)", ranks_text(join.missing), self.c.join_timeout_s)
@@ -223,9 +225,9 @@ class Attendance:
             nonces={0: self.nonce, **{r: j.get("nonce") for r, j in joins.items()}},
             fingerprint=mine, num_nodes=self.config.num_nodes, rl_phase=self.config.rl_phase.value,
             coordination={"node_timeout_s": self.c.node_timeout_s, "heartbeat_interval_s": self.c.heartbeat_interval_s},
-            gpus=dict(sorted(reports.items())), placement=records.to_dict(self.placement),
+            gpus=dict(sorted(reports.items())), placement=records.to_dict(self.placement), training=training,
         ))
-        return Entry(self.attempt_id, iteration, phase, plan)
+        return Entry(self.attempt_id, iteration, phase, plan, training)
 
     def _join_timed_out(self, missing: tuple[int, ...]) -> PeerFailed:
         first = min(missing)
@@ -305,7 +307,7 @@ class Attendance:
             self._start_monitor()
             return Entry(start.attempt, iteration, Phase.SYNC_START, None, rejoined=True)
         self._start_monitor()
-        return Entry(start.attempt, start.iteration, start.phase, start.plan)
+        return Entry(start.attempt, start.iteration, start.phase, start.plan, start.training)
 
     def _await_admission(self) -> int:
         """Elastic: wait, silent, until the master admits this process back into the running

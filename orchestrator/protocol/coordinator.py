@@ -45,7 +45,7 @@ from orchestrator.protocol.api import Event, HeartbeatState
 from orchestrator.protocol.attendance import Attendance, Entry
 from orchestrator.protocol.monitor import publish_abort
 from orchestrator.protocol.membership import ranks_text
-from orchestrator.protocol.schema import Arrival, GroupArrival, Members, Point, Progress, Release
+from orchestrator.protocol.schema import Arrival, GroupArrival, Members, Point, Progress, Release, TrainingPlan
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, Sweep, poll
 
 __all__ = ["Coordinator", "Entry"]
@@ -135,8 +135,11 @@ class Coordinator(Attendance):
     # -- barriers ---------------------------------------------------------------------------
 
     def barrier(self, iteration: int, phase: Phase, payload: dict | None, deadline: Deadline,
-                decide: Callable[[dict[int, dict]], dict]) -> dict:
-        """Arrive, wait for everyone, and return the master's decision for this phase."""
+                decide: Callable[[dict[int, dict]], dict],
+                in_force: Callable[[dict], tuple[TrainingPlan, ...]] = lambda _decision: ()) -> dict:
+        """Arrive, wait for everyone, and return the master's decision for this phase.
+        ``in_force(decision)``: the training plans released and not yet published once this
+        decision is, which the master keeps in ``progress.json`` for a resume."""
         self.cancel.check()  # a rank cancelled during its work must not arrive
         self.monitor.work_deadline = None  # from here on the barrier's own deadline applies
         point = Point(iteration, phase, self.train_round if phase is Phase.TRAIN else 0)
@@ -150,7 +153,7 @@ class Coordinator(Attendance):
         self.heartbeat.update(state=HeartbeatState.WAITING, publish=False)
         self.fault_point("hold-after-arrive", iteration, phase)
         if self.is_master:
-            decision = self._release(point, deadline, decide)
+            decision = self._release(point, deadline, decide, in_force)
         else:
             decision = self._await_release(point, deadline, payload)
             self._waits.append(time.monotonic() - arrived)
@@ -248,7 +251,8 @@ class Coordinator(Attendance):
             wakes.watch(directory, names)
         return wakes
 
-    def _release(self, point: Point, deadline: Deadline, decide: Callable[[dict[int, dict]], dict]) -> dict:
+    def _release(self, point: Point, deadline: Deadline, decide: Callable[[dict[int, dict]], dict],
+                 in_force: Callable[[dict], tuple[TrainingPlan, ...]]) -> dict:
         rule = barrier.MasterBarrier(self.attempt_id, point, self.config.num_nodes, deadline)
         sweep = Sweep(defaults.MASTER_READS_PER_S)
         fan_in = self.fan_in
@@ -305,7 +309,7 @@ class Coordinator(Attendance):
             decision = {**decision, "stop": self.monitor.stop_requested}
         schema.write(self.attempt.release, Release(point.iteration, point.phase, decision, point.round), durable=False)
         schema.write(self.layout.progress, Progress(point.iteration, point.phase, self.attempt_id,
-                                                           self.config.rl.max_staleness))
+                                                    self.config.rl.max_staleness, in_force(decision)))
         self.heartbeat.update(released=barrier.said(point), decision=barrier.small(decision))  # what the waiting workers poll
         return decision
 

@@ -37,7 +37,6 @@
     (<split>: train, eval, and train-r<K> for resample round K of rl.filter_groups, data/resample.py)
     iterations/<I>/aggregate/<split>.jsonl    master: merged shards
     iterations/<I>/aggregate/<split>.manifest.json      master: seal of the aggregate
-    iterations/<I>/train_config.json          master: the training config decision
     checkpoints/iter-<I>/                     master: checkpoint of iteration I
     checkpoints/current.json                  master: pointer to the current checkpoint
     checkpoints/consumers/r<R>.json           rank R: the checkpoint it last loaded (retention keeps it)
@@ -360,7 +359,3 @@ class IterationLayout:
 
     def aggregate_manifest(self, split: str) -> Path:
         return self.root / "aggregate" / f"{split}.manifest.json"
-
-    @property
-    def train_config(self) -> Path:
-        return self.root / "train_config.json"

@@ -103,6 +103,25 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainingPlan:
+    """Phase 9's decision: what one iteration's update trains on, from which policy, into
+    which checkpoint. Released to every rank, and kept in ``progress.json`` until the
+    checkpoint is published, so that a resume between phases 9 and 11 has it too."""
+
+    iteration: int
+    data: str
+    """The sealed train aggregate, relative to the log path."""
+    records: int
+    """Its records (one per task)."""
+    init: str | None
+    """The policy checkpoint the update starts from, relative to the log path; None: the base model."""
+    init_iteration: int
+    """The iteration that checkpoint's update made (0: the base model)."""
+    output: str
+    """The checkpoint the update makes, relative to the log path."""
+
+
+@dataclass(frozen=True, slots=True)
 class Progress:
     """``control/progress.json``: the last barrier the run released (where a resume starts)."""
 
@@ -112,6 +131,9 @@ class Progress:
     max_staleness: int = 0
     """The rl.max_staleness the run walks with: it decides the order of its points
     (protocol/schedule.py), so a resume with another value is refused."""
+    training: tuple[TrainingPlan, ...] = ()
+    """The training plans released and not yet published (one in lockstep, up to
+    rl.max_staleness + 1 pipelined)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +155,8 @@ class Start:
     coordination: dict
     gpus: dict[int, dict]
     placement: dict
+    training: tuple[TrainingPlan, ...] = ()
+    """The training plans in force where the attempt starts (``Progress.training``)."""
 
 
 @dataclass(frozen=True, slots=True)

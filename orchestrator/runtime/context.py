@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
+from orchestrator.checkpoints.store import Checkpoint
 from orchestrator.config import RunConfig
 from orchestrator.node.placement import Placement
 from orchestrator.phase_table import Phase
 from orchestrator.protocol.layout import AttemptLayout, IterationLayout, RunLayout
+from orchestrator.protocol.schema import TrainingPlan
 from orchestrator.protocol.waiting import Backoff, CancelToken
 
 
@@ -101,8 +103,9 @@ class Workload(Protocol):
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
         """Eval metrics (at least ``accuracy``) from the iteration's merged eval records."""
 
-    def train(self, ctx: PhaseContext, train_config: dict, checkpoint_dir: Path | None) -> None:
-        """Run this rank's part of training; the master writes the checkpoint into ``checkpoint_dir``."""
+    def train(self, ctx: PhaseContext, plan: TrainingPlan, checkpoint_dir: Path | None) -> None:
+        """Run this rank's part of training ``plan``; the node of train worker 0 writes the
+        checkpoint into ``checkpoint_dir`` (None on the others)."""
 
     def engine_start(self, ctx: PhaseContext) -> None: ...
 
@@ -160,6 +163,10 @@ class PhaseContext:
     workload: Workload
     run: RunView
     log: logging.Logger
+    policy: Checkpoint
+    """The policy the run has published, as the latest release said (the base model at first)."""
+    training: TrainingPlan | None = None
+    """This iteration's training plan, once phase 9 released it (until its checkpoint is published)."""
 
     @property
     def rank(self) -> int:

@@ -41,10 +41,11 @@ from orchestrator.protocol.api import HeartbeatState
 from orchestrator.protocol.coordinator import Coordinator
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.schedule import first_point, next_point, schedule
-from orchestrator.protocol.schema import Progress
+from orchestrator.protocol.schema import Progress, TrainingPlan
 from orchestrator.protocol.waiting import CancelToken, Deadline
 from orchestrator.runtime import phases
 from orchestrator.runtime.context import PhaseContext, RunView, Tracker, Workload
+from orchestrator.runtime.decisions import Decisions
 from orchestrator.runtime.inflight_training import InflightTraining
 
 log = logging.getLogger("orchestrator")
@@ -68,18 +69,23 @@ class Rank:
         """rl.max_staleness >= 1: this node's training of phase 10, running on while the rank
         walks a later iteration's rollout (protocol/schedule.py)."""
         self._noted = False  # the workload's notes are logged once, however many attempts follow
+        self.decided: Decisions | None = None
+        """The released decisions this rank holds (runtime/decisions.py), made anew at each attempt's start."""
         self.tracker = tracker
 
-    def _resume_point(self) -> tuple[int, Phase, dict | None]:
+    def _resume_point(self) -> tuple[int, Phase, dict | None, tuple[TrainingPlan, ...]]:
+        """Master: where the attempt starts, that iteration's plan and the training plans in force."""
         fsio.refresh_dir(self.layout.control)
         k = self.config.rl.max_staleness
-        start = next_point(schema.read(self.layout.progress, Progress), k)
+        progress = schema.read(self.layout.progress, Progress)
+        training = progress.training if progress is not None else ()
+        start = next_point(progress, k)
         first = first_point(start, self.config.rl_phase, self.config.max_iterations, k)
         if first is None:
-            return start[0], start[1], None
+            return start[0], start[1], None, training
         iteration, phase = first
         plan = fsio.read_record(self.layout.iteration(iteration).plan)
-        return iteration, phase, plan
+        return iteration, phase, plan, training
 
     def _adopt_absent(self, iteration: int, phase: Phase, plan: dict | None, placed: placement.Placement) -> None:
         """Master, before the attempt starts: when it resumes inside a split's rollout whose
@@ -115,6 +121,7 @@ class Rank:
                 try:
                     start = self.coordinator.join(self._resume_point, self._adopt_absent)
                     log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
+                    self.decided = Decisions.entering(self.layout, self.config.model_path, start.training)
                     self.training.entered(rejoined=start.rejoined)
                     self._publish_notes()
                     self._track()  # what an earlier start completed but did not log
@@ -336,7 +343,9 @@ class Rank:
         # Each rank's monitor enforces its own work deadline and reports it; the barrier's
         # deadline, later by one node timeout, is the backstop for ranks that cannot.
         deadline = Deadline(group_start + group_budget + cfg.coordination.node_timeout_s, f"deadlines.{phase.name.lower()}")
-        decision = self.coordinator.barrier(iteration, phase, payload, deadline, lambda arrivals: decide(ctx, arrivals))
+        decision = self.coordinator.barrier(iteration, phase, payload, deadline, lambda arrivals: decide(ctx, arrivals),
+                                            self.decided.in_force)
+        self.decided.released(decision)
         if "plan" in decision:
             plan = decision["plan"]
         if phase is Phase.SYNC_END:
@@ -371,6 +380,8 @@ class Rank:
             workload=self.workload,
             run=self._view(),
             log=log,
+            policy=self.decided.policy,
+            training=self.decided.training.get(iteration),
         )
 
     def _view(self) -> RunView:

@@ -12,7 +12,7 @@ from pathlib import Path
 from orchestrator.train import grpo, lora, parallel, plan
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.policy import Policy
-from orchestrator.train.train_config import TrainConfig
+from orchestrator.train.request import TrainRequest
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,12 @@ class Batches:
         return torch.cat([which[key] for key in keys])
 
 
-def trained_records(records: list[grpo.Record], config: TrainConfig) -> list[grpo.Record]:
+def trained_records(records: list[grpo.Record], config: TrainRequest) -> list[grpo.Record]:
     """The records the update trains on: all, or with ``filter_groups`` the informative ones."""
-    return [r for r in records if grpo.informative(r)] if config.filter_groups else records
+    return [r for r in records if grpo.informative(r)] if config.rl.filter_groups else records
 
 
-def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> tuple[Batches, plan.Lengths]:
+def prepare(policy: Policy, config: TrainRequest, records: list[grpo.Record]) -> tuple[Batches, plan.Lengths]:
     """Every record encoded (every worker plans every worker's part), and the log-probs of
     this worker's under the init policy and the reference."""
     rdv, model = policy.rdv, policy.model
@@ -76,21 +76,21 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
     _check_vocabulary(records, vocab, config.init_checkpoint)
     if config.engine_logprobs_needed:
         _check_behaviour_logprobs(records, config.engine_logprobs_needed)
-    shaping = grpo.Shaping(config.overlong, config.max_tokens, config.overlong_buffer)
-    completions = [grpo.encode_record(policy.tokenizer, r, config.advantage, shaping) for r in records]
+    shaping = grpo.Shaping(config.rl.overlong, config.rl.max_tokens, config.rl.overlong_ramp)
+    completions = [grpo.encode_record(policy.tokenizer, r, config.rl.advantage, shaping) for r in records]
     masked = any(not c.trained or c.loss_mask is not None for group in completions for c in group)
     lengths = plan.Lengths(rows=[[len(c.prompt_ids) + len(c.completion_ids) for c in group] for group in completions],
                            completions=[[len(c.completion_ids) for c in group] for group in completions],
                            trained_tokens=[[c.trained_tokens() for c in group] for group in completions] if masked else None)
-    batches = Batches(completions, policy.pad_id, config.loss_agg)
-    passes = plan.logprob_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, budget=config.micro_batch_tokens)
-    if config.old_logprobs == "engine":  # the engine's: no forward pass
+    batches = Batches(completions, policy.pad_id, config.rl.loss_agg)
+    passes = plan.logprob_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, budget=config.train.micro_batch_tokens)
+    if config.rl.old_logprobs == "engine":  # the engine's: no forward pass
         batches.old = {key: _engine_logprobs(batches, key, policy.device) for keys in passes for key in keys}
     else:
         batches.old = _logprobs(model, batches, passes, config, policy.device)
     if config.uses_kl:
         same = config.reference_checkpoint.resolve() == config.init_checkpoint.resolve()
-        if same and config.old_logprobs == "trainer":
+        if same and config.rl.old_logprobs == "trainer":
             batches.ref = batches.old
         elif same:
             batches.ref = _logprobs(model, batches, passes, config, policy.device)
@@ -99,9 +99,9 @@ def prepare(policy: Policy, config: TrainConfig, records: list[grpo.Record]) -> 
                 batches.ref = _logprobs(model, batches, passes, config, policy.device)
         else:
             batches.ref = _logprobs(policy.reference(config), batches, passes, config, policy.device)
-    elif config.kl_coef > 0:
-        log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.kl_coef)
-    if config.is_correction != "none":
+    elif config.rl.kl_coef > 0:
+        log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.rl.kl_coef)
+    if config.correction != "none":
         batches.weights, batches.is_stats = _importance_weights(batches, config, policy.device)
     return batches, lengths
 
@@ -125,7 +125,7 @@ def _engine_logprobs(batches: Batches, key: plan.Key, device):
     return torch.tensor(batches.completions[key[0]][key[1]].behaviour_logprobs, dtype=torch.float32, device=device)
 
 
-def _importance_weights(batches: Batches, config: TrainConfig, device) -> tuple[dict, dict]:
+def _importance_weights(batches: Batches, config: TrainRequest, device) -> tuple[dict, dict]:
     """This worker's samples' importance weights, and the ratios' statistics over every
     worker's tokens (one reduction that every worker joins)."""
     import torch
@@ -136,13 +136,13 @@ def _importance_weights(batches: Batches, config: TrainConfig, device) -> tuple[
     peak = torch.zeros(1, dtype=torch.float64, device=device)
     for key, old in batches.old.items():
         behaviour = _engine_logprobs(batches, key, old.device).to(old.dtype)
-        weights[key], ratio = grpo.is_weights(old, behaviour, mode=config.is_correction, cap=config.is_cap)
+        weights[key], ratio = grpo.is_weights(old, behaviour, mode=config.correction, cap=config.rl.is_cap)
         mask = batches.completions[key[0]][key[1]].loss_mask
         if mask is not None:  # an observation's tokens were not sampled: no ratio of theirs counts
             ratio = ratio[torch.tensor(mask, dtype=torch.bool, device=ratio.device)]
         if ratio.numel():
             sums += torch.stack([ratio.double().sum(), torch.tensor(float(ratio.numel()), dtype=torch.float64, device=device),
-                                 (ratio > config.is_cap).double().sum()])
+                                 (ratio > config.rl.is_cap).double().sum()])
             peak = torch.maximum(peak, ratio.double().max().reshape(1))
     dist.all_reduce(sums)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -151,13 +151,13 @@ def _importance_weights(batches: Batches, config: TrainConfig, device) -> tuple[
                      "is_capped_fraction": sums[2].item() / tokens}
 
 
-def _logprobs(model, batches: Batches, passes: list[list[plan.Key]], config: TrainConfig, device) -> dict:
+def _logprobs(model, batches: Batches, passes: list[list[plan.Key]], config: TrainRequest, device) -> dict:
     """Per sample, its completion tokens' log-probs under ``model`` (no grad); every worker
     runs as many passes (FSDP gathers parameters collectively at each)."""
     import torch
 
     out = {}
-    autocast = parallel.autocast(device, strategy=config.strategy, mixed_precision=config.mixed_precision)
+    autocast = parallel.autocast(device, strategy=config.train.strategy, mixed_precision=config.train.mixed_precision)
     with torch.no_grad():
         for keys in passes:
             with autocast:

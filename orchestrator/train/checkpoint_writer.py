@@ -16,14 +16,14 @@ from orchestrator.checkpoints import optimizer_state, sharded
 from orchestrator.train import lora, precision
 from orchestrator.train.errors import TrainerError
 from orchestrator.train.policy import Policy
-from orchestrator.train.train_config import TrainConfig
+from orchestrator.train.request import TrainRequest
 
 log = logging.getLogger(__name__)
 
 STATS_FILE = "train_stats.json"
 
 
-def write(policy: Policy, config: TrainConfig, stats: dict, started: float) -> None:
+def write(policy: Policy, config: TrainRequest, stats: dict, started: float) -> None:
     """Worker 0 writes the whole checkpoint (ddp), or every worker its shards (fsdp); then
     every worker passes the final barrier. ``train_stats.json`` comes last, from worker 0."""
     rank, world_size, output, device = policy.rdv.rank, policy.rdv.world_size, config.output, policy.device

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from orchestrator.train.settings import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, RATIO_LEVELS
+
 if TYPE_CHECKING:
     import torch
 
@@ -151,7 +153,6 @@ def read_records(path: Path) -> list[Record]:
 # --- advantages ----------------------------------------------------------------------------
 
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 
 
 def group_advantages(rewards: Sequence[float], kind: str = "grpo") -> list[float]:
@@ -183,7 +184,6 @@ def group_advantages(rewards: Sequence[float], kind: str = "grpo") -> list[float
 # --- batching ------------------------------------------------------------------------------
 
 
-OVERLONG = ("keep", "mask", "penalty")
 
 
 def overlong_penalty(length: int, *, max_tokens: int, buffer: int) -> float:
@@ -256,7 +256,6 @@ def encode_record(tokenizer, record: Record, advantage: str = "grpo", shaping: S
             for s, i, a in zip(record.samples, ids, advantages)]
 
 
-LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +374,6 @@ def completion_logprobs(model, batch: Batch, *, entropy: bool = False):
 ENTROPY_ROWS = 1024
 """Rows of log-probs the entropy takes at a time (completion_logprobs)."""
 
-RATIO_LEVELS = ("token", "sequence")
 MAX_LOG_RATIO = 10.0
 """The sequence-level log-ratio is capped here (as verl's GSPO does), so that exp stays finite."""
 
@@ -421,7 +419,6 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps: float, clip_
     return surrogate((logprobs - old_logprobs).exp(), advantages, clip_eps, clip_eps_high)
 
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator: str = "k3"):

@@ -19,18 +19,18 @@ from pathlib import Path
 
 from orchestrator.checkpoints.files import ADAPTER_WEIGHTS, adapter_config, is_adapter
 from orchestrator.train.errors import BadTrainInput
-from orchestrator.train.train_config import TrainConfig
+from orchestrator.train.request import TrainRequest
 
 
-def _lora_config(config: TrainConfig):
+def _lora_config(config: TrainRequest):
     from peft import LoraConfig
 
-    targets = config.lora_target_modules
-    return LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, bias="none",
+    targets = config.train.lora_target_modules
+    return LoraConfig(r=config.train.lora_rank, lora_alpha=config.train.lora_alpha, lora_dropout=config.train.lora_dropout, bias="none",
                       task_type="CAUSAL_LM", target_modules="all-linear" if tuple(targets) == ("all-linear",) else list(targets))
 
 
-def attach(model, config: TrainConfig):
+def attach(model, config: TrainRequest):
     """``model`` (the base, loaded) with adapters: fresh ones (seeded by ``config.seed``: B is
     zero, so the policy starts as the base) when ``config.init_checkpoint`` is the base, else
     the adapter saved there, trainable. Raises BadTrainInput when that adapter was made with
@@ -44,12 +44,12 @@ def attach(model, config: TrainConfig):
         try:
             return get_peft_model(model, _lora_config(config))
         except ValueError as e:  # target modules not found in the base model
-            raise BadTrainInput(f"train.lora_target_modules={','.join(config.lora_target_modules)}: {e}") from None
+            raise BadTrainInput(f"train.lora_target_modules={','.join(config.train.lora_target_modules)}: {e}") from None
     saved = adapter_config(init)
-    want = {"r": config.lora_rank, "lora_alpha": config.lora_alpha}
+    want = {"r": config.train.lora_rank, "lora_alpha": config.train.lora_alpha}
     differs = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
-    if sorted(saved.get("target_modules") or []) != sorted(config.lora_target_modules) and config.lora_target_modules != ("all-linear",):
-        differs["target_modules"] = (saved.get("target_modules"), list(config.lora_target_modules))
+    if sorted(saved.get("target_modules") or []) != sorted(config.train.lora_target_modules) and tuple(config.train.lora_target_modules) != ("all-linear",):
+        differs["target_modules"] = (saved.get("target_modules"), list(config.train.lora_target_modules))
     if differs:
         said = ", ".join(f"{k} {have} (the config: {w})" for k, (have, w) in differs.items())
         raise BadTrainInput(f"{init} holds an adapter with {said}: continue with the settings it was trained with "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 
-from orchestrator.config import PRECISIONS, STRATEGIES  # noqa: F401 (the valid values, checked there)
+from orchestrator.train.settings import PRECISIONS, STRATEGIES  # noqa: F401 (the valid values, checked there)
 
 
 def blocks(model) -> list:

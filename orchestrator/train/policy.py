@@ -12,7 +12,7 @@ from orchestrator.checkpoints import optimizer_state
 from orchestrator.train import lora, parallel, precision
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.rendezvous import Rendezvous
-from orchestrator.train.train_config import TrainConfig
+from orchestrator.train.request import TrainRequest
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +28,16 @@ class Setup:
     """(rank, alpha, dropout, target modules) with LoRA; () without."""
 
     @classmethod
-    def of(cls, config: TrainConfig) -> "Setup":
-        lora = (config.lora_rank, config.lora_alpha, config.lora_dropout, tuple(config.lora_target_modules)) if config.lora_rank else ()
-        return cls(config.strategy, config.mixed_precision, config.activation_checkpointing, lora)
+    def of(cls, config: TrainRequest) -> "Setup":
+        lora = (config.train.lora_rank, config.train.lora_alpha, config.train.lora_dropout, tuple(config.train.lora_target_modules)) if config.train.lora_rank else ()
+        return cls(config.train.strategy, config.train.mixed_precision, config.train.activation_checkpointing, lora)
 
     @property
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
 
 
-def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: TrainConfig | None = None):
+def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: TrainRequest | None = None):
     """The Hugging Face model at ``path`` in fp32 whatever its saved dtype (a frozen LoRA base
     may keep its own: precision.py), with LoRA adapters when ``lora_from`` is given (new, or
     those of its init checkpoint: lora.attach), prepared for ``setup``'s strategy (parallel.py)."""
@@ -78,7 +78,7 @@ class Policy:
         self.served_dtype = precision.MASTER  # the dtype the engines serve, which every checkpoint's config.json names
         self.offloaded = False
 
-    def load(self, config: TrainConfig) -> str:
+    def load(self, config: TrainRequest) -> str:
         """Make the model and optimizer those of ``config.init_checkpoint``; returns how."""
         import torch
 
@@ -101,7 +101,7 @@ class Policy:
             self.served_dtype = precision.checkpoint_dtype(config.init_checkpoint)
         self.setup = setup
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
-        self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(trained, lr=config.rl.lr, weight_decay=0.0)
         try:
             self.continued_from = optimizer_state.load(self.optimizer, self.model, config.init_checkpoint)
         except ValueError as e:
@@ -109,7 +109,7 @@ class Policy:
         self.offloaded = False
         return "checkpoint"
 
-    def reference(self, config: TrainConfig):
+    def reference(self, config: TrainRequest):
         """The KL reference model, loaded once per path, sharded as the policy is (no gradients,
         no optimizer, no activation checkpointing)."""
         if self._reference is None or self._reference[0] != (config.reference_checkpoint, self.setup):

@@ -15,7 +15,7 @@ from orchestrator.protocol import fsio
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.policy import Policy
 from orchestrator.train.rendezvous import Rendezvous, join
-from orchestrator.train.train_config import TrainConfig
+from orchestrator.train.request import TrainRequest
 from orchestrator.train.update import update
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def _startup_seconds() -> float:
     return max(0.0, time.time() - psutil.Process().create_time())
 
 
-def _answer(done: Path, config: TrainConfig, stats: dict, timing: dict, memory: dict) -> None:
+def _answer(done: Path, config: TrainRequest, stats: dict, timing: dict, memory: dict) -> None:
     fsio.write_record(done, {"iteration": config.iteration, "pid": os.getpid(), "timing": timing, "memory": memory, "stats": stats}, durable=False)
 
 
@@ -43,7 +43,7 @@ def run(config_path: Path, env, done: Path | None = None) -> None:
     """Join, make one update (rank 0 writes), and pass the final barrier; then write ``done``
     if given. Raises TrainerError."""
     rdv = Rendezvous.from_env(env)
-    config = TrainConfig.read(config_path)
+    config = TrainRequest.read(config_path)
     device = join(rdv)
     _quiet_transformers()
     startup = round(_startup_seconds(), 4)
@@ -76,7 +76,7 @@ def serve(env, requests) -> None:
             continue
         started = time.monotonic()
         config_path, done = _request(line)
-        config = TrainConfig.read(config_path)
+        config = TrainRequest.read(config_path)
         log.info("pid %d: update of iteration %d", os.getpid(), config.iteration)
         stats, timing, memory = update(policy, config, started)
         if startup is not None:

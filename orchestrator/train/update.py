@@ -11,7 +11,7 @@ import time
 from orchestrator.train import checkpoint_writer, grpo, lora, parallel, plan, precision
 from orchestrator.train.batches import Batches, prepare, read_records, trained_records
 from orchestrator.train.policy import Policy
-from orchestrator.train.train_config import TrainConfig
+from orchestrator.train.request import TrainRequest
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class _Laps:
         self._mark = now
 
 
-def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, dict, dict]:
+def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, dict, dict]:
     """The GRPO update (train/plan.py says how it is cut up); the checkpoint written (by
     worker 0, or by every worker's shard with FSDP). Returns (stats, seconds per part,
     memory); the stats are complete on worker 0. ``started``: when this update began
@@ -44,26 +44,26 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
     torch.manual_seed(config.seed)  # after loading, which may draw from it: memory and checkpoint alike
     policy.holds = None  # from here until the update is complete, memory holds no known iteration
     for group in policy.optimizer.param_groups:
-        group["lr"] = config.lr
+        group["lr"] = config.rl.lr
     lap("load")
     if kept:
         batches, lengths = prepare(policy, config, kept)
-        steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.micro_batch,
-                                 budget=config.micro_batch_tokens, seed=config.seed, epochs=config.epochs)
+        steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.rl.micro_batch,
+                                 budget=config.train.micro_batch_tokens, seed=config.seed, epochs=config.rl.epochs)
         lap("prepare")
-        sync = parallel.Sync(policy.model, strategy=config.strategy, device=policy.device)
+        sync = parallel.Sync(policy.model, strategy=config.train.strategy, device=policy.device)
         log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if policy.continued_from is None else
                  f"optimizer continued from step {policy.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
         log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s compute, %s master weights and optimizer state%s "
-                 "(served in %s)%s", rdv.rank, len(kept), config.epochs, len(steps[0]), config.micro_batch, config.strategy,
-                 config.mixed_precision, precision.MASTER, _frozen(policy), policy.served_dtype,
-                 ", activation checkpointing" if config.activation_checkpointing else "")
-        if config.lora_dropout:
+                 "(served in %s)%s", rdv.rank, len(kept), config.rl.epochs, len(steps[0]), config.rl.micro_batch, config.train.strategy,
+                 config.train.mixed_precision, precision.MASTER, _frozen(policy), policy.served_dtype,
+                 ", activation checkpointing" if config.train.activation_checkpointing else "")
+        if config.train.lora_dropout:
             lora.dropout(policy.model, True)  # in the steps' forward passes only
         try:
             per_step, memory = _optimizer_steps(policy, config, batches, steps, sync)
         finally:
-            if config.lora_dropout:
+            if config.train.lora_dropout:
                 lora.dropout(policy.model, False)
         del sync
         lap("steps")
@@ -75,8 +75,8 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
 
     stats = _stats(policy, config, records, kept, lengths, steps, source, per_step)
     stats |= _options(config)
-    if config.is_correction != "none":
-        stats |= {"is_correction": config.is_correction, "is_cap": config.is_cap,
+    if config.correction != "none":
+        stats |= {"is_correction": config.correction, "is_cap": config.rl.is_cap,
                   **{k: round(v, 6) for k, v in (batches.is_stats if batches else {}).items()}}
     checkpoint_writer.write(policy, config, stats, started)
     lap("checkpoint")
@@ -91,25 +91,25 @@ def update(policy: Policy, config: TrainConfig, started: float) -> tuple[dict, d
 _PER_STEP = ("loss", "kl", "clip_fraction", "entropy", "grad_norm", "tokens", "micro_batches")
 
 
-def _options(config: TrainConfig) -> dict:
+def _options(config: TrainRequest) -> dict:
     """The update's options away from their defaults, as ``train_stats.json`` names them."""
-    chosen = {"advantage": (config.advantage, "grpo"), "clip": (list(config.clip), [config.clip_eps] * 2),
-              "kl_estimator": (config.kl_estimator, "k3"), "old_logprobs": (config.old_logprobs, "trainer"),
-              "loss_agg": (config.loss_agg, "token_mean"), "ratio_level": (config.ratio_level, "token"),
-              "overlong": (config.overlong, "keep"), "filter_groups": (config.filter_groups, False)}
+    chosen = {"advantage": (config.rl.advantage, "grpo"), "clip": (list(config.rl.clip), [config.rl.clip_eps] * 2),
+              "kl_estimator": (config.rl.kl_estimator, "k3"), "old_logprobs": (config.rl.old_logprobs, "trainer"),
+              "loss_agg": (config.rl.loss_agg, "token_mean"), "ratio_level": (config.rl.ratio_level, "token"),
+              "overlong": (config.rl.overlong, "keep"), "filter_groups": (config.rl.filter_groups, False)}
     out = {key: value for key, (value, default) in chosen.items() if value != default}
-    if config.overlong == "penalty":
-        out["overlong_buffer"] = config.overlong_buffer
+    if config.rl.overlong == "penalty":
+        out["overlong_buffer"] = config.rl.overlong_ramp
     return out
 
 
-def _optimizer_steps(policy: Policy, config: TrainConfig, batches: Batches, steps: list[list[plan.Step]],
+def _optimizer_steps(policy: Policy, config: TrainRequest, batches: Batches, steps: list[list[plan.Step]],
                      sync: parallel.Sync) -> tuple[dict[str, list], dict]:
     """Every epoch's steps. Returns each step's loss, KL, clip fraction, gradient norm, tokens
     and micro-batches over all workers, and the bytes the model and optimizer hold after the
     last step (when the optimizer state is complete)."""
     rank = policy.rdv.rank
-    autocast = parallel.autocast(policy.device, strategy=config.strategy, mixed_precision=config.mixed_precision)
+    autocast = parallel.autocast(policy.device, strategy=config.train.strategy, mixed_precision=config.train.mixed_precision)
     per_step: dict[str, list] = {key: [] for key in _PER_STEP}
     memory: dict = {}
     for epoch, epoch_steps in enumerate(steps):
@@ -131,7 +131,7 @@ def _optimizer_steps(policy: Policy, config: TrainConfig, batches: Batches, step
     return per_step, memory
 
 
-def _step(policy: Policy, config: TrainConfig, batches: Batches, step: plan.Step, sync: parallel.Sync, autocast):
+def _step(policy: Policy, config: TrainRequest, batches: Batches, step: plan.Step, sync: parallel.Sync, autocast):
     """One optimizer step: this worker's micro-batches, gradients reduced over the workers at
     the last, clipped and applied. Returns this worker's sums over its tokens (loss, k3,
     clipped tokens, tokens) and the gradient norm."""
@@ -141,7 +141,7 @@ def _step(policy: Policy, config: TrainConfig, batches: Batches, step: plan.Step
     policy.optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     world_size = policy.rdv.world_size
-    normalizer = step.normalizer(config.loss_agg, world_size)
+    normalizer = step.normalizer(config.rl.loss_agg, world_size)
     for slot, keys in enumerate(step.micro_batches):
         with sync.micro_batch(last=slot == len(step.micro_batches) - 1):
             parts, entropy = _micro_batch_loss(config, batches, keys, sync, autocast, normalizer, device)
@@ -150,12 +150,12 @@ def _step(policy: Policy, config: TrainConfig, batches: Batches, step: plan.Step
             sums += torch.tensor([parts.loss.item() / world_size, (parts.kl or 0.0) * parts.tokens,
                                   parts.clip_fraction * parts.tokens, parts.tokens, entropy.sum().item()], dtype=torch.float64,
                                  device=device)
-    grad_norm = sync.clip_grad_norm(config.max_grad_norm)
+    grad_norm = sync.clip_grad_norm(config.rl.max_grad_norm)
     policy.optimizer.step()
     return sums, grad_norm
 
 
-def _micro_batch_loss(config: TrainConfig, batches: Batches, keys: list[plan.Key], sync: parallel.Sync, autocast,
+def _micro_batch_loss(config: TrainRequest, batches: Batches, keys: list[plan.Key], sync: parallel.Sync, autocast,
                       normalizer: float, device):
     """The GRPO loss of one micro-batch under the model being trained, and the policy's entropy
     at each of its tokens; an empty one (a worker with no part in this step) still runs the
@@ -166,11 +166,11 @@ def _micro_batch_loss(config: TrainConfig, batches: Batches, keys: list[plan.Key
     old_lp = batches.lined_up(keys, batches.old) if keys else new_lp.detach()
     ref_lp = (batches.lined_up(keys, batches.ref) if keys else new_lp.detach()) if batches.ref is not None else None
     weights = (batches.lined_up(keys, batches.weights) if keys else None) if batches.weights is not None else None
-    low, high = config.clip
-    return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=low, clip_eps_high=high, kl_coef=config.kl_coef,
-                          ref_logprobs=ref_lp, normalizer=normalizer, weights=weights, kl_estimator=config.kl_estimator,
-                          ratio_level=config.ratio_level, lengths=batch.lengths, scale=batch.scale,
-                          loss_agg=config.loss_agg, mask=batch.mask), (entropy if keys else entropy[:0])
+    low, high = config.rl.clip
+    return grpo.grpo_loss(new_lp, old_lp, batch.advantages, clip_eps=low, clip_eps_high=high, kl_coef=config.rl.kl_coef,
+                          ref_logprobs=ref_lp, normalizer=normalizer, weights=weights, kl_estimator=config.rl.kl_estimator,
+                          ratio_level=config.rl.ratio_level, lengths=batch.lengths, scale=batch.scale,
+                          loss_agg=config.rl.loss_agg, mask=batch.mask), (entropy if keys else entropy[:0])
 
 
 def _over_all_workers(sums) -> tuple[float, float, float, float, int]:
@@ -184,18 +184,18 @@ def _over_all_workers(sums) -> tuple[float, float, float, float, int]:
     return sums[0].item(), kl, clip_fraction, sums[4].item() / total, int(sums[3].item())
 
 
-def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept: list[grpo.Record], lengths: plan.Lengths | None,
+def _stats(policy: Policy, config: TrainRequest, records: list[grpo.Record], kept: list[grpo.Record], lengths: plan.Lengths | None,
            steps: list[list[plan.Step]], source: str, per_step: dict[str, list]) -> dict:
     """What ``train_stats.json`` says of the update; ``seconds`` is set just before it is written."""
     samples = [s for r in records for s in r.samples]
     stats = {
         "iteration": config.iteration,
         "world_size": policy.rdv.world_size,
-        "strategy": config.strategy,
-        "mixed_precision": config.mixed_precision,
+        "strategy": config.train.strategy,
+        "mixed_precision": config.train.mixed_precision,
         "master_dtype": precision.MASTER,
         "served_dtype": policy.served_dtype,
-        "activation_checkpointing": config.activation_checkpointing,
+        "activation_checkpointing": config.train.activation_checkpointing,
         "records": len(records),
         "samples": len(samples),
         "completion_tokens": sum(map(sum, lengths.completions)) if lengths else 0,  # of the samples trained
@@ -204,22 +204,22 @@ def _stats(policy: Policy, config: TrainConfig, records: list[grpo.Record], kept
         "mean_reward": sum(s.reward for s in samples) / len(samples),
         "zero_advantage_groups": sum(1 for r in records if not grpo.informative(r)),
         "records_tokenized_from_text": sum(1 for r in records if r.prompt_token_ids is None),
-        "epochs": config.epochs,
+        "epochs": config.rl.epochs,
         "steps_per_epoch": len(steps[0]),
-        "micro_batch": config.micro_batch,
-        "micro_batch_tokens": config.micro_batch_tokens,
+        "micro_batch": config.rl.micro_batch,
+        "micro_batch_tokens": config.train.micro_batch_tokens,
         "optimizer_continued_from_step": policy.continued_from,
         "policy_from": source,
         **per_step,
         "seconds": None,
     }
-    if config.lora_rank:
-        stats |= {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "frozen_dtype": precision.frozen_dtype(policy.model),
+    if config.train.lora_rank:
+        stats |= {"lora_rank": config.train.lora_rank, "lora_alpha": config.train.lora_alpha, "frozen_dtype": precision.frozen_dtype(policy.model),
                   "trainable_parameters": sum(p.numel() for p in policy.model.parameters() if p.requires_grad)}
-    if config.filter_groups:
+    if config.rl.filter_groups:
         stats["filtered_groups"] = len(records) - len(kept)
     truncated = sum(1 for s in samples if s.finish_reason == "length")
-    if config.overlong != "keep":
+    if config.rl.overlong != "keep":
         stats["overlong_samples"] = truncated  # masked, or penalised by their length (with the others past the ramp's start)
     return stats
 

@@ -18,8 +18,9 @@ update. The end of stdin (its rank ended, or died: the pipe closes with it) ends
 with 0; a failed update ends it with the exit status below, never with a half-made state
 kept for the next request.
 
-Train config (JSON, written by the orchestrator; every key without a default is required,
-unknown keys are logged and ignored): see ``TrainConfig`` (train/train_config.py).
+Train request (JSON, written by the orchestrator; every key without a default is required,
+unknown keys are logged and ignored): see ``TrainRequest`` (train/request.py), whose ``rl``
+and ``train`` sections are the run's own keys (train/settings.py).
 
 Environment:
     MASTER_ADDR, MASTER_PORT    the rendezvous (rank 0 listens there)

@@ -20,6 +20,7 @@ from typing import Iterator
 from orchestrator.config import RunConfig
 from orchestrator.node.procs import Children
 from orchestrator.protocol import fsio
+from orchestrator.protocol.schema import TrainingPlan
 from orchestrator.runtime.context import PhaseContext, SerialPipe
 
 _GOLDEN = (5**0.5 - 1) / 2
@@ -72,8 +73,7 @@ class RehearsalWorkload:
         # costs milliseconds, as a batch of engine requests would.
         batch = max(1, len(task_ids) // 20, math.ceil(BATCH_S / per_task) if per_task > 0 else len(task_ids))
         p_correct = min(0.95, 0.25 + 0.1 * ctx.iteration)
-        current = fsio.read_record(ctx.layout.current_checkpoint)
-        policy = current["iteration"] if current else 0
+        policy = ctx.policy.iteration
         for start in range(0, len(task_ids), batch):
             chunk = task_ids[start : start + batch]
             ctx.cancel.sleep(per_task * len(chunk))
@@ -100,13 +100,13 @@ class RehearsalWorkload:
                 correct += json.loads(line)["reward"]
         return {"accuracy": correct / n if n else 0.0, "mean_reward": correct / n if n else 0.0, "samples": n}
 
-    def train(self, ctx: PhaseContext, train_config: dict, checkpoint_dir: Path | None) -> None:
+    def train(self, ctx: PhaseContext, plan: TrainingPlan, checkpoint_dir: Path | None) -> None:
         if ctx.run.placement.train_workers_on(ctx.rank):  # a node without train workers waits at the barrier
             ctx.cancel.sleep(self.r.train_s or self.r.work_s)
         if checkpoint_dir is not None:
             fsio.write_record(
                 checkpoint_dir / "marker.json",
-                {"iteration": ctx.iteration, "records": train_config["records"], "rehearsal": True},
+                {"iteration": ctx.iteration, "records": plan.records, "rehearsal": True},
             )
 
     def engine_start(self, ctx: PhaseContext) -> None:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from orchestrator.demo import model as demo_model
+from orchestrator.train import request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -59,7 +60,7 @@ def _train(work: Path, name: str, world: int, **overrides) -> Path:
         "max_grad_norm": 1.0, **overrides,
     }
     path = work / f"{name}.train.json"
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(request.of(**config)))
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -225,7 +226,7 @@ def test_importance_correction_without_the_engines_logprobs_is_bad_input_naming_
               "output": str(work / "no-logprobs"), "seed": 11, "lr": 1e-3, "epochs": 1, "micro_batch": 6, "clip_eps": 0.2,
               "kl_coef": 0.0, "max_grad_norm": 1.0, "is_correction": "tis"}
     path = work / "no-logprobs.train.json"
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(request.of(**config)))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": "1", "RANK": "0", "TRAIN_BACKEND": "gloo", "TRAIN_TIMEOUT_S": "60"}
     result = subprocess.run([sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(path)], cwd=REPO, env=env,

@@ -87,7 +87,7 @@ def test_salvage_after_kill_9_mid_rollout_then_train_only_when_allowed(demo_data
                              capture_output=True, text=True, timeout=240)
     assert trained.returncode == 0, trained.stdout[-4000:]
     assert layout.checkpoint(1).joinpath("model.safetensors").is_file()
-    assert fsio.read_record(it.train_config)["records"] == m.count
+    assert json.loads(layout.checkpoint(1).joinpath("train_stats.json").read_text())["records"] == m.count
 
 
 @pytest.mark.timeout(120)

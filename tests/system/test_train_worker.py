@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from orchestrator.demo import model as demo_model
-from orchestrator.train import grpo
+from orchestrator.train import grpo, request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -60,7 +60,7 @@ def _config(work: Path, output: Path, **overrides) -> Path:
         **overrides,
     }
     path = output.with_suffix(".train.json")
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(request.of(**config)))
     return path
 
 
@@ -173,12 +173,12 @@ def test_a_rank_whose_peer_never_comes_fails_within_the_timeout_naming_the_rende
     assert not (work / "out-alone").exists()
 
 
-def test_a_config_without_a_required_key_exits_2_naming_the_key(work):
+def test_a_request_without_a_required_key_exits_2_naming_the_key(work):
     config = _config(work, work / "out-bad")
     raw = json.loads(config.read_text())
-    del raw["clip_eps"]
+    del raw["seed"]
     config.write_text(json.dumps(raw))
     proc = _launch(config, 1, _free_port())
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert "rank 1/2" in err and "lacks clip_eps" in err, err[-2000:]
+    assert "rank 1/2" in err and "lacks seed" in err, err[-2000:]

@@ -67,7 +67,7 @@ def test_a_field_without_a_docstring_shows_its_type_and_default_only(listing):
     lines = listing.splitlines()
     at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rl.top_p"])
     assert lines[at].split() == ["rl.top_p", "float", "in", "(0,", "1]", "1.0"]
-    assert lines[at + 1].split()[0] == "rl.max_tokens"
+    assert lines[at + 1].split()[0] == "rl.max_prompt_tokens"
 
 
 def test_json_has_type_default_and_help_for_every_key():

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from orchestrator import config
+from orchestrator.train import settings
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import RLPhase
 
@@ -192,9 +193,9 @@ def test_rules_between_fields_still_apply_after_the_bounds():
 
 
 def test_the_trainer_types_keep_their_msgspec_bounds():
-    """train_config.TrainConfig decodes with these; the error template a field carries changes nothing there."""
-    for hint, bad, good in [(config.LearningRate, 0.0, 1e-4), (config.Epochs, 0, 1), (config.MicroBatchTokens, -1, 0),
-                            (config.MaxGradNorm, math.nan, 1.0), (config.KLCoef, -0.1, 0.0)]:
+    """train/request.py decodes with these; the error template a field carries changes nothing there."""
+    for hint, bad, good in [(settings.LearningRate, 0.0, 1e-4), (settings.Epochs, 0, 1), (settings.MicroBatchTokens, -1, 0),
+                            (settings.MaxGradNorm, math.nan, 1.0), (settings.KLCoef, -0.1, 0.0)]:
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(bad, hint)
         assert msgspec.convert(good, hint) == good

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2] / "orchestrator"
 LAYERS = [
     {"orchestrator", "orchestrator.defaults", "orchestrator.errors", "orchestrator.phase_table", "orchestrator.records", "orchestrator.rewards", "orchestrator.environments", "orchestrator.plugins", "orchestrator.terminal"},
     {"orchestrator.node"},
-    {"orchestrator.config"},
+    {"orchestrator.config", "orchestrator.train.settings"},  # the trainer's settings: sections of the run's config
     {"orchestrator.protocol"},
     {"orchestrator.data", "orchestrator.checkpoints", "orchestrator.preflight"},
     {"orchestrator.runtime"},
@@ -94,3 +94,13 @@ def test_phases_and_workloads_see_the_run_through_its_view_never_the_coordinator
                 if name == "coordinator" or (imported or "").endswith("protocol.coordinator"):
                     reach.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
     assert not reach, "phases and workloads reach into the coordinator:\n" + "\n".join(reach)
+
+
+def test_the_trainer_does_not_import_the_run_config():
+    """train/ is its own program: it reads its request (train/request.py), whose settings the
+    run's config derives from (train/settings.py), never the run's config module."""
+    modules = _modules()
+    reach = [f"{m} imports {t}" for m, p in sorted(modules.items()) if m.startswith("orchestrator.train")
+             for t in sorted(_imports(p, modules)) if t == "orchestrator.config" or t.startswith("orchestrator.config.")]
+    assert not reach, "\n".join(reach)
+

@@ -11,7 +11,8 @@ from orchestrator.demo import model as demo_model
 from orchestrator.engine import lora as engine_lora
 from orchestrator.train import lora as train_lora
 from orchestrator.train.errors import BadTrainInput
-from orchestrator.train.train_config import TrainConfig
+from orchestrator.train.request import TrainRequest
+from orchestrator.train.settings import TrainerSettings, UpdateSettings
 
 IDS = torch.tensor([[1, 5, 9, 12, 7, 3, 4]])
 
@@ -88,9 +89,10 @@ def test_an_adapter_the_merge_does_not_cover_is_refused_and_the_model_untouched(
 
 
 def _config(tmp_path, init, **lora):
-    return TrainConfig(iteration=2, data=tmp_path / "d.jsonl", init_checkpoint=init, reference_checkpoint=None, output=tmp_path / "o",
-                       seed=0, lr=1e-3, epochs=1, micro_batch=1, clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0,
-                       base_model=tmp_path / "base", **lora)
+    train = TrainerSettings(**lora)
+    train.check()
+    return TrainRequest(iteration=2, data=tmp_path / "d.jsonl", init_checkpoint=init, reference_checkpoint=None, output=tmp_path / "o",
+                        seed=0, rl=UpdateSettings(lr=1e-3, epochs=1, micro_batch=1), base_model=tmp_path / "base", train=train)
 
 
 def test_the_trainer_continues_an_adapter_only_with_the_settings_it_was_made_with(tmp_path):

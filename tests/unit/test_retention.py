@@ -9,11 +9,13 @@ import pytest
 
 from orchestrator import config
 from orchestrator.config import RunConfig
-from orchestrator.checkpoints import retention
+from orchestrator.checkpoints import retention, store
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import RLPhase
 from orchestrator.protocol import faults, fsio
 from orchestrator.protocol.layout import RunLayout, checkpoint_iteration
+
+BASE = Path("/nonexistent/base-model")  # no current pointer: the policy is the base model, which is never pruned
 
 log = logging.getLogger("test")
 
@@ -61,7 +63,7 @@ def test_prune_renames_aside_before_it_deletes(tmp_path):
         checkpoints = [n for n in _left(layout) if checkpoint_iteration(n) is not None]
         seen.append((trash.name.rsplit(".", 1)[0], (trash / "marker.json").is_file(), checkpoints))
 
-    assert retention.prune(layout, 3, 0, log, before_delete=before_delete) == [1, 2]
+    assert retention.prune(layout, store.current(layout, BASE), 3, 0, log, before_delete=before_delete) == [1, 2]
     assert seen == [(".trash-iter-000001", True, ["iter-000002", "iter-000003", "iter-000004", "iter-000005"]),
                     (".trash-iter-000002", True, ["iter-000003", "iter-000004", "iter-000005"])]
     assert _left(layout) == ["current.json", "iter-000003", "iter-000004", "iter-000005"]
@@ -72,7 +74,7 @@ def test_prune_deletes_what_a_cut_short_removal_left(tmp_path):
     leftover = layout.checkpoint_trash(2, "0123abcd")
     (leftover / "optimizer").mkdir(parents=True)
     (leftover / "optimizer" / "adamw.safetensors").write_bytes(b"x" * 100)
-    assert retention.prune(layout, 3, 0, log) == []
+    assert retention.prune(layout, store.current(layout, BASE), 3, 0, log) == []
     assert _left(layout) == ["current.json", "iter-000003", "iter-000004", "iter-000005"]
 
 
@@ -80,17 +82,17 @@ def test_a_consumer_marker_keeps_its_checkpoint_until_the_consumer_moves_on(tmp_
     layout = _run_with_checkpoints(tmp_path, range(1, 6), 5)
     retention.mark_consumer(layout, 1, layout.checkpoint(2))
     retention.mark_consumer(layout, 0, tmp_path / "data" / "model")  # the base model: not a checkpoint, pins nothing
-    assert retention.prune(layout, 1, 0, log, ranks=2) == [1, 3, 4]
+    assert retention.prune(layout, store.current(layout, BASE), 1, 0, log, ranks=2) == [1, 3, 4]
     assert _left(layout) == ["consumers", "current.json", "iter-000002", "iter-000005"]
     retention.mark_consumer(layout, 1, layout.checkpoint(5))
-    assert retention.prune(layout, 1, 0, log, ranks=2) == [2]
+    assert retention.prune(layout, store.current(layout, BASE), 1, 0, log, ranks=2) == [2]
 
 
 def test_a_marker_outside_the_ranks_counts_too(tmp_path):
     """An outside reader (an evaluation job) writes its own marker under a number no rank has."""
     layout = _run_with_checkpoints(tmp_path, range(1, 6), 5)
     retention.mark_consumer(layout, 1000, layout.checkpoint(3))
-    assert retention.prune(layout, 1, 0, log, ranks=2) == [1, 2, 4]
+    assert retention.prune(layout, store.current(layout, BASE), 1, 0, log, ranks=2) == [1, 2, 4]
 
 
 def test_a_marker_that_does_not_validate_stops_every_removal(tmp_path):
@@ -98,17 +100,17 @@ def test_a_marker_that_does_not_validate_stops_every_removal(tmp_path):
     marker = layout.checkpoint_consumer(1)
     marker.parent.mkdir(parents=True)
     marker.write_bytes(b'{"sha256":"00","body":{"checkpoint":"checkpoints/iter-0000')  # cut short
-    assert retention.prune(layout, 1, 0, log, ranks=2) == []
+    assert retention.prune(layout, store.current(layout, BASE), 1, 0, log, ranks=2) == []
     assert len(_left(layout)) == 7
     marker.unlink()
-    assert retention.prune(layout, 1, 0, log, ranks=2) == [1, 2, 3, 4]
+    assert retention.prune(layout, store.current(layout, BASE), 1, 0, log, ranks=2) == [1, 2, 3, 4]
 
 
 def test_without_a_current_checkpoint_nothing_is_removed(tmp_path):
     layout = _run_with_checkpoints(tmp_path, range(1, 6), 5)
     layout.current_checkpoint.unlink()
-    assert retention.prune(layout, 1, 0, log) == []
-    assert retention.prune(RunLayout(tmp_path / "empty"), 1, 0, log) == []
+    assert retention.prune(layout, store.current(layout, BASE), 1, 0, log) == []
+    assert retention.prune(RunLayout(tmp_path / "empty"), store.current(RunLayout(tmp_path / "empty"), BASE), 1, 0, log) == []
 
 
 def test_mark_consumer_writes_only_when_the_checkpoint_changes(tmp_path):

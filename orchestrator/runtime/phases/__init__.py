@@ -35,7 +35,8 @@ DECIDE: dict[Phase, Decide] = {
     Phase.SHARDS_SEALED: aggregate.verify_seals,
     Phase.EVAL_DECIDE: evaluation.decide,
     Phase.EVAL: evaluation.aggregate_results,
-    Phase.TRAIN_CONFIG: prepare.train_config,
+    Phase.TRAIN_CONFIG: prepare.training_plan,
+    Phase.PUBLISH: publish.announce,
     Phase.SYNC_END: sync.finish_iteration,
 }
 
@@ -52,7 +53,7 @@ def _launch_training(training: InflightTraining) -> tuple[Work, Decide]:
 def _publish_after_training(training: InflightTraining) -> tuple[Work, Decide]:
     """Phase 11: every rank waits for its part of the training; once all arrived, every part
     is done, and the master publishes the checkpoint as the phase's decision."""
-    return (lambda ctx: training.finish(ctx, train.train)), lambda ctx, arrivals: publish.publish_checkpoint(ctx) or {}
+    return (lambda ctx: training.finish(ctx, train.train)), publish.publish_as_decision
 
 
 # rl.max_staleness >= 1: (work, decide) of the phases the pipelined order splits the training

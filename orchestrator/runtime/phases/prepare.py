@@ -1,12 +1,14 @@
-"""Phases 8-9: the master checks the training data and publishes the training config."""
+"""Phases 8-9: the master checks the training data and releases the iteration's training plan."""
 
 from __future__ import annotations
 
 import os
 
+from orchestrator import records
 from orchestrator.data import shards, staleness
 from orchestrator.errors import BadInput
-from orchestrator.protocol import fsio
+from orchestrator.protocol.schema import TrainingPlan
+from orchestrator.runtime import decisions
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.runtime.phases import aggregate
 
@@ -52,18 +54,18 @@ def _rebuild_if_damaged(ctx: PhaseContext) -> None:
     aggregate.merge_split(ctx, "train")
 
 
-def train_config(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
-    """The config every trainer rank follows; made once per iteration and kept."""
-    cfg = fsio.read_record(ctx.it.train_config)
-    if cfg is None:
-        m = shards.sealed(ctx.it.aggregate("train"))
-        current = fsio.read_record(ctx.layout.current_checkpoint)
-        cfg = {
-            "iteration": ctx.iteration,
-            "data": str(ctx.it.aggregate("train").relative_to(ctx.layout.root)),
-            "records": m.count,
-            "init_checkpoint": current["path"] if current else None,
-            "output": str(ctx.layout.checkpoint(ctx.iteration).relative_to(ctx.layout.root)),
-        }
-        fsio.write_record(ctx.it.train_config, cfg)
-    return {"train_config": cfg}
+def training_plan(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    """Master: what the iteration's update trains on (the sealed train aggregate) and the
+    policy it starts from (the one the run has published), released to every rank."""
+    aggregate_path = ctx.it.aggregate("train")
+    m = shards.sealed(aggregate_path)
+    policy = ctx.policy
+    plan = TrainingPlan(
+        iteration=ctx.iteration,
+        data=str(aggregate_path.relative_to(ctx.layout.root)),
+        records=m.count,
+        init=None if policy.is_base else str(policy.path.relative_to(ctx.layout.root)),
+        init_iteration=policy.iteration,
+        output=str(ctx.layout.checkpoint(ctx.iteration).relative_to(ctx.layout.root)),
+    )
+    return {decisions.TRAINING: records.to_dict(plan)}

@@ -10,14 +10,28 @@ import json
 
 from orchestrator.checkpoints import store
 from orchestrator.data import summary
+from orchestrator.runtime import decisions
 from orchestrator.runtime.context import PhaseContext
 
 
 def publish_checkpoint(ctx: PhaseContext) -> None:
+    """Master: point the current pointer at the iteration's checkpoint (its work in lockstep)."""
     final = store.publish(ctx.layout, ctx.iteration).path
     rel = str(final.relative_to(ctx.layout.root))
     stats = _stats(final / "train_stats.json")
     summary.update(ctx.layout, ctx.iteration, checkpoint=rel, **_update_figures(stats), **_importance(stats))
+
+
+def publish_as_decision(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    """rl.max_staleness >= 1: every rank's training is done once all arrived; the master
+    publishes then, as the phase's decision."""
+    publish_checkpoint(ctx)
+    return announce(ctx, arrivals)
+
+
+def announce(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
+    """Phase 11's decision: the checkpoint the master published, which every rank's engines move to."""
+    return {decisions.PUBLISHED: {"iteration": ctx.iteration, "path": str(ctx.layout.checkpoint(ctx.iteration).relative_to(ctx.layout.root))}}
 
 
 def _stats(path) -> dict:

@@ -67,5 +67,5 @@ def prune_checkpoints(ctx: PhaseContext) -> None:
     """Master: after the phase 12 barrier every engine serves the new checkpoint and every
     trainer is done with the old one, so older checkpoints beyond ``checkpoint.*`` can go."""
     keys = ctx.config.checkpoint
-    retention.prune(ctx.layout, keys.keep_last, keys.keep_every, ctx.log, ranks=ctx.config.num_nodes,
+    retention.prune(ctx.layout, ctx.policy, keys.keep_last, keys.keep_every, ctx.log, ranks=ctx.config.num_nodes,
                     before_delete=lambda _trash: ctx.fault_point("hold-in-removal"))

@@ -6,33 +6,24 @@ checkpoint directory is either complete or absent."""
 from __future__ import annotations
 
 from orchestrator.checkpoints import store
-from orchestrator.protocol import fsio
-from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
 
 
-def _train_config(ctx: PhaseContext) -> dict:
-    fsio.refresh_dir(ctx.it.root)
-    return poll(
-        lambda: fsio.read_record(ctx.it.train_config),
-        deadline=Deadline.after(ctx.config.coordination.node_timeout_s, f"{ctx.it.train_config}"),
-        cancel=ctx.cancel,
-        backoff=ctx.run.backoff,
-    )
-
-
 def train(ctx: PhaseContext) -> None:
-    cfg = _train_config(ctx)
+    """This rank's part of the iteration's training, as phase 9's released plan says."""
+    plan = ctx.training
+    if plan is None:  # phase 9's release, or progress.json at a resume, carries it: never absent
+        raise RuntimeError(f"iteration {ctx.iteration} has no released training plan at phase {ctx.phase.label}")
     if store.exists(ctx.layout, ctx.iteration):
         ctx.log.info("checkpoint of iteration %d exists already: not training again", ctx.iteration)
         if ctx.rank == ctx.run.placement.checkpoint_node:
             _remove_stagings(ctx)
         return
     if ctx.rank != ctx.run.placement.checkpoint_node:
-        ctx.workload.train(ctx, cfg, None)
+        ctx.workload.train(ctx, plan, None)
         return
     staging = store.new_staging(ctx.layout, ctx.iteration, ctx.attempt_id, ctx.run.train_round)
-    ctx.workload.train(ctx, cfg, staging)
+    ctx.workload.train(ctx, plan, staging)
     store.place(ctx.layout, ctx.iteration, staging)
     _remove_stagings(ctx)
 

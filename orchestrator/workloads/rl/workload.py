@@ -9,6 +9,7 @@ job. Records are JSON (see docs/demo.md and the trainer's contract in train/work
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import logging
@@ -19,18 +20,19 @@ from pathlib import Path
 from orchestrator import environments, rewards
 from orchestrator.config import RunConfig
 from orchestrator import checkpoints
-from orchestrator.checkpoints import retention
+from orchestrator.checkpoints import retention, store
 from orchestrator.data import prompts, resample
 from orchestrator.engine.client import EngineClient
 from orchestrator.node.procs import Children
-from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
+from orchestrator.protocol.schema import TrainingPlan
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
 from orchestrator.workloads.rl.inflight import Inflight
 from orchestrator.workloads.rl.episodes import Episodes
 from orchestrator.workloads.rl.rollout_pipe import MultiTurnPipe, RLRolloutPipe
 from orchestrator.workloads.rl.scoring import Scorer
+from orchestrator.train.settings import TrainerSettings, UpdateSettings
 from orchestrator.workloads.rl.trainers import NodeTrainers
 
 log = logging.getLogger(__name__)
@@ -128,23 +130,14 @@ class RLWorkload:
 
     # -- engine ------------------------------------------------------------------------------
 
-    def checkpoint(self) -> Path:
-        """What the policy is now: the published checkpoint, else the base model."""
-        return self._policy()[0]
-
-    def _policy(self) -> tuple[Path, int]:
-        """The published checkpoint and its iteration, else the base model and 0 (one read of current.json)."""
-        current = fsio.read_record(self.layout.current_checkpoint)
-        return (self.layout.root / current["path"], current["iteration"]) if current else (self.config.model_path, 0)
-
-    def verified_checkpoint(self) -> Path:
-        """The current policy, checked against its manifest (the base model has none), with this
-        rank's consumer marker naming it first: retention never removes a checkpoint a marker names."""
-        path = self.checkpoint()
-        retention.mark_consumer(self.layout, self.config.rank, path)
-        if path != self.config.model_path:
-            self._verified.check(path)
-        return path
+    def verified(self, policy: store.Checkpoint) -> Path:
+        """``policy``'s directory, checked against its manifest (the base model has none), with
+        this rank's consumer marker naming it first: retention never removes a checkpoint a
+        marker names."""
+        retention.mark_consumer(self.layout, self.config.rank, policy.path)
+        if not policy.is_base:
+            self._verified.check(policy.path)
+        return policy.path
 
     def _node_engines(self, ctx: PhaseContext) -> NodeEngines:
         if self.engines is None:
@@ -163,7 +156,7 @@ class RLWorkload:
         shared = sorted(trainer_gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
         if shared:  # kept-alive trainers offloaded their state after training: check that the memory is back
             wait_memory_released(shared, self.config.rollout, ctx.cancel)
-        self.clients = engines.ensure(self.verified_checkpoint(), ctx.cancel, timing=ctx.run.timing)
+        self.clients = engines.ensure(self.verified(ctx.policy), ctx.cancel, timing=ctx.run.timing)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
         """Phase 7: free the GPUs training shares with the engines (colocated); disaggregated
@@ -209,8 +202,8 @@ class RLWorkload:
                 client.model()  # the served name, asked once here: the requests in flight send nothing else
             return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
 
-        policy, policy_iteration = self._policy()  # what the engines serve: phase 1 or 6 moved them to it
-        record = functools.partial(self._record, policy=str(policy), policy_iteration=policy_iteration)
+        policy = ctx.policy  # what the engines serve: phase 1 or 6 moved them to it
+        record = functools.partial(self._record, policy=str(policy.path), policy_iteration=policy.iteration)
         tasks = resample.base(split)
         if self.rl.environment:
             scorer = Scorer(None, f"rl.environment={self.rl.environment}", self.rl.max_reward_error_fraction, split)
@@ -295,7 +288,7 @@ class RLWorkload:
 
     # -- training ------------------------------------------------------------------------------
 
-    def train(self, ctx: PhaseContext, train_config: dict, checkpoint_dir: Path | None) -> None:
+    def train(self, ctx: PhaseContext, plan: TrainingPlan, checkpoint_dir: Path | None) -> None:
         """Run this node's train workers (one per GPU the placement gives it; one on CPU) as
         part of one torch.distributed job; worker 0 writes into ``checkpoint_dir`` (None on
         the other nodes), and with fsdp every worker into the same staging directory."""
@@ -305,7 +298,7 @@ class RLWorkload:
             return
         began = time.monotonic()
         attempt = ctx.run.attempt
-        base = self._trainer_config(ctx, train_config)
+        base = self._trainer_config(ctx, plan)
         # With fsdp every worker writes its shard into the staging directory that the node of
         # worker 0 made (phase 10); with ddp worker 0 writes it all and the others nothing.
         staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.run.train_round)
@@ -321,44 +314,24 @@ class RLWorkload:
                 ctx.run.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"], **extra)
         ctx.run.timing("train.total", time.monotonic() - began)
 
-    def _trainer_config(self, ctx: PhaseContext, train_config: dict) -> dict:
-        current = fsio.read_record(self.layout.current_checkpoint)
+    def _trainer_config(self, ctx: PhaseContext, plan: TrainingPlan) -> dict:
+        """The train request (train/request.py) of ``plan``: its paths, and the run's own ``rl``
+        and ``train`` settings of the update as the run validated them (train/settings.py)."""
+        init = store.Checkpoint(self.layout.root / plan.init, plan.init_iteration) if plan.init else \
+            store.Checkpoint(self.config.model_path, 0)
         return {
             "iteration": ctx.iteration,
-            "data": str(self.config.log_path / train_config["data"]),
-            "init_checkpoint": str(self.verified_checkpoint()),
-            "init_iteration": current["iteration"] if current else None,
+            "data": str(self.config.log_path / plan.data),
+            "init_checkpoint": str(self.verified(init)),
+            "init_iteration": plan.init_iteration or None,
             "reference_checkpoint": str(self.config.model_path) if self.rl.kl_coef > 0 else None,
             "seed": self.config.seed + ctx.iteration,
-            "lr": self.rl.lr,
-            "epochs": self.rl.epochs,
-            "micro_batch": self.rl.micro_batch,
-            "clip_eps": self.rl.clip_eps,
-            "kl_coef": self.rl.kl_coef,
-            "max_grad_norm": self.rl.max_grad_norm,
-            "advantage": self.rl.advantage,
-            "clip_eps_low": self.rl.clip_eps_low,
-            "clip_eps_high": self.rl.clip_eps_high,
-            "kl_estimator": self.rl.kl_estimator,
-            "old_logprobs": self.rl.old_logprobs,
-            "is_correction": self.rl.correction,
-            "is_cap": self.rl.is_cap,
-            "loss_agg": self.rl.loss_agg,
-            "ratio_level": self.rl.ratio_level,
-            "overlong": self.rl.overlong,
-            "overlong_buffer": self.rl.overlong_ramp,
-            "max_tokens": self.rl.max_tokens,
-            "filter_groups": self.rl.filter_groups,
-            "micro_batch_tokens": self.config.train.micro_batch_tokens,
-            "strategy": self.config.train.strategy,
-            "mixed_precision": self.config.train.mixed_precision,
-            "activation_checkpointing": self.config.train.activation_checkpointing,
-        } | self._lora()
+            "base_model": str(self.config.model_path) if self.config.train.lora_rank else None,
+            "rl": {**_section(self.rl, UpdateSettings), "is_correction": self.rl.correction},
+            "train": _section(self.config.train, TrainerSettings),
+        }
 
-    def _lora(self) -> dict:
-        """The train config's LoRA keys (train.lora_rank > 0), with this node's base model."""
-        t = self.config.train
-        if not t.lora_rank:
-            return {}
-        return {"lora_rank": t.lora_rank, "lora_alpha": t.lora_alpha, "lora_dropout": t.lora_dropout,
-                "lora_target_modules": list(t.lora_target_modules), "base_model": str(self.config.model_path)}
+
+def _section(values, section: type) -> dict:
+    """The fields of ``section`` (a settings dataclass) as ``values`` (a run config section derived from it) has them."""
+    return {f.name: getattr(values, f.name) for f in dataclasses.fields(section)}
