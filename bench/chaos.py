@@ -86,7 +86,7 @@ from orchestrator.data import summary  # noqa: E402
 from orchestrator.ops import status  # noqa: E402
 from orchestrator.phase_table import Phase  # noqa: E402
 from orchestrator.protocol import fsio  # noqa: E402
-from orchestrator.protocol.api import TERMINAL_STATES  # noqa: E402
+from orchestrator.protocol.wire import TERMINAL_STATES  # noqa: E402
 from orchestrator.protocol.layout import RunLayout  # noqa: E402
 
 TICK_S = 0.05

@@ -19,7 +19,7 @@ one     one request carrying every prompt (seed fixed)
 many    requests of ``--request-prompts`` (1-4) prompts each (sizes and seeds drawn from
         ``--seed``), sent from one asyncio loop over an httpx.AsyncClient with up to M
         sequences (prompts x n) outstanding, as the rollout keeps them
-        (``workloads/rl/inflight.py``); a request larger than that goes alone. One mode per
+        (``workloads/rl/engine_requests.py``); a request larger than that goes alone. One mode per
         M of ``--max-inflight``: 0 is every sequence at once (the same work in flight as
         one), 256 the rollout's default for this engine
 

@@ -23,7 +23,7 @@ train       one bf16 optimizer step (``train.mixed_precision=bf16``) of the demo
             train worker on the GPU, with ``train.strategy`` ddp, then fsdp, then ddp with
             LoRA adapters of rank 16 (``train.lora_rank``; the checkpoint's bytes too): 48 records of 8
             samples (``train.micro_batch`` 48, the main job's). The worker runs the
-            trainer's own serve loop (``orchestrator.train.server.serve``, what
+            trainer's own serve loop (``orchestrator.train.serving.serve``, what
             ``train.keep_alive`` runs) for two updates: the first step includes CUDA's
             warm-up, the second is the figure. Peak GPU memory is the worker's
             ``torch.cuda.max_memory_allocated`` over the second update
@@ -247,7 +247,7 @@ def part_engine_cpu(check: Check) -> dict:
 
 def trainer_child(notes: str) -> None:
     """The body of a :class:`Trainer` process: the trainer's serve loop
-    (``orchestrator.train.server.serve``, as ``python -m orchestrator.train.worker --serve``
+    (``orchestrator.train.serving.serve``, as ``python -m orchestrator.train.worker --serve``
     runs it) over stdin, noting after each update this process's CUDA memory in
     ``notes/<k>.json`` (the worker's own answer has no GPU figure)."""
     import logging
@@ -255,7 +255,7 @@ def trainer_child(notes: str) -> None:
     import torch
 
     from orchestrator.protocol import fsio
-    from orchestrator.train.server import serve
+    from orchestrator.train.serving import serve
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainer %(levelname)s %(name)s: %(message)s")
 

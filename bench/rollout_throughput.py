@@ -35,7 +35,7 @@ saturated  the engine's own best on the same prompts and sampling. Embedded: one
            start not counted), a seed per prompt, with ``--vllm-offline-args``
 one        vLLM only: one HTTP request carrying every prompt to the server (saturated as the
            server is configured; for the embedded engine this is saturated)
-requests   the rollout's request path alone: ``workloads/rl/inflight.py``'s ``Inflight`` with
+requests   the rollout's request path alone: ``workloads/rl/engine_requests.py``'s ``Inflight`` with
            the rollout's request size and in-flight budget, without the phase around it (no
            claims, scoring, records or fsync): what is left between it and rollout is the
            phase's own cost
@@ -202,7 +202,7 @@ def one_request(url: str, prompts: list[str], params: dict, seed: int) -> dict:
 
 def plan_requests(task_ids: list[str], prompts: list[str], per_request: int, seed: int) -> list:
     """``inflight.Request``s of ``per_request`` prompts in order, each with its own seed."""
-    from orchestrator.workloads.rl.inflight import Request
+    from orchestrator.workloads.rl.engine_requests import Request
 
     rng = random.Random(seed)
     return [Request(task_ids[i : i + per_request], prompts[i : i + per_request], rng.randrange(2**31))
@@ -214,7 +214,7 @@ def through_inflight(url: str, task_ids: list[str], prompts: list[str], params: 
     """The rollout's request path (``Inflight``) alone: every request submitted at once, the
     clock stopped at the last answer. Raises the engine's failure."""
     from orchestrator.engine.client import EngineClient
-    from orchestrator.workloads.rl.inflight import Inflight
+    from orchestrator.workloads.rl.engine_requests import Inflight
 
     client = EngineClient(url, timeout_s=REQUEST_TIMEOUT_S)
     client.model()

@@ -87,10 +87,10 @@ def _config(rank: int, num_nodes: int, log_path: Path, data_path: Path, node_tim
 
 @functools.lru_cache(maxsize=None)
 def _validated_config(num_nodes: int, log_path: Path, data_path: Path, node_timeout_s: float):
-    from orchestrator.config import CoordinationConfig, RLPhase, RunConfig, Workload
+    from orchestrator.config import CoordinationConfig, RLPhase, RunConfig, WorkloadKind
 
     return RunConfig(data_path=data_path, log_path=log_path, rl_phase=RLPhase.BOTH, rank=0, num_nodes=num_nodes,
-                     rank_weights=(1.0,) * num_nodes, eval_interval=1, workload=Workload.REHEARSAL,
+                     rank_weights=(1.0,) * num_nodes, eval_interval=1, workload=WorkloadKind.REHEARSAL,
                      coordination=CoordinationConfig(node_timeout_s=node_timeout_s, join_timeout_s=600.0))
 
 
@@ -110,7 +110,7 @@ def _rank(rank: int, num_nodes: int, log_path: Path, data_path: Path, window_s: 
     from orchestrator.errors import PeerFailed
     from orchestrator.node.procs import Children
     from orchestrator.phase_table import Phase
-    from orchestrator.protocol.api import HeartbeatState
+    from orchestrator.protocol.wire import HeartbeatState
     from orchestrator.protocol.coordinator import Coordinator
     from orchestrator.protocol.waiting import CancelToken, Deadline
 

@@ -44,7 +44,7 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS, BenchError, console, machine, python_env, run_iterations, table, wait_for_quiet, write_json  # noqa: E402
-from orchestrator.data import work  # noqa: E402
+from orchestrator.data import claims  # noqa: E402
 from orchestrator.protocol import fsio  # noqa: E402
 from orchestrator.protocol.layout import IterationLayout  # noqa: E402
 
@@ -76,7 +76,7 @@ def run_mode(mode: str, work: Path, args: argparse.Namespace) -> dict:
 @contextlib.contextmanager
 def counting_opens(opens: list[int], rank: list[int]) -> Iterator[None]:
     """Count, into ``opens[rank[0]]``, each claim file read or created, each record written (a
-    thief's ``stolen.r<R>.json``) and each claims directory refreshed (what work.py opens by name)."""
+    thief's ``stolen.r<R>.json``) and each claims directory refreshed (what claims.py opens by name)."""
     real = {name: getattr(fsio, name) for name in ("read_bytes", "create_record_exclusive", "write_record", "refresh_dir")}
 
     def counted(fn):
@@ -94,7 +94,7 @@ def counting_opens(opens: list[int], rank: list[int]) -> Iterator[None]:
             setattr(fsio, name, fn)
 
 
-def wave(root: Path, ranks: int, *, chunks_per_rank: int = work.CHUNKS_PER_RANK, slow_every: int = 4,
+def wave(root: Path, ranks: int, *, chunks_per_rank: int = claims.CHUNKS_PER_RANK, slow_every: int = 4,
          factor: float = 4.0) -> dict:
     """One stealing wave of ``ranks`` ranks (one task a chunk, ``chunks_per_rank`` chunks each)
     on ``root``, in this process: each rank, when its clock says it is free, takes its next
@@ -105,8 +105,8 @@ def wave(root: Path, ranks: int, *, chunks_per_rank: int = work.CHUNKS_PER_RANK,
     unless every chunk was taken exactly once, by the rank its claim names, and each restarted
     rank found exactly the chunks it took."""
     it = IterationLayout(root)
-    chunks = work.cut([chunks_per_rank] * ranks, 1)
-    ledgers = [work.Ledger(it, "train", r, chunks, stealing=True, settle_s=60.0, attempt="wave") for r in range(ranks)]
+    chunks = claims.cut([chunks_per_rank] * ranks, 1)
+    ledgers = [claims.Ledger(it, "train", r, chunks, stealing=True, settle_s=60.0, attempt="wave") for r in range(ranks)]
     slowness = [factor if r % slow_every == slow_every - 1 else 1.0 for r in range(ranks)]
     opens, current = [0] * ranks, [0]
     taken: dict[int, list[int]] = {r: [] for r in range(ranks)}
@@ -125,13 +125,13 @@ def wave(root: Path, ranks: int, *, chunks_per_rank: int = work.CHUNKS_PER_RANK,
             else:
                 end = max(end, t)
     assert sorted(k for ks in taken.values() for k in ks) == list(range(len(chunks))), "a chunk taken twice or never"
-    owner = work.owners(it, "train", chunks)
+    owner = claims.owners(it, "train", chunks)
     assert all(owner[k] == r for r, ks in taken.items() for k in ks), "a chunk taken by a rank its claim does not name"
     restart_opens = [0] * ranks
     with counting_opens(restart_opens, current):
         for r in range(ranks):
             current[0] = r
-            held = work.Ledger(it, "train", r, chunks, stealing=True, settle_s=60.0, attempt="wave").owned()
+            held = claims.Ledger(it, "train", r, chunks, stealing=True, settle_s=60.0, attempt="wave").owned()
             assert sorted(c.index for c in held) == sorted(taken[r]), f"restarted rank {r} found other chunks than it took"
     return {"ranks": ranks, "chunks": len(chunks), "opens": opens, "restart_opens": restart_opens, "taken": taken,
             "stolen": sum(chunks[k].rank != r for r, ks in taken.items() for k in ks),
@@ -153,7 +153,7 @@ def report_waves(args: argparse.Namespace) -> int:
                         "ideal": w["ideal"], "seconds": round(seconds, 1)})
         rows.append([str(n), str(w["chunks"]), str(total), f"{total / n:.1f}", str(max(w["opens"])), f"{restart / n:.1f}",
                      str(max(w["restart_opens"])), str(w["stolen"]), f"{w['end']:g} / {w['ideal']:g}"])
-    table(f"one stealing wave, {work.CHUNKS_PER_RANK} chunks per rank, every {args.slow_every}th rank {args.factor:g}x slower",
+    table(f"one stealing wave, {claims.CHUNKS_PER_RANK} chunks per rank, every {args.slow_every}th rank {args.factor:g}x slower",
           ["ranks", "chunks", "opens", "per rank", "most of a rank", "restart, per rank", "most", "stolen", "end / ideal"], rows)
     write_json(args.out, {"benchmark": "stealing-wave", "command": " ".join(sys.argv), "machine": machine(),
                           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "waves": results})

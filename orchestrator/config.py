@@ -48,7 +48,7 @@ class RolloutSplit(enum.Enum):
     EVAL_ONLY = "eval-only"
 
 
-class Workload(enum.Enum):
+class WorkloadKind(enum.Enum):
     REHEARSAL = "rehearsal"
     RL = "rl"
 
@@ -302,9 +302,9 @@ class RLConfig(UpdateSettings):
             self.check()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        from orchestrator import rewards
+        from orchestrator.plugins import rewards
 
-        from orchestrator import environments
+        from orchestrator.plugins import environments
 
         try:
             rewards.parse(self.reward)  # importing it is the preflight's (it depends on the node)
@@ -504,7 +504,7 @@ class RunConfig:
     eval_interval: Count | None = None
     rollout_split: RolloutSplit | None = None
     max_iterations: Count | None = None
-    workload: Workload = Workload.RL
+    workload: WorkloadKind = WorkloadKind.RL
     debug_mode: bool = False
     seed: int = 0
     """Seeds task sampling and everything random in the run."""
@@ -551,9 +551,9 @@ class RunConfig:
         if not self.train.device_mapping and self.rank_weights is not None:
             placement.check_cpu_weights(self.rank_weights, rollout_nodes)
         self._check_overlap(train_nodes, rollout_nodes)
-        if self.workload is Workload.RL and self.rollout.engine == "vllm" and self.train.lora_rank > VLLM_MAX_LORA_RANK:
+        if self.workload is WorkloadKind.RL and self.rollout.engine == "vllm" and self.train.lora_rank > VLLM_MAX_LORA_RANK:
             raise ConfigError(f"train.lora_rank={self.train.lora_rank}: vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANK}")
-        if self.workload is Workload.RL and self.rollout.engine == "vllm" and not self.debug_mode:
+        if self.workload is WorkloadKind.RL and self.rollout.engine == "vllm" and not self.debug_mode:
             for temp, n, what in ((self.rl.temperature, self.rl.samples_per_prompt, "rl.temperature/rl.samples_per_prompt"),
                                   (self.rl.eval_temperature, self.rl.eval_samples, "rl.eval_temperature/rl.eval_samples")):
                 if temp == 0 and n > 1:
@@ -602,11 +602,11 @@ class RunConfig:
             "workload": self.workload.value,
             "seed": self.seed,
             "max_staleness": self.rl.max_staleness,
-            "rehearsal": dataclasses.asdict(self.rehearsal) if self.workload is Workload.REHEARSAL else None,
+            "rehearsal": dataclasses.asdict(self.rehearsal) if self.workload is WorkloadKind.REHEARSAL else None,
             # The files, not only the key: ranks whose model.path resolves to other files are refused at join.
-            "model": base_model.identity(self.model_path) if self.workload is Workload.RL else None,
-            "rl": dataclasses.asdict(self.rl) if self.workload is Workload.RL else None,
-            "data": dataclasses.asdict(self.data) if self.workload is Workload.RL else None,
+            "model": base_model.identity(self.model_path) if self.workload is WorkloadKind.RL else None,
+            "rl": dataclasses.asdict(self.rl) if self.workload is WorkloadKind.RL else None,
+            "data": dataclasses.asdict(self.data) if self.workload is WorkloadKind.RL else None,
             "train": dataclasses.asdict(self.train),
             "rollout": {k: v for k, v in dataclasses.asdict(self.rollout).items() if k not in ("engine_url", "engine_start_timeout_s")},
             # Not `checkpoint`: only the master removes checkpoints, so the workers' values are never

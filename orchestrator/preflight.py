@@ -14,8 +14,8 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator import environments, rewards
-from orchestrator.config import RunConfig, Workload
+from orchestrator.plugins import environments, rewards
+from orchestrator.config import RunConfig, WorkloadKind
 from orchestrator.data import prompts, shards, tasks
 from orchestrator.errors import ConfigError
 from orchestrator.node import base_model
@@ -25,7 +25,7 @@ from orchestrator.protocol.layout import RunLayout
 
 # What decides an iteration's tasks: changed inside an iteration, the plan, the claims and the
 # shards written so far would describe other tasks. (Node counts and weights may change: the
-# unfinished work is split again over the ranks of the new run, data/work.py.)
+# unfinished work is split again over the ranks of the new run, data/claims.py.)
 _TASK_KEYS = {"seed": ("seed",), "workload": ("workload",), "rehearsal.tasks": ("rehearsal", "tasks"),
               "rehearsal.eval_tasks": ("rehearsal", "eval_tasks"), "rl.train_tasks": ("rl", "train_tasks"),
               "rl.eval_tasks": ("rl", "eval_tasks"), "data.train_file": ("data", "train_file"), "data.test_file": ("data", "test_file")}
@@ -48,7 +48,7 @@ def _check(config: RunConfig) -> None:
         rewards.load(config.rl.reward)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if config.workload is not Workload.RL:
+    if config.workload is not WorkloadKind.RL:
         return
     if config.rollout.engine == "vllm" and not config.debug_mode and importlib.util.find_spec("vllm") is None:
         raise ConfigError(

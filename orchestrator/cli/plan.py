@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from orchestrator import records, terminal
+from orchestrator import terminal
+from orchestrator.protocol import records
 from orchestrator.cli.rank import parse_weights
 from orchestrator.cli.run_options import WEIGHTS_METAVAR
 from orchestrator.config import build_sections, parse_overrides

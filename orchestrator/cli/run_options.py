@@ -8,7 +8,7 @@ import click
 
 from orchestrator import preflight
 from orchestrator.cli.rank import parse_weights, resolve_num_nodes, resolve_rank
-from orchestrator.config import ENGINES, RolloutSplit, RunConfig, Workload, build_sections, parse_overrides
+from orchestrator.config import ENGINES, RolloutSplit, RunConfig, WorkloadKind, build_sections, parse_overrides
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import RLPhase
 
@@ -78,7 +78,7 @@ def build_config(params: dict, rank: int | None = None) -> RunConfig:
         eval_interval=params["eval_interval"],
         rollout_split=RolloutSplit(params["rollout_split"]) if params["rollout_split"] else None,
         max_iterations=params["max_iterations"],
-        workload=Workload.REHEARSAL if params["rehearsal"] else Workload.RL,
+        workload=WorkloadKind.REHEARSAL if params["rehearsal"] else WorkloadKind.RL,
         debug_mode=params["debug_mode"],
         **sections,
     )

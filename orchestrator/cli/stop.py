@@ -11,7 +11,7 @@ from orchestrator import terminal
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_ERROR
 from orchestrator.node import identity
 from orchestrator.protocol import fsio, lease, schema
-from orchestrator.protocol.api import HeartbeatState
+from orchestrator.protocol.wire import HeartbeatState
 from orchestrator.protocol.layout import RunLayout
 
 

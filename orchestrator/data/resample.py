@@ -14,7 +14,7 @@ an ordinary split.
 Every rank decides alike, from the same files, without a barrier: each rank waits until every
 chunk of the round is finished (``claims/<split>/done.r<R>.json`` lists them, with how many of
 each chunk's groups are informative), then counts. A chunk counts from its owner (its first
-valid claim, data/work.py), as the merge keeps it; of a rank the master adopted, from the
+valid claim, data/claims.py), as the merge keeps it; of a rank the master adopted, from the
 master's sealed copy of its records.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.data import shards, work
+from orchestrator.data import claims, shards
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import IterationLayout
 
@@ -59,9 +59,9 @@ def informative(record: dict) -> bool:
     return len(set(rewards)) > 1
 
 
-def chunk_counts(chunks: list[work.Chunk], ids: list[str], moved: dict[int, int], marked: set[str], finished: set[int]) -> dict[int, int]:
+def chunk_counts(chunks: list[claims.Chunk], ids: list[str], moved: dict[int, int], marked: set[str], finished: set[int]) -> dict[int, int]:
     """How many of each finished chunk's tasks are in ``marked`` (the rank's informative
-    records); ``moved``: each task position's chunk (work.task_chunks)."""
+    records); ``moved``: each task position's chunk (claims.task_chunks)."""
     by_index = {c.index: c for c in chunks}
     return {k: sum(1 for t in by_index[k].tasks if moved.get(t) == k and ids[t] in marked) for k in finished if k in by_index}
 
@@ -69,10 +69,10 @@ def chunk_counts(chunks: list[work.Chunk], ids: list[str], moved: dict[int, int]
 def informative_count(it: IterationLayout, split: str, split_plan: dict, ids: list[str]) -> int | None:
     """The informative groups of ``split``'s records, counted chunk by chunk from its owner;
     None while a chunk is not finished."""
-    adoptions = work.Adoptions.read(it, split)
-    chunks = work.all_chunks(it, split, split_plan, adoptions)
-    owner = work.owners(it, split, chunks)
-    moved = work.task_chunks(chunks)
+    adoptions = claims.Adoptions.read(it, split)
+    chunks = claims.all_chunks(it, split, split_plan, adoptions)
+    owner = claims.owners(it, split, chunks)
+    moved = claims.task_chunks(chunks)
     notes: dict[int, dict] = {}
     total = 0
     for chunk, rank in zip(chunks, owner):
@@ -87,7 +87,7 @@ def informative_count(it: IterationLayout, split: str, split_plan: dict, ids: li
     return total
 
 
-def _counts(it: IterationLayout, split: str, rank: int, adoptions: work.Adoptions, chunks: list[work.Chunk], ids: list[str],
+def _counts(it: IterationLayout, split: str, rank: int, adoptions: claims.Adoptions, chunks: list[claims.Chunk], ids: list[str],
             moved: dict[int, int]) -> dict[int, int]:
     """Per chunk ``rank`` finished, its informative groups: from the rank's done file, or, for a
     rank the master adopted, from the master's sealed copy of its records (every chunk it held

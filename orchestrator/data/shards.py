@@ -169,7 +169,7 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, keep: Callable[[str, 
     """Stream sealed shards into ``dest`` (temp + rename), verifying each against its
     manifest on the way; memory stays at one line. ``sources`` is (label, shard) pairs;
     the label (e.g. "rank 2") names the culprit of a bad checksum. ``keep(label, record)``:
-    whether a record counts (a chunk's records count from its owner only, data/work.py);
+    whether a record counts (a chunk's records count from its owner only, data/claims.py);
     the others are left out and counted as ``dropped``. ``order(record)``: its position in
     the aggregate (the plan's task order), so that the aggregate is the same bytes whichever
     rank did which task; records that do not come in that order are put in it by a second

@@ -1,7 +1,7 @@
 """The tool demo's environment (``demo-data --tools``): a calculator the model calls as
 ``<calc>123*45</calc>`` and answers after, in ``\\boxed{}``. Run it with
 ``rl.environment=orchestrator.demo.calculator:Calculator``; it is also the example of an
-environment (orchestrator/environments.py says what one is)::
+environment (orchestrator/plugins/environments.py says what one is)::
 
     user       What is 123*45? Use <calc></calc> and put the answer in \\boxed{}.
     assistant  <calc>123*45</calc>          -> Step(observation=[tool: 5535])
@@ -23,8 +23,8 @@ import ast
 import operator
 import re
 
-from orchestrator import rewards
-from orchestrator.environments import Step
+from orchestrator.plugins import rewards
+from orchestrator.plugins.environments import Step
 
 MAX_EXPRESSION = 64
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)

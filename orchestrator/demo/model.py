@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.demo import tokenizer as demo_tokenizer
+from orchestrator.engine.loading import load  # noqa: F401 - demo_model.load: how the engine loads a model
 
 HIDDEN = 64
 HEADS = 2  # head dim 32
@@ -105,13 +106,3 @@ def save(model, directory: Path, tokenizer=None) -> None:
         demo_tokenizer.save(directory)
     else:
         tokenizer.save_pretrained(directory)
-
-
-def load(directory: Path):
-    """Model and tokenizer from a Hugging Face directory (safetensors only: nothing is
-    unpickled), of whichever architecture its config.json names."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _quiet()
-    model = AutoModelForCausalLM.from_pretrained(directory, use_safetensors=True)
-    return model, AutoTokenizer.from_pretrained(directory)

@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from orchestrator import rewards
+from orchestrator.plugins import rewards
 from orchestrator.data import tasks as data_tasks
 from orchestrator.data.turns import Conversation, observation_ids, render
 from orchestrator.demo import calculator
@@ -111,7 +111,7 @@ class Turns:
     same loop, the environment's reward deciding, greedily or at ``temperature``."""
 
     environment: type
-    """The environment class (orchestrator/environments.py), made anew per task."""
+    """The environment class (orchestrator/plugins/environments.py), made anew per task."""
     targets: Callable[[dict], list[str]]
     """The model's turns it learns, each followed by the tokenizer's EOS."""
     max_new_tokens: int

@@ -4,7 +4,7 @@ which speak the same OpenAI-compatible HTTP API, over httpx.
 ``base_url`` is the server's root (``http://host:port``), not its ``/v1``: ``/health`` lives
 at the root on both servers. :meth:`EngineClient.complete` sends one request and waits for
 it; :meth:`EngineClient.acomplete` sends one on an ``httpx.AsyncClient`` of the caller's, so
-that many requests can be in flight at once (``workloads/rl/inflight.py``).
+that many requests can be in flight at once (``workloads/rl/engine_requests.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ it talks to vLLM.
     python -m orchestrator.engine.server --model DIR --port P [--host 127.0.0.1] [--served-model-name NAME]
         [--max-num-seqs N] [--device cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16]
 
-The model is loaded first (``orchestrator.demo.model.load``, safetensors only) and put on
+The model is loaded first (engine/loading.py: safetensors only, any architecture transformers knows) and put on
 ``--device`` in ``--dtype`` (default: the CPU, and ``auto``: the checkpoint's own dtype,
 float32 for the demo's); the sampler makes every tensor there, its generators included. A
 ``--device`` this torch cannot use ends the process with status 2. Then the port is bound
@@ -62,7 +62,7 @@ from pathlib import Path
 
 from orchestrator import checkpoints
 from orchestrator.data import shards
-from orchestrator.engine import lora
+from orchestrator.engine import loading, lora
 from orchestrator.engine.sampling import Generation, PromptRejected, Sampler, SamplingParams
 from orchestrator.engine.scheduler import EngineStopped, Scheduler
 from orchestrator.errors import EXIT_BAD_INPUT
@@ -566,11 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     scheduler: Scheduler | None = None
     serving = False
     try:
-        from orchestrator.demo.model import load
-
         started = time.monotonic()
         adapter = args.model if checkpoints.is_adapter(args.model) else None
-        model, tokenizer = load(args.base_model if adapter else args.model)
+        model, tokenizer = loading.load(args.base_model if adapter else args.model)
         sampler = Sampler(place(model, args.device, args.dtype), tokenizer)
         # The model, torch and transformers leave some 400k objects for the cyclic collector to
         # walk in every full collection (0.2 s each, in the middle of a step); frozen, it skips them.

@@ -13,7 +13,7 @@ import io
 import math
 
 from orchestrator.ops.event_fold import is_number, phase_label
-from orchestrator.protocol.api import Event
+from orchestrator.protocol.wire import Event
 
 # The eval metrics drawn on the curves chart (when the run recorded them): key, name, style,
 # in legend order. Under an exact-match reward (every reward 0 or 1) the mean reward equals

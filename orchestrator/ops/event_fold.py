@@ -44,7 +44,7 @@ from pathlib import Path
 
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
-from orchestrator.protocol.api import Event
+from orchestrator.protocol.wire import Event
 from orchestrator.protocol.layout import RunLayout
 
 MASTER = 0

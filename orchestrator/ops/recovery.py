@@ -19,8 +19,8 @@ import os
 import time
 from pathlib import Path
 
-from orchestrator import records
-from orchestrator.data import resample, shards, work
+from orchestrator.protocol import records
+from orchestrator.data import claims, resample, shards
 from orchestrator.errors import BadInput
 from orchestrator.ops import status
 from orchestrator.protocol import fsio
@@ -55,7 +55,7 @@ def iteration_inventory(layout: RunLayout, iteration: int) -> dict:
         per_rank = (plan.get(split) or {}).get("per_rank") or []
         if not per_rank or not (plan.get(split) or {}).get("enabled", True):
             continue
-        ranks = [{"rank": r, "assigned": per_rank[r] if r < len(per_rank) else 0, **_shard_state(work.shard_of(it, split, r))}
+        ranks = [{"rank": r, "assigned": per_rank[r] if r < len(per_rank) else 0, **_shard_state(claims.shard_of(it, split, r))}
                  for r in _rollout_ranks(it, split, plan[split])]
         agg = shards.sealed(it.aggregate(split))
         out["splits"][split] = {
@@ -150,10 +150,10 @@ def clear_sync_state(log_path: Path, apply: bool) -> list[str]:
 
 
 def _highest_claim(layout: RunLayout) -> int:
-    claims = layout.claim(0).parent
-    fsio.refresh_dir(claims)
+    directory = layout.claim(0).parent
+    fsio.refresh_dir(directory)
     try:
-        return max((int(p.name.removeprefix("gen-")) for p in claims.iterdir() if p.name.startswith("gen-")), default=0)
+        return max((int(p.name.removeprefix("gen-")) for p in directory.iterdir() if p.name.startswith("gen-")), default=0)
     except FileNotFoundError:
         return 0
 
@@ -161,7 +161,7 @@ def _highest_claim(layout: RunLayout) -> int:
 def _rollout_ranks(it, split: str, split_plan: dict) -> list[int]:
     """The ranks whose shards may hold records of the split: those with a first share, and
     every rank that claimed a chunk (work stealing, or a run resumed on more nodes)."""
-    owners = work.owners(it, split, work.all_chunks(it, split, split_plan))
+    owners = claims.owners(it, split, claims.all_chunks(it, split, split_plan))
     return sorted({r for r, n in enumerate(split_plan.get("per_rank") or []) if n > 0} | {o for o in owners if o is not None})
 
 
@@ -180,7 +180,7 @@ def salvage(log_path: Path, iteration: int, apply: bool, split: str = "train") -
         raise BadInput(f"iteration {iteration} already has a full {split} aggregate ({existing.count} records): nothing to salvage")
     # With rl.filter_groups, the resample rounds the rollout reached too (data/resample.py).
     parts = [p for p in resample.planned(plan) if p == split or it.shard(p, 0).parent.is_dir()] if split == "train" else [split]
-    sources = [(f"rank {r}" if p == split else f"rank {r} ({p})", work.shard_of(it, p, r))
+    sources = [(f"rank {r}" if p == split else f"rank {r} ({p})", claims.shard_of(it, p, r))
                for p in parts for r in _rollout_ranks(it, p, plan[p])]
     per_rank = [n for p in parts for n in plan[p]["per_rank"]]
     preview = {label: _shard_state(shard) for label, shard in sources}

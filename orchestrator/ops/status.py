@@ -21,7 +21,7 @@ from orchestrator.ops.event_fold import EventReader
 from orchestrator.phase_table import Phase, RLPhase
 from orchestrator.protocol import fsio
 from orchestrator.protocol import lease as lease_mod
-from orchestrator.protocol.api import TERMINAL_STATES
+from orchestrator.protocol.wire import TERMINAL_STATES
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.membership import Members
 

@@ -21,7 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator import defaults, records
+from orchestrator import defaults
+from orchestrator.protocol import records
 from orchestrator.config import RunConfig
 from orchestrator.errors import BadInput, Culprit, FailureKind, PeerFailed, RunFinished, StopRequested
 from orchestrator.node import gpus, identity
@@ -30,7 +31,7 @@ from orchestrator.node.procs import Children
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import faults, fsio, schedule, schema, startup, wakeup
 from orchestrator.protocol import lease as lease_mod
-from orchestrator.protocol.api import TERMINAL_STATES, HeartbeatState
+from orchestrator.protocol.wire import TERMINAL_STATES, HeartbeatState
 from orchestrator.protocol.events import EventLog
 from orchestrator.protocol.heartbeat import Heartbeat
 from orchestrator.protocol.join import (

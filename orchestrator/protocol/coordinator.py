@@ -41,9 +41,9 @@ from orchestrator.node.placement import Placement
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import barrier, faults, fsio, membership, schema, wakeup
 from orchestrator.protocol import lease as lease_mod
-from orchestrator.protocol.api import Event, HeartbeatState
+from orchestrator.protocol.wire import Event, HeartbeatState
 from orchestrator.protocol.attendance import Attendance, Entry
-from orchestrator.protocol.monitor import publish_abort
+from orchestrator.protocol.monitor import publish_abort, verdict_bound_s
 from orchestrator.protocol.membership import ranks_text
 from orchestrator.protocol.schema import Arrival, GroupArrival, Members, Point, Progress, Release, TrainingPlan
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, Sweep, poll
@@ -96,6 +96,12 @@ class Coordinator(Attendance):
     def in_run(self) -> tuple[Placement, frozenset[int]]:
         """The placement of the ranks in the run and the ranks out, as the latest barrier released."""
         return self.placement, self.out
+
+    def verdict_s(self) -> float:
+        """How long after a node dies every rank has heard it named, at the latest."""
+        c = self.c
+        bound = verdict_bound_s(c.node_timeout_s, c.heartbeat_interval_s, c.watch_s, self.fan_in is not None)
+        return bound + (defaults.WORKER_GRACE_S if c.elastic else 0.0)
 
     def lost(self) -> frozenset[int]:
         """Master: the ranks its monitor marked out by now (elastic)."""

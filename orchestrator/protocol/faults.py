@@ -11,7 +11,7 @@
 - ``hold-before-steal``: the same, inside a rank's first steal of a chunk in that phase (1 or
   6), once the chunk is listed in its ``stolen.r<R>.json`` and before its claim is created.
 - ``hold-in-steal``: the same, inside a rank's first steal of a chunk in that phase (1 or 6),
-  after its claim file was created and before it is written (data/work.py).
+  after its claim file was created and before it is written (data/claims.py).
 - ``hold-after-steal``: the same, once that claim is written, before any of the chunk's records.
 - ``hold-after-batch``: the same, once the rank's first batch of records in that phase (1 or
   6) is durable, before the rest: a rank caught part-way through its rollout.

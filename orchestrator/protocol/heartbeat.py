@@ -22,7 +22,7 @@ from typing import Callable
 
 from orchestrator.node import identity
 from orchestrator.protocol import fsio
-from orchestrator.protocol.api import HeartbeatState
+from orchestrator.protocol.wire import HeartbeatState
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.errors import Culprit
 from orchestrator.protocol.lease import Lease
 from orchestrator.protocol.waiting import Deadline

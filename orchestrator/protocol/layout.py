@@ -327,7 +327,7 @@ class IterationLayout:
         return self.root / "rollout" / split / f"r{rank:05d}.jsonl"
 
     def adopted_shard(self, split: str, rank: int) -> Path:
-        """The master's sealed copy of an absent rank's records (data/work.py, ``adopt``): what
+        """The master's sealed copy of an absent rank's records (data/claims.py, ``adopt``): what
         the merge reads for that rank from then on, whatever its own shard still gets."""
         return self.root / "rollout" / split / f"r{rank:05d}.adopted.jsonl"
 
@@ -338,12 +338,12 @@ class IterationLayout:
         return self.root / "claims" / split
 
     def claim(self, split: str, chunk: int, generation: int) -> Path:
-        """Created (O_EXCL) by the rank that takes chunk ``chunk`` of ``split`` (data/work.py)."""
+        """Created (O_EXCL) by the rank that takes chunk ``chunk`` of ``split`` (data/claims.py)."""
         return self.claims(split) / f"c{chunk:05d}.{generation}.json"
 
     def stolen(self, split: str, rank: int) -> Path:
         """The chunks of other ranks' shares ``rank`` claims, each written here before its claim
-        is created: with its own chunks, all a restarted rank reads to find what it holds (data/work.py)."""
+        is created: with its own chunks, all a restarted rank reads to find what it holds (data/claims.py)."""
         return self.claims(split) / f"stolen.r{rank:05d}.json"
 
     def adopted(self, split: str) -> Path:

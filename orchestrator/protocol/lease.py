@@ -20,11 +20,11 @@ import dataclasses
 import logging
 import secrets
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.errors import BadInput
 from orchestrator.node import identity
 from orchestrator.protocol import fsio
-from orchestrator.protocol.api import TERMINAL_STATES
+from orchestrator.protocol.wire import TERMINAL_STATES
 from orchestrator.protocol.clock import REAL_CLOCK, Clock
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.liveness import LivenessTracker

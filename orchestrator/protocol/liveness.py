@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.protocol.api import TERMINAL_STATES
+from orchestrator.protocol.wire import TERMINAL_STATES
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 ``attempts/<A>/members.json`` (``schema.Members``) has one writer, the master. When a
 worker's heartbeat stops for ``node_timeout_s`` (dead, or frozen), the master marks it out
 instead of ending the attempt, as long as ``coordination.min_nodes`` ranks remain; barriers
-stop waiting for it, and its unfinished rollout work goes to the others (data/work.py). Each
+stop waiting for it, and its unfinished rollout work goes to the others (data/claims.py). Each
 rank process writes a fresh ``nonce`` in its join record: the out entry names the process
 that went silent, so a process of that rank with another nonce (restarted, or the same one
 after SIGCONT, which rejoins with a new one) is a request to come back. The master admits it

@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.errors import ROOT_CAUSE_KINDS, Culprit, DeadlineExceeded, FailureKind, OrchestratorError, PeerFailed
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
-from orchestrator.protocol.api import TERMINAL_STATES
+from orchestrator.protocol.wire import TERMINAL_STATES
 from orchestrator.protocol.barrier import FanIn
 from orchestrator.protocol.layout import AttemptLayout
 from orchestrator.protocol.liveness import LivenessTracker

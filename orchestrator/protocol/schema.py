@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.errors import Culprit
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio

@@ -142,6 +142,10 @@ class RunView:
     """``took(split, chunk, tasks, victim)``: this rank took another rank's chunk."""
     progress: Callable[[int, int], None]
     """``progress(done, total)``: what the heartbeat says of the phase's work."""
+    verdict_s: float = 0.0
+    """How long after a node dies its death is named to every rank at the latest (the
+    monitors' verdict, coordination.node_timeout_s and the intervals; with elastic, the
+    workers' grace): how long to wait for that before blaming what died with it."""
 
     @property
     def placement(self) -> Placement:

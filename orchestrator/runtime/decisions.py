@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.checkpoints import store
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.schema import TrainingPlan

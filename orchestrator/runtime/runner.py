@@ -32,12 +32,12 @@ from orchestrator.errors import (
     RunFinished,
     StopRequested,
 )
-from orchestrator.data import resample, work
+from orchestrator.data import claims, resample
 from orchestrator.node import placement
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Barrier, Phase
 from orchestrator.protocol import fsio, schema
-from orchestrator.protocol.api import HeartbeatState
+from orchestrator.protocol.wire import HeartbeatState
 from orchestrator.protocol.coordinator import Coordinator
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.schedule import first_point, next_point, schedule
@@ -46,7 +46,7 @@ from orchestrator.protocol.waiting import CancelToken, Deadline
 from orchestrator.runtime import phases
 from orchestrator.runtime.context import PhaseContext, RunView, Tracker, Workload
 from orchestrator.runtime.decisions import Decisions
-from orchestrator.runtime.inflight_training import InflightTraining
+from orchestrator.runtime.background_training import InflightTraining
 
 log = logging.getLogger("orchestrator")
 
@@ -90,7 +90,7 @@ class Rank:
     def _adopt_absent(self, iteration: int, phase: Phase, plan: dict | None, placed: placement.Placement) -> None:
         """Master, before the attempt starts: when it resumes inside a split's rollout whose
         plan gives work to ranks this run does not have (resumed on fewer nodes), keep their
-        records and hand their unfinished tasks to this run's ranks (data/work.py)."""
+        records and hand their unfinished tasks to this run's ranks (data/claims.py)."""
         if not plan:
             return
         splits = resample.planned(plan) if phase <= Phase.ROLLOUT else ["eval"] if phase in (Phase.EVAL_DECIDE, Phase.EVAL) else []
@@ -103,9 +103,9 @@ class Rank:
         ids = self.workload.task_ids(split, iteration)[: plan[split]["total"]]
         it = self.layout.iteration(iteration)
         weights = placement.rollout_weights(placed, cfg.rank_weights)
-        chunks = work.all_chunks(it, split, plan[split])
-        absent = work.ranks_beyond(chunks, work.owners(it, split, chunks), cfg.num_nodes)
-        adopted, moved = work.adopt(it, split, plan[split], ids, iteration=iteration, ranks=absent, weights=weights,
+        chunks = claims.all_chunks(it, split, plan[split])
+        absent = claims.ranks_beyond(chunks, claims.owners(it, split, chunks), cfg.num_nodes)
+        adopted, moved = claims.adopt(it, split, plan[split], ids, iteration=iteration, ranks=absent, weights=weights,
                                     attempt=self.coordinator.attempt_id)
         if adopted:
             log.warning("ranks %s have %s work in iteration %d but this run has %d node(s): their records so far are kept and "
@@ -222,7 +222,7 @@ class Rank:
 
     def _leave_to_rejoin(self, e: MarkedOut) -> None:
         """Elastic: the run went on without this rank. Stop its work (what it wrote since
-        counts for nothing: data/work.py) and ask to come back at the next iteration."""
+        counts for nothing: data/claims.py) and ask to come back at the next iteration."""
         self.coordinator.leave(self._start_over(e), join_timeout_s=self.config.coordination.join_timeout_s, for_good=False)
 
     def _start_over(self, reason: OrchestratorError) -> CancelToken:
@@ -389,7 +389,7 @@ class Rank:
         c = self.coordinator
         return RunView(attempt_id=c.attempt_id, attempt=c.attempt, in_run=c.in_run, train_round=c.train_round,
                        backoff=c.backoff, lost=c.lost, position=c.position, fault_point=c.fault_point, timing=c.timing,
-                       took=c.took, progress=c.progress)
+                       took=c.took, progress=c.progress, verdict_s=c.verdict_s())
 
 
 LOST_CONNECTION_SETTLE_S = 1.0

@@ -58,7 +58,7 @@ from pathlib import Path
 from orchestrator.errors import EXIT_ERROR, EXIT_OK
 from orchestrator.protocol import child_error
 from orchestrator.train.errors import TrainerError
-from orchestrator.train.server import run, serve
+from orchestrator.train.serving import run, serve
 
 log = logging.getLogger(__name__)
 

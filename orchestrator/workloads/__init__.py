@@ -4,7 +4,7 @@ embedded engine or vLLM, and the GRPO trainer). ``make`` picks one from the conf
 from __future__ import annotations
 
 from orchestrator.config import RunConfig
-from orchestrator.config import Workload as WorkloadKind
+from orchestrator.config import WorkloadKind
 from orchestrator.node.procs import Children
 from orchestrator.runtime.context import Workload
 

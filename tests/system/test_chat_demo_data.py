@@ -83,7 +83,7 @@ def test_the_tokenizer_is_the_same_on_every_build(chat_demo_data, tmp_path):
 
 
 def test_the_embedded_engine_stops_the_answer_at_the_end_of_the_turn(chat_demo_data):
-    from orchestrator import rewards
+    from orchestrator.plugins import rewards
     from orchestrator.demo import model as demo_model
     from orchestrator.engine.sampling import FinishReason, Sampler, SamplingParams
 

@@ -20,7 +20,7 @@ ENVS = '''
 import threading
 import time
 
-from orchestrator import rewards
+from orchestrator.plugins import rewards
 from orchestrator.environments import Step
 
 HANG = threading.Event()

@@ -60,7 +60,7 @@ def test_ranks_on_separate_sshfs_mounts_steal_a_slow_ranks_chunks_once_each(sshf
     """Work stealing across client caches: every chunk is claimed once (O_EXCL decided by the
     server; sshfs reports a lost race as EPERM), rank 2's chunks go to the fast ranks, and
     every task is in the aggregate once."""
-    from orchestrator.data import work
+    from orchestrator.data import claims
     from orchestrator.protocol import fsio
     from orchestrator.protocol.layout import RunLayout
     from tests.harness import aggregate_task_ids
@@ -78,8 +78,8 @@ def test_ranks_on_separate_sshfs_mounts_steal_a_slow_ranks_chunks_once_each(sshf
         plan = fsio.read_record(it.plan)
         for split, n in (("train", 36), ("eval", 9)):
             assert sorted(aggregate_task_ids(layout, i, split)) == [f"{split}-{i:06d}-{k:06d}" for k in range(n)]
-            claims = sorted(q.name for q in it.claims(split).glob("c*.json"))
-            assert claims == [f"c{k:05d}.0.json" for k in range(len(work.chunks_of(plan[split])))]
+            names = sorted(q.name for q in it.claims(split).glob("c*.json"))
+            assert names == [f"c{k:05d}.0.json" for k in range(len(claims.chunks_of(plan[split])))]
         summary = fsio.read_record(it.summary)
         assert summary["tasks_taken_per_rank"][2] > 0 and sum(summary["tasks_done_per_rank"]) == 36, summary
 

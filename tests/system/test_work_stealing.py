@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from orchestrator.data import work
+from orchestrator.data import claims
 from orchestrator.protocol import fsio
 from tests.harness import aggregate_task_ids, run_flags, status_json, wait_state
 
@@ -75,22 +75,22 @@ def test_kill_9_in_the_middle_of_a_steal_loses_and_duplicates_nothing(cluster, p
     os.kill(procs[1].pid, signal.SIGKILL)
     assert cluster.wait_all(procs, timeout=30) == [3, -9, 3]
     it = cluster.layout.iteration(1)
-    claims = {p.name: fsio.read_record(p) for p in it.claims("train").glob("c*.json")}
-    stolen = [name for name, body in claims.items() if body is None or (body["rank"] == 1 and body["first_rank"] == 2)]
+    bodies = {p.name: fsio.read_record(p) for p in it.claims("train").glob("c*.json")}
+    stolen = [name for name, body in bodies.items() if body is None or (body["rank"] == 1 and body["first_rank"] == 2)]
     listed = fsio.read_record(it.stolen("train", 1))["chunks"]  # (with any chunk whose claim it lost to another rank)
     if point == "before-steal":
-        assert len(listed) == 1 and stolen == [], (listed, claims)
+        assert len(listed) == 1 and stolen == [], (listed, bodies)
         chunk = listed[0]
-        assert not any(body["rank"] == 1 and body["chunk"] == chunk for body in claims.values()), claims
+        assert not any(body["rank"] == 1 and body["chunk"] == chunk for body in bodies.values()), bodies
     else:
-        assert len(stolen) == 1, claims
+        assert len(stolen) == 1, bodies
         chunk = int(stolen[0][1:6])
-        assert chunk in listed, (listed, claims)  # listed before its claim was created
+        assert chunk in listed, (listed, bodies)  # listed before its claim was created
 
     again = cluster.start_all(flags)
     assert cluster.wait_all(again, timeout=90) == [0, 0, 0], "\n".join(p.output() for p in again)
     _assert_each_task_once(cluster.layout, 1)
-    owner = work.owners(it, "train", work.chunks_of(fsio.read_record(it.plan)["train"]))[chunk]
+    owner = claims.owners(it, "train", claims.chunks_of(fsio.read_record(it.plan)["train"]))[chunk]
     if point == "in-steal":
         assert fsio.read_record(it.claim("train", chunk, 0)) is None and fsio.read_record(it.claim("train", chunk, 1)) is not None
     elif point == "after-steal":

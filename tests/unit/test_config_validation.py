@@ -30,7 +30,7 @@ def _error(*overrides: str) -> str:
 
 def _run(**fields) -> config.RunConfig:
     return config.RunConfig(data_path=Path("/data"), log_path=Path("/run"), rl_phase=RLPhase.BOTH, eval_interval=1, rank=0,
-                            workload=config.Workload.REHEARSAL, **fields)
+                            workload=config.WorkloadKind.REHEARSAL, **fields)
 
 
 BOUNDS = {
@@ -83,7 +83,7 @@ def test_the_top_level_bounds_name_the_flag(fields, message):
     base = {"eval_interval": 1, **fields}
     with pytest.raises(ConfigError) as raised:
         config.RunConfig(data_path=Path("/data"), log_path=Path("/run"), rl_phase=RLPhase.BOTH, rank=0,
-                         workload=config.Workload.REHEARSAL, **base)
+                         workload=config.WorkloadKind.REHEARSAL, **base)
     assert str(raised.value) == message
 
 

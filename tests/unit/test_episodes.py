@@ -14,7 +14,7 @@ from orchestrator.engine.client import Completion
 from orchestrator.environments import Step
 from orchestrator.data import turns
 from orchestrator.workloads.rl.episodes import Episodes, EnvThreads
-from orchestrator.workloads.rl.inflight import Answer
+from orchestrator.workloads.rl.engine_requests import Answer
 
 
 @pytest.fixture(scope="module")

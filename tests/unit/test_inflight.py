@@ -1,4 +1,4 @@
-"""The rollout's requests in flight (workloads/rl/inflight.py) against engines faked at the one
+"""The rollout's requests in flight (workloads/rl/engine_requests.py) against engines faked at the one
 seam it calls, ``acomplete``; tests/system/test_rollout_inflight.py runs a real engine process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from orchestrator.engine.client import Completion, EngineHTTPError
 from orchestrator.runtime.context import SerialPipe
 from orchestrator.runtime.phases.rollout import _settled
-from orchestrator.workloads.rl.inflight import Inflight, Request
+from orchestrator.workloads.rl.engine_requests import Inflight, Request
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,8 @@ ROOT = Path(__file__).resolve().parents[2] / "orchestrator"
 
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS = [
-    {"orchestrator", "orchestrator.defaults", "orchestrator.errors", "orchestrator.phase_table", "orchestrator.records", "orchestrator.rewards", "orchestrator.environments", "orchestrator.plugins", "orchestrator.terminal"},
+    {"orchestrator", "orchestrator.defaults", "orchestrator.errors", "orchestrator.phase_table", "orchestrator.plugins",
+     "orchestrator.rewards", "orchestrator.environments", "orchestrator.terminal"},
     {"orchestrator.node"},
     {"orchestrator.config", "orchestrator.train.settings"},  # the trainer's settings: sections of the run's config
     {"orchestrator.protocol"},
@@ -82,16 +83,24 @@ def test_there_is_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+COORDINATION = {f"orchestrator.protocol.{m}" for m in ("coordinator", "attendance", "monitor", "heartbeat", "barrier", "membership",
+                                                          "join", "lease", "startup", "liveness")}
+"""The rank's coordination: its threads, executors and rules. Phases and workloads are told
+what they need of it through ``RunView``."""
+
+
 def test_phases_and_workloads_see_the_run_through_its_view_never_the_coordinator():
     """runtime/phases/ and workloads/ get ``PhaseContext.run`` (a ``RunView``); a name or an
-    attribute ``coordinator`` there would be a reach past it."""
+    attribute ``coordinator`` there, or an import of the coordination's modules, would be a
+    reach past it."""
     reach = []
     for folder in (ROOT / "runtime" / "phases", ROOT / "workloads"):
         for path in sorted(folder.rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
                 imported = node.module if isinstance(node, ast.ImportFrom) else None
-                if name == "coordinator" or (imported or "").endswith("protocol.coordinator"):
+                if name == "coordinator" or (imported or "") in COORDINATION or any(
+                        f"{imported}.{a.name}" in COORDINATION for a in getattr(node, "names", ()) if imported):
                     reach.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
     assert not reach, "phases and workloads reach into the coordinator:\n" + "\n".join(reach)
 
@@ -103,4 +112,28 @@ def test_the_trainer_does_not_import_the_run_config():
     reach = [f"{m} imports {t}" for m, p in sorted(modules.items()) if m.startswith("orchestrator.train")
              for t in sorted(_imports(p, modules)) if t == "orchestrator.config" or t.startswith("orchestrator.config.")]
     assert not reach, "\n".join(reach)
+
+
+def test_the_engine_loads_models_without_the_demo():
+    modules = _modules()
+    reach = [f"{m} imports {t}" for m, p in sorted(modules.items()) if m.startswith("orchestrator.engine")
+             for t in sorted(_imports(p, modules)) if t.startswith("orchestrator.demo")]
+    assert not reach, "\n".join(reach)
+
+
+def test_at_most_eight_modules_sit_flat_in_the_package():
+    flat = sorted(p.stem for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(flat) <= 8, f"{len(flat)} modules flat in orchestrator/: {', '.join(flat)}"
+
+
+def test_the_users_seams_live_in_one_package():
+    """Rewards, environments and the module:name loader are orchestrator/plugins/; the two
+    names users write (orchestrator.rewards:math, orchestrator.environments.Step) only re-export."""
+    for face in ("rewards", "environments"):
+        tree = ast.parse((ROOT / f"{face}.py").read_text())
+        defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+        assert not defined, f"orchestrator/{face}.py defines {defined}: its code belongs in orchestrator/plugins/{face}.py"
+        assert all(n.module == f"orchestrator.plugins.{face}" for n in tree.body if isinstance(n, ast.ImportFrom))
+    loaders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if "importlib.import_module" in p.read_text()]
+    assert all(p.startswith("plugins/") for p in loaders), f"module:name is loaded outside orchestrator/plugins/: {loaders}"
 

@@ -215,7 +215,7 @@ def test_ranks_whose_model_differs_have_different_fingerprints(tmp_path):
 
 
 def test_a_rehearsal_has_no_model_in_its_fingerprint(tmp_path):
-    assert _run(tmp_path / "data", "org/absent", workload=config.Workload.REHEARSAL).fingerprint()["model"] is None
+    assert _run(tmp_path / "data", "org/absent", workload=config.WorkloadKind.REHEARSAL).fingerprint()["model"] is None
 
 
 def test_a_rank_whose_model_differs_is_named_at_join(tmp_path):

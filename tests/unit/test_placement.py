@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.errors import ConfigError
 from orchestrator.node import gpus, placement
 from tests.fake_gpus import fake_nvidia_smi, gpu_env

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.errors import Culprit, FailureKind
 from orchestrator.node import placement
-from orchestrator.protocol.api import TERMINAL_STATES, HeartbeatState
+from orchestrator.protocol.wire import TERMINAL_STATES, HeartbeatState
 from orchestrator.protocol.lease import Lease
 
 

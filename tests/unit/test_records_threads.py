@@ -11,7 +11,7 @@ import pytest
 PROGRAM = r"""
 import sys, threading
 from dataclasses import dataclass, field
-from orchestrator import records
+from orchestrator.protocol import records
 sys.setswitchinterval(1e-6)
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ chunk's count from its owner, and the decision every rank takes alike from the f
 
 from __future__ import annotations
 
-from orchestrator.data import resample, shards, work
+from orchestrator.data import claims, resample, shards
 from orchestrator.protocol.layout import IterationLayout
 
 
@@ -28,7 +28,7 @@ def test_round_splits_draw_from_the_train_tasks():
 
 
 def _plan(total: int = 4) -> dict:
-    split = {"enabled": True, **work.plan_split(total, [1, 1], stealing=False, chunk_tasks=0, min_chunk_tasks=1)}
+    split = {"enabled": True, **claims.plan_split(total, [1, 1], stealing=False, chunk_tasks=0, min_chunk_tasks=1)}
     return {"train": {**split, "resample_rounds": 1}, "train-r1": dict(split)}
 
 
@@ -37,9 +37,9 @@ IDS = {"train": ["a", "b", "c", "d"], "train-r1": ["e", "f", "g", "h"]}
 
 def _finish(it: IterationLayout, split: str, rank: int, informative: int) -> None:
     """``rank`` claims its one chunk of ``split`` and notes it finished with ``informative`` groups."""
-    chunk = next(c for c in work.chunks_of(_plan()[split]) if c.rank == rank)
-    assert work.Ledger(it, split, rank, [chunk], stealing=False, settle_s=0.0, attempt="a1").claim(chunk) is work.Outcome.WON
-    work.note_finished(it, split, rank, {chunk.index}, {chunk.index: informative})
+    chunk = next(c for c in claims.chunks_of(_plan()[split]) if c.rank == rank)
+    assert claims.Ledger(it, split, rank, [chunk], stealing=False, settle_s=0.0, attempt="a1").claim(chunk) is claims.Outcome.WON
+    claims.note_finished(it, split, rank, {chunk.index}, {chunk.index: informative})
 
 
 def test_the_next_round_opens_only_once_every_chunk_is_finished_and_too_few_groups_are_informative(tmp_path):
@@ -72,12 +72,12 @@ def test_an_adopted_ranks_chunks_count_from_the_masters_copy_of_its_records(tmp_
     # copying its records and moving its two undone tasks to a new chunk (done by rank 0 here).
     with shards.ShardWriter(it.shard("train", 1)) as w:
         w.append(_record("c", 0.0, 1.0))
-    adopted, moved = work.adopt(it, "train", plan["train"], IDS["train"], iteration=1, ranks=[1], weights=[1, 0], attempt="a2")
+    adopted, moved = claims.adopt(it, "train", plan["train"], IDS["train"], iteration=1, ranks=[1], weights=[1, 0], attempt="a2")
     assert adopted == [1] and moved == 1
-    new = work.Adoptions.read(it, "train").chunks[0]
+    new = claims.Adoptions.read(it, "train").chunks[0]
     assert resample.informative_count(it, "train", plan["train"], IDS["train"]) is None  # the new chunk is open
-    chunks = work.all_chunks(it, "train", plan["train"])
-    ledger = work.Ledger(it, "train", 0, chunks, stealing=False, settle_s=0.0, attempt="a2", adoptions=work.Adoptions.read(it, "train"))
-    assert ledger.claim(new) is work.Outcome.WON
-    work.note_finished(it, "train", 0, {0, new.index}, {0: 1, new.index: 0})
+    chunks = claims.all_chunks(it, "train", plan["train"])
+    ledger = claims.Ledger(it, "train", 0, chunks, stealing=False, settle_s=0.0, attempt="a2", adoptions=claims.Adoptions.read(it, "train"))
+    assert ledger.claim(new) is claims.Outcome.WON
+    claims.note_finished(it, "train", 0, {0, new.index}, {0: 1, new.index: 0})
     assert resample.informative_count(it, "train", plan["train"], IDS["train"]) == 2  # 1 + "c" from the copy + 0

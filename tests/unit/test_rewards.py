@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from orchestrator import rewards
+from orchestrator.plugins import rewards
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -4,7 +4,7 @@ logs written by hand into a real run directory."""
 import json
 from pathlib import Path
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.cli.status import time_line
 from orchestrator.data import summary
 from orchestrator.ops import event_fold as timing

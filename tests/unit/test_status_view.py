@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from orchestrator import records, terminal
+from orchestrator import terminal
+from orchestrator.protocol import records
 from orchestrator.cli.status import ITERATION_COLUMNS, RANK_COLUMNS, RANK_COLUMNS_LEFT_OUT_FIRST, view
 from orchestrator.data import summary
 from orchestrator.ops import status

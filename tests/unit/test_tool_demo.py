@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import environments, rewards
+from orchestrator.plugins import environments, rewards
 from orchestrator.data.turns import observation_ids
 from orchestrator.demo import TOOLS_MAX_TOKENS, calculator, chat_tokenizer, warm_start
 from orchestrator.demo import tasks as demo_tasks

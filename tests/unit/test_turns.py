@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import environments
+from orchestrator.plugins import environments
 from orchestrator.data import turns
 
 

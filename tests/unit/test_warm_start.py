@@ -6,7 +6,7 @@ task's format: the default demo's answer, or the chat demo's ``\\boxed{}`` one."
 
 import pytest
 
-from orchestrator import rewards
+from orchestrator.plugins import rewards
 from orchestrator.demo.warm_start import CHAT, CHECK_EVERY, MAX_ROLLBACKS, PLAIN, Band, WarmStartError, _Examples, to_band
 
 BAND = Band(0.25, 0.40)

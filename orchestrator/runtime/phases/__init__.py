@@ -11,7 +11,7 @@ from typing import Callable
 
 from orchestrator.phase_table import Phase
 from orchestrator.runtime.context import PhaseContext
-from orchestrator.runtime.inflight_training import InflightTraining
+from orchestrator.runtime.background_training import InflightTraining
 from orchestrator.runtime.phases import aggregate, engine, evaluation, prepare, publish, rollout, sync, train
 
 Work = Callable[[PhaseContext], "dict | None"]

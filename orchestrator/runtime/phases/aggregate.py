@@ -1,10 +1,10 @@
 """Phases 3-4: the master checks every rank's seal, then streams the shards into the
 iteration's aggregate, verifying each against its manifest and that every planned task is
-there exactly once: a chunk's records count from the rank that owns its claim (data/work.py)."""
+there exactly once: a chunk's records count from the rank that owns its claim (data/claims.py)."""
 
 from __future__ import annotations
 
-from orchestrator.data import resample, shards, staleness, summary, work
+from orchestrator.data import claims, resample, shards, staleness, summary
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
@@ -12,9 +12,9 @@ from orchestrator.runtime.phases import rollout
 
 
 def _sources(ctx: PhaseContext, split: str, owner: list[int | None]) -> list[tuple[str, object]]:
-    """The shard of every rank that owns a chunk of the split (``owner``: :func:`work.owners`;
+    """The shard of every rank that owns a chunk of the split (``owner``: :func:`claims.owners`;
     of a rank the run went on without, the master's sealed copy of its records)."""
-    return [(_label(split, r), work.shard_of(ctx.it, split, r)) for r in sorted({o for o in owner if o is not None})]
+    return [(_label(split, r), claims.shard_of(ctx.it, split, r)) for r in sorted({o for o in owner if o is not None})]
 
 
 def _label(split: str, rank: int) -> str:
@@ -42,17 +42,17 @@ def wait_for_seals(ctx: PhaseContext, split: str, sources: list[tuple[str, objec
     return found
 
 
-def final_owners(ctx: PhaseContext, split: str, chunks: list[work.Chunk]) -> list[int | None]:
+def final_owners(ctx: PhaseContext, split: str, chunks: list[claims.Chunk]) -> list[int | None]:
     """Each chunk's owner once every rank has sealed. Every chunk has a valid claim by then,
     but a claim is a new file: on a network filesystem it can show up on the master's mount
     later than the seals that follow it, so read the chunks still without one again, up to one
     node timeout (then go on with what is known: the merge names what is missing)."""
-    owner = work.owners(ctx.it, split, chunks)
+    owner = claims.owners(ctx.it, split, chunks)
     deadline = Deadline.after(ctx.config.coordination.node_timeout_s, f"the claims of {split}")
 
     def settled():
         missing = [k for k, o in enumerate(owner) if o is None]
-        for k, o in zip(missing, work.owners(ctx.it, split, [chunks[k] for k in missing])):
+        for k, o in zip(missing, claims.owners(ctx.it, split, [chunks[k] for k in missing])):
             owner[k] = o
         return owner if None not in owner or deadline.expired() else None
 
@@ -76,7 +76,7 @@ def verify_seals(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     sealed = {}
     for part in rollout.train_rounds(ctx).splits:
         adopt_late(ctx, part)
-        owner = final_owners(ctx, part, work.all_chunks(ctx.it, part, ctx.plan[part]))
+        owner = final_owners(ctx, part, claims.all_chunks(ctx.it, part, ctx.plan[part]))
         sealed |= {label: m.count for label, m in wait_for_seals(ctx, part, _sources(ctx, part, owner)).items()}
     return {"sealed": sealed}
 
@@ -96,12 +96,12 @@ def merge_split(ctx: PhaseContext, split: str, parts: list[str] | None = None) -
     for part in parts:
         adopt_late(ctx, part)
         ids = ctx.workload.task_ids(part, ctx.iteration)[: ctx.plan[part]["total"]]
-        chunks = work.all_chunks(ctx.it, part, ctx.plan[part])
+        chunks = claims.all_chunks(ctx.it, part, ctx.plan[part])
         owner = final_owners(ctx, part, chunks)  # every rank has sealed
         part_sources = _sources(ctx, part, owner)
         wait_for_seals(ctx, part, part_sources)
         sources += part_sources
-        chunk_of = {ids[t]: k for t, k in work.task_chunks(chunks).items()}
+        chunk_of = {ids[t]: k for t, k in claims.task_chunks(chunks).items()}
         keepers |= {task_id: _label(part, owner[k]) for task_id, k in chunk_of.items() if owner[k] is not None}
         position |= {task_id: planned + t for t, task_id in enumerate(ids)}  # the aggregate is in the plans' order
         planned += len(ids)
@@ -130,11 +130,11 @@ def _added(a: list[int], b: list[int]) -> list[int]:
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(max(len(a), len(b)))]
 
 
-def work_done(chunks: list[work.Chunk], owner: list[int | None], num_ranks: int) -> dict:
+def work_done(chunks: list[claims.Chunk], owner: list[int | None], num_ranks: int) -> dict:
     """Tasks each rank did (``done_per_rank``) and tasks of each rank's first share that
     other ranks took (``taken_per_rank``)."""
     size = dict.fromkeys(range(len(chunks)), 0)
-    for k in work.task_chunks(chunks).values():
+    for k in claims.task_chunks(chunks).values():
         size[k] += 1  # a chunk's tasks that no later chunk took over
     num_ranks = max([num_ranks, *(o + 1 for o in owner if o is not None)])
     done, taken = [0] * num_ranks, [0] * num_ranks

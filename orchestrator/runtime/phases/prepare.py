@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from orchestrator import records
+from orchestrator.protocol import records
 from orchestrator.data import shards, staleness
 from orchestrator.errors import BadInput
 from orchestrator.protocol.schema import TrainingPlan

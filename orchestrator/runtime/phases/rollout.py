@@ -1,7 +1,7 @@
 """Phases 1-2: each rank rolls out chunks of the split into its own shard, then seals it.
 
 A rank takes its own chunks of the plan first, then, with work stealing, chunks not yet
-started from the ranks with the most left (data/work.py): the phase ends when the work ends.
+started from the ranks with the most left (data/claims.py): the phase ends when the work ends.
 With coordination.elastic a rank seals only once every chunk is finished, and the master
 hands the unfinished work of a rank it marked out to the others as new chunks.
 The shard is appended in small fsynced batches; a restarted rank keeps what its shard
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from orchestrator import terminal
-from orchestrator.data import resample, shards, work
+from orchestrator.data import claims, resample, shards
 from orchestrator.node import placement
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
@@ -28,12 +28,12 @@ def weights(ctx: PhaseContext) -> list[float]:
     return [0.0 if r in out else w for r, w in enumerate(given)]
 
 
-def ledger(ctx: PhaseContext, split: str) -> work.Ledger:
+def ledger(ctx: PhaseContext, split: str) -> claims.Ledger:
     """This rank's claims on the split's chunks in this iteration."""
     split_plan = ctx.plan[split]
     steal = ctx.config.coordination.work_stealing and weights(ctx)[ctx.rank] > 0
-    adoptions = work.Adoptions.read(ctx.it, split)
-    return work.Ledger(ctx.it, split, ctx.rank, work.all_chunks(ctx.it, split, split_plan, adoptions), stealing=steal,
+    adoptions = claims.Adoptions.read(ctx.it, split)
+    return claims.Ledger(ctx.it, split, ctx.rank, claims.all_chunks(ctx.it, split, split_plan, adoptions), stealing=steal,
                        settle_s=ctx.config.coordination.node_timeout_s, attempt=ctx.attempt_id,
                        on_steal=lambda point: ctx.fault_point(f"hold-{point}"),
                        adoptions=adoptions)
@@ -46,7 +46,7 @@ def adopt_out(ctx: PhaseContext, split: str) -> int:
     if not out:
         return 0
     ids = ctx.workload.task_ids(split, ctx.iteration)[: ctx.plan[split]["total"]]
-    adopted, moved = work.adopt(ctx.it, split, ctx.plan[split], ids, iteration=ctx.iteration, ranks=out, weights=weights(ctx),
+    adopted, moved = claims.adopt(ctx.it, split, ctx.plan[split], ids, iteration=ctx.iteration, ranks=out, weights=weights(ctx),
                                 attempt=ctx.attempt_id)
     if moved:
         ctx.log.warning("the %s records of ranks %s so far are kept, and their %d unfinished task(s) of iteration %d go to the "
@@ -54,14 +54,14 @@ def adopt_out(ctx: PhaseContext, split: str) -> int:
     return moved
 
 
-def _refresh(ctx: PhaseContext, split: str, claims: work.Ledger) -> bool:
+def _refresh(ctx: PhaseContext, split: str, held: claims.Ledger) -> bool:
     """Elastic: take in the master's latest adoptions; True when there are new chunks."""
     if ctx.is_master:
         adopt_out(ctx, split)
-    adoptions = work.Adoptions.read(ctx.it, split)
-    if len(adoptions.chunks) == len(claims.adoptions.chunks) and adoptions.owned.keys() == claims.adoptions.owned.keys():
+    adoptions = claims.Adoptions.read(ctx.it, split)
+    if len(adoptions.chunks) == len(held.adoptions.chunks) and adoptions.owned.keys() == held.adoptions.owned.keys():
         return False
-    claims.adopted(adoptions, work.all_chunks(ctx.it, split, ctx.plan[split], adoptions))
+    held.adopted(adoptions, claims.all_chunks(ctx.it, split, ctx.plan[split], adoptions))
     return True
 
 
@@ -82,17 +82,17 @@ def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
     ids = ctx.workload.task_ids(split, ctx.iteration)
     elastic = ctx.config.coordination.elastic
     tracked = elastic or gated  # finished chunks noted, and the phase waits for every chunk
-    claims = ledger(ctx, split)
-    moved = work.task_chunks(claims.chunks)  # a task of an adopted rank's chunk may be another chunk's now
-    finished = work.finished_chunks(ctx.it, split, ctx.rank) if tracked else set()
+    held = ledger(ctx, split)
+    moved = claims.task_chunks(held.chunks)  # a task of an adopted rank's chunk may be another chunk's now
+    finished = claims.finished_chunks(ctx.it, split, ctx.rank) if tracked else set()
     mark = resample.informative if gated else None
 
     def note() -> None:
-        counts = resample.chunk_counts(claims.chunks, ids, moved, writer.marked, finished) if gated else None
-        work.note_finished(ctx.it, split, ctx.rank, finished, counts)
+        counts = resample.chunk_counts(held.chunks, ids, moved, writer.marked, finished) if gated else None
+        claims.note_finished(ctx.it, split, ctx.rank, finished, counts)
 
     with shards.ShardWriter(path, mark=mark) as writer, contextlib.closing(ctx.workload.rollout_pipe(ctx, split)) as pipe:
-        queue = claims.owned()
+        queue = held.owned()
         done = len(writer.task_ids)
         if done:
             ctx.log.info("resuming %s shard: %d tasks already there, %d chunk(s) claimed", split, done, len(queue))
@@ -102,13 +102,13 @@ def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
         with terminal.progress(f"iteration {ctx.iteration} {split} rollout", count, done) as bar:
             while True:
                 pending = False
-                if elastic and _refresh(ctx, split, claims):
-                    moved = work.task_chunks(claims.chunks)
+                if elastic and _refresh(ctx, split, held):
+                    moved = claims.task_chunks(held.chunks)
                 while pipe.wants_more():  # claimed only when the engines can take it: the rest stays free to steal
                     if queue:
                         chunk = queue.pop(0)
                     else:
-                        chunk, pending = claims.take()
+                        chunk, pending = held.take()
                         if chunk is None:
                             break
                         if chunk.rank != ctx.rank:
@@ -123,7 +123,7 @@ def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
                         if tracked:
                             note()  # done before a restart: the others (and this rank's wait) see it finished
                 if not pipe.outstanding:
-                    if not pending and (not tracked or claims.open_chunk() is None):
+                    if not pending and (not tracked or held.open_chunk() is None):
                         break
                     # A claim is settling (see whether it is void), or (elastic) others still work:
                     # a rank marked out meanwhile leaves chunks for this one.
@@ -138,7 +138,7 @@ def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
                     writer.append(record)
                 writer.flush()  # each batch is durable before it is counted: progress shown is progress kept
                 done += len(batch)
-                total = claims.expected()
+                total = held.expected()
                 ctx.progress(done, total)
                 bar.update(done, total)
                 if first_batch:
@@ -163,7 +163,7 @@ def _settled(unfinished: dict[int, set[str]], batch: list[dict]) -> set[int]:
 
 
 def seal_shard(ctx: PhaseContext, split: str) -> dict:
-    shard = work.shard_of(ctx.it, split, ctx.rank)
+    shard = claims.shard_of(ctx.it, split, ctx.rank)
     if shard != ctx.it.shard(split, ctx.rank):  # adopted: the master sealed its copy
         m = shards.sealed(shard)
         return {"split": split, "count": m.count, "sha256": m.sha256}

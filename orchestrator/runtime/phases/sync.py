@@ -4,9 +4,9 @@ checkpoints retention no longer keeps, and marks the iteration complete."""
 from __future__ import annotations
 
 from orchestrator.config import RolloutSplit
-from orchestrator.config import Workload
+from orchestrator.config import WorkloadKind
 from orchestrator.checkpoints import retention
-from orchestrator.data import resample, summary, work
+from orchestrator.data import claims, resample, summary
 from orchestrator.phase_table import RLPhase, eval_due
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
@@ -29,12 +29,12 @@ def make_plan(ctx: PhaseContext) -> dict:
     c = cfg.coordination
 
     def split_plan(total: int, enabled: bool = True) -> dict:
-        return {"enabled": enabled, **work.plan_split(total, weights, stealing=c.work_stealing, chunk_tasks=c.chunk_tasks,
+        return {"enabled": enabled, **claims.plan_split(total, weights, stealing=c.work_stealing, chunk_tasks=c.chunk_tasks,
                                                       min_chunk_tasks=ctx.workload.min_chunk_tasks)}
 
     for split, enabled in (("train", train), ("eval", evaluate)):
         plan[split] = split_plan(ctx.workload.tasks_per_iteration(split) if enabled else 0, enabled)
-    if train and cfg.workload is Workload.RL and cfg.rl.filter_groups:  # each resample round a split of its own (data/resample.py)
+    if train and cfg.workload is WorkloadKind.RL and cfg.rl.filter_groups:  # each resample round a split of its own (data/resample.py)
         rounds = 0
         for k in range(1, cfg.rl.max_resample_rounds + 1):
             total = ctx.workload.tasks_per_iteration(resample.split_of(k))

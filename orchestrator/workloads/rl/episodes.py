@@ -29,8 +29,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from orchestrator.environments import OneTurn, Step
-from orchestrator.workloads.rl.inflight import Inflight, Request
+from orchestrator.plugins.environments import OneTurn, Step
+from orchestrator.workloads.rl.engine_requests import Inflight, Request
 from orchestrator.workloads.rl.scoring import ERROR_CHARS
 from orchestrator.data.turns import Conversation, render
 

@@ -17,7 +17,7 @@ from typing import Callable
 from orchestrator.engine.client import Completion
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.episodes import Episodes
-from orchestrator.workloads.rl.inflight import Answer, Inflight, Request, drain
+from orchestrator.workloads.rl.engine_requests import Answer, Inflight, Request, drain
 from orchestrator.workloads.rl.scoring import Scorer
 
 BATCH_TASKS = 16

@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.rewards import Reward
+from orchestrator.plugins.rewards import Reward
 
 log = logging.getLogger(__name__)
 

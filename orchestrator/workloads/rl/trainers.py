@@ -24,18 +24,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator import defaults
 from orchestrator.errors import EXIT_BAD_INPUT, ChildFailed
 from orchestrator.node import gpus
 from orchestrator.node.placement import TrainWorker
 from orchestrator.phase_table import Phase
 from orchestrator.node.procs import Children
 from orchestrator.protocol import child_error, fsio
-from orchestrator.protocol.barrier import FanIn
-from orchestrator.protocol.monitor import verdict_bound_s
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
 from orchestrator.runtime.context import PhaseContext
-from orchestrator.workloads.rl import rendezvous
+from orchestrator.workloads.rl import trainer_address as rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -173,12 +170,10 @@ class NodeTrainers:
         error = self._failed(ctx, t, t.proc.returncode)
         if t.proc.returncode != EXIT_BAD_INPUT and len(ctx.run.placement.train_workers) > len(procs) \
                 and _lost_a_peer(error):
-            c = ctx.config.coordination
-            fan_in = FanIn.of(ctx.config.num_nodes, c.fan_in) is not None
-            wait = verdict_bound_s(c.node_timeout_s, c.heartbeat_interval_s, c.watch_s, fan_in) + (defaults.WORKER_GRACE_S if c.elastic else 0.0)
+            wait = ctx.run.verdict_s
             log.warning("%s; waiting up to %.0f s (the monitors' verdict on a dead node: coordination.node_timeout_s, "
-                        "a heartbeat and a watch interval%s) for the node that failed first to be named",
-                        error, wait, f" + {defaults.WORKER_GRACE_S:g} s, elastic" if c.elastic else "")
+                        "a heartbeat and a watch interval, and the elastic grace) for the node that failed first to be named",
+                        error, wait)
             ctx.cancel.sleep(wait)  # raises the peer's failure (or, elastic, the retrain) when the monitor learns it
         raise error
 

@@ -17,7 +17,7 @@ import random
 import time
 from pathlib import Path
 
-from orchestrator import environments, rewards
+from orchestrator.plugins import environments, rewards
 from orchestrator.config import RunConfig
 from orchestrator import checkpoints
 from orchestrator.checkpoints import retention, store
@@ -28,7 +28,7 @@ from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.schema import TrainingPlan
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
-from orchestrator.workloads.rl.inflight import Inflight
+from orchestrator.workloads.rl.engine_requests import Inflight
 from orchestrator.workloads.rl.episodes import Episodes
 from orchestrator.workloads.rl.rollout_pipe import MultiTurnPipe, RLRolloutPipe
 from orchestrator.workloads.rl.scoring import Scorer
