@@ -36,7 +36,7 @@ class TrainingFailed(OrchestratorError):
     """The training thread failed with an error of no kind of ours (its traceback follows)."""
 
 
-class InflightTraining:
+class BackgroundTraining:
     def __init__(self, on_change: Callable[[int | None], None] = lambda _iteration: None) -> None:
         """``on_change(iteration)``: the iteration training in the background now (None: none),
         for the heartbeat, which `status` shows."""

@@ -46,7 +46,7 @@ from orchestrator.protocol.waiting import CancelToken, Deadline
 from orchestrator.runtime import phases
 from orchestrator.runtime.context import PhaseContext, RunView, Tracker, Workload
 from orchestrator.runtime.decisions import Decisions
-from orchestrator.runtime.background_training import InflightTraining
+from orchestrator.runtime.background_training import BackgroundTraining
 
 log = logging.getLogger("orchestrator")
 
@@ -65,7 +65,7 @@ class Rank:
         self.children = Children()
         self.coordinator = Coordinator(config, self.cancel, self.children)
         self.workload = make_workload(config, self.children)
-        self.training = InflightTraining(on_change=self.coordinator.training_in_flight)
+        self.training = BackgroundTraining(on_change=self.coordinator.training_in_flight)
         """rl.max_staleness >= 1: this node's training of phase 10, running on while the rank
         walks a later iteration's rollout (protocol/schedule.py)."""
         self._noted = False  # the workload's notes are logged once, however many attempts follow

@@ -71,3 +71,18 @@ def test_a_broken_link_is_caught(tmp_path):
     (tmp_path / "a.md").write_text("# Title\n\nSee [b](b.md) and [here](#nowhere) and [c](a.md#title), not `f[x](y)`.\n")
     assert links(tmp_path / "a.md") == ["b.md", "#nowhere", "a.md#title"]
     assert anchors(tmp_path / "a.md") == {"title"}
+
+
+def test_the_architecture_pages_module_table_is_each_modules_opening_docstring():
+    from tests import module_table
+
+    assert module_table.on_page() is not None, f"{module_table.PAGE.name} lacks the module table's markers"
+    assert module_table.on_page() == module_table.render(), (
+        "docs/architecture.md's module table differs from the modules' docstrings: run python3 -m tests.module_table --write")
+
+
+def test_the_readme_lists_every_doc():
+    index = re.findall(r"^- \[docs/([\w.-]+\.md)\]", (ROOT / "README.md").read_text(encoding="utf-8"), re.M)
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.name not in index]
+    assert not missing, f"README.md's doc index leaves out {', '.join(missing)}"
+

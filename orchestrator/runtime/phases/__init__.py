@@ -11,7 +11,7 @@ from typing import Callable
 
 from orchestrator.phase_table import Phase
 from orchestrator.runtime.context import PhaseContext
-from orchestrator.runtime.background_training import InflightTraining
+from orchestrator.runtime.background_training import BackgroundTraining
 from orchestrator.runtime.phases import aggregate, engine, evaluation, prepare, publish, rollout, sync, train
 
 Work = Callable[[PhaseContext], "dict | None"]
@@ -45,12 +45,12 @@ def no_decision(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
     return {}
 
 
-def _launch_training(training: InflightTraining) -> tuple[Work, Decide]:
+def _launch_training(training: BackgroundTraining) -> tuple[Work, Decide]:
     """Phase 10: every rank hands its part of the training to its training thread, and goes on."""
     return (lambda ctx: training.launch(ctx, train.train)), no_decision
 
 
-def _publish_after_training(training: InflightTraining) -> tuple[Work, Decide]:
+def _publish_after_training(training: BackgroundTraining) -> tuple[Work, Decide]:
     """Phase 11: every rank waits for its part of the training; once all arrived, every part
     is done, and the master publishes the checkpoint as the phase's decision."""
     return (lambda ctx: training.finish(ctx, train.train)), publish.publish_as_decision
@@ -58,7 +58,7 @@ def _publish_after_training(training: InflightTraining) -> tuple[Work, Decide]:
 
 # rl.max_staleness >= 1: (work, decide) of the phases the pipelined order splits the training
 # over (protocol/schedule.py); every rank does the work, whatever the phase table's actor.
-PIPELINED: dict[Phase, Callable[[InflightTraining], tuple[Work, Decide]]] = {
+PIPELINED: dict[Phase, Callable[[BackgroundTraining], tuple[Work, Decide]]] = {
     Phase.TRAIN: _launch_training,
     Phase.PUBLISH: _publish_after_training,
 }
