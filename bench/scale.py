@@ -5,7 +5,7 @@ and dead-rank detection, with N simulated ranks on one machine.
     python bench/scale.py --num-nodes 64 --window-s 10  # quicker
     python bench/scale.py --no-strace                   # latency and detection only
 
-Each simulated rank is the protocol's own code (``protocol.coordinator.Coordinator``: lease,
+Each simulated rank is the protocol's own code (``coordination.coordinator.Coordinator``: lease,
 join, heartbeat, monitor, barriers, abort) run in a thread, with its work a sleep; ranks share
 a few processes (``--ranks-per-process``; the master alone in the first, the last rank alone in
 the last, which is killed), started one after another: the master, then each process once the
@@ -111,7 +111,7 @@ def _rank(rank: int, num_nodes: int, log_path: Path, data_path: Path, window_s: 
     from orchestrator.node.procs import Children
     from orchestrator.phase_table import Phase
     from orchestrator.protocol.wire import HeartbeatState
-    from orchestrator.protocol.coordinator import Coordinator
+    from orchestrator.coordination.coordinator import Coordinator
     from orchestrator.protocol.waiting import CancelToken, Deadline
 
     last = num_nodes - 1
@@ -131,7 +131,7 @@ def _rank(rank: int, num_nodes: int, log_path: Path, data_path: Path, window_s: 
 
     try:
         coord = Coordinator(_config(rank, num_nodes, log_path, data_path, node_timeout_s), CancelToken(), Children())
-        coord.join(lambda: (1, Phase.SYNC_START, None))
+        coord.join(lambda: (1, Phase.SYNC_START, None, ()))
         barrier(0)
         barrier(0)
         emit("working", rank)
@@ -259,8 +259,8 @@ def drive_ranks_from_one_thread() -> Driver:
     """Replace every rank's heartbeat thread and monitor thread in this process by one
     :class:`Driver`. The protocol's code does every file operation (``Heartbeat.beat``,
     ``Monitor.step``); only who calls it, and when, is the bench's."""
-    from orchestrator.protocol.heartbeat import Heartbeat
-    from orchestrator.protocol.monitor import Monitor
+    from orchestrator.coordination.heartbeat import Heartbeat
+    from orchestrator.coordination.monitor import Monitor
 
     driver = Driver()
     close = Heartbeat.close
@@ -311,7 +311,7 @@ def drive_ranks_from_one_thread() -> Driver:
 def child(first: int, last: int, num_nodes: int, log_path: Path, data_path: Path, window_s: float, rounds: int,
           node_timeout_s: float = NODE_TIMEOUT_S, kill: bool = True) -> int:
     from orchestrator.node import gpus
-    from orchestrator.protocol import startup
+    from orchestrator.coordination import startup
 
     # Start-up facts a thousand threads need not gather (nvidia-smi, versions): not protocol.
     facts = gpus.detect()

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, Culprit, FailureKind
 
 _RANGE_CALL = re.compile(r"^(?:list\()?\s*range\(\s*(\d+)\s*,\s*(\d+)\s*\)\s*\)?$")
 _ITEM = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
@@ -286,3 +286,46 @@ def rollout_weights(placement: Placement, weights: Sequence[float] | None, hosts
 def cluster_gpus(reports: dict[int, dict]) -> tuple[int, ...]:
     """Each node's GPU count, node 0 first, from the reports ``{node: {"count", ...}}``."""
     return tuple(r["count"] for _, r in sorted(reports.items()))
+
+class Unplaceable(Exception):
+    """The cluster does not fit the GPU placement; ``culprit`` is the node to blame."""
+
+    def __init__(self, culprit: Culprit):
+        super().__init__(culprit.error)
+        self.culprit = culprit
+
+
+def place(*, num_nodes: int, rank_weights, train, rollout, max_staleness: int, reports: dict[int, dict]) -> Placement:
+    """The placement for the GPUs the nodes reported (``reports``: node -> its GPU report and
+    host), decided once by the master before any work; ``train`` and ``rollout``: the run's
+    sections of those names. Raises :class:`Unplaceable` naming the node to blame."""
+    import logging
+
+    try:
+        gpus_per_node = cluster_gpus(reports) if train.device_mapping else 0
+        resolved = resolve(
+            num_nodes=num_nodes, gpus_per_node=gpus_per_node, train_mapping=train.device_mapping,
+            rollout_mapping=rollout.device_mapping, gpus_per_engine=rollout.gpus_per_engine, engine_port=rollout.engine_port,
+            train_nodes=train.nodes, rollout_nodes=rollout.nodes,
+        )
+        rollout_weights(resolved, rank_weights, [reports[n]["host"] for n in sorted(reports)])
+        if max_staleness and resolved.colocated:
+            raise ConfigError(f"rl.max_staleness={max_staleness} runs rollout while training, so the engines need GPUs "
+                              f"of their own, but the device mappings share some with the train workers: map them apart")
+    except ConfigError as e:
+        seen = "; ".join(f"node {n} ({r['host']}): {r['count']} GPU(s) ({r['source']})" for n, r in sorted(reports.items()))
+        node = _short_node(reports)
+        message = f"the cluster does not fit the GPU placement: {e}. The nodes report: {seen}"
+        raise Unplaceable(Culprit(node, reports[node]["host"], None, None, FailureKind.ERROR, message)) from None
+    if resolved.on_gpu:
+        logging.getLogger(__name__).info("placement: %d train worker(s), %d engine(s), %s", len(resolved.train_workers),
+                                         len(resolved.engines), "colocated" if resolved.colocated else "disaggregated")
+    return resolved
+
+
+def _short_node(reports: dict[int, dict]) -> int:
+    """The node to blame: the one with the fewest GPUs when counts differ, else node 0."""
+    counts = {n: r["count"] for n, r in reports.items()}
+    if len(set(counts.values())) > 1:
+        return min(counts, key=lambda n: (counts[n], n))
+    return 0

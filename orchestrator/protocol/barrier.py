@@ -29,14 +29,10 @@ import math
 from dataclasses import dataclass, field
 
 from orchestrator import defaults
+from orchestrator.protocol.actions import TimedOut, Wait
 from orchestrator.protocol.membership import ranks_text
 from orchestrator.protocol.schema import Arrival, GroupArrival, Point, Release
 from orchestrator.protocol.waiting import Deadline
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    missing: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +40,6 @@ class ReleaseAll:
     """Every rank in the run arrived: decide the phase with their payloads and release."""
 
     payloads: dict[int, dict]
-
-
-@dataclass(frozen=True, slots=True)
-class TimedOut:
-    """The barrier's deadline passed with ``missing`` not arrived; the first one is named."""
-
-    missing: tuple[int, ...]
 
 
 @dataclass(slots=True)

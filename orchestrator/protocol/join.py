@@ -22,22 +22,9 @@ from dataclasses import dataclass, field
 
 from orchestrator.protocol import records
 from orchestrator.errors import Culprit
+from orchestrator.protocol.actions import TimedOut, Wait
 from orchestrator.protocol.lease import Lease
 from orchestrator.protocol.waiting import Deadline
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Nothing to do but poll again; ``message`` is said once to the log, if any."""
-
-    message: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TimedOut:
-    """The join deadline passed; ``missing`` are the ranks that never joined (master)."""
-
-    missing: tuple[int, ...] = ()
 
 
 # -- master ------------------------------------------------------------------------------------
@@ -180,21 +167,21 @@ class WorkerJoin:
         if (lease is None or lease.released) and view.finished:
             return Finished()
         if lease is None or lease.released:
-            return Wait(f"waiting for the master (rank 0) to start an attempt under {self.run}")
+            return Wait(message=f"waiting for the master (rank 0) to start an attempt under {self.run}")
         if lease.attempt in self.left:
-            return Wait(f"the master of attempt {lease.attempt} died; waiting for a new master (restart rank 0)")
+            return Wait(message=f"the master of attempt {lease.attempt} died; waiting for a new master (restart rank 0)")
         if view.lease_abort is not None:
-            return Wait(f"attempt {lease.attempt} has ended; waiting for a new master")
+            return Wait(message=f"attempt {lease.attempt} has ended; waiting for a new master")
         if lease.attempt != self.joined:
             if view.lease_start is not None and self.elastic:
                 return Enter(lease, rejoin=True)
             if view.lease_start is not None:  # it started without this process: a stale lease of a dead master
-                return Wait(f"attempt {lease.attempt} already started without this rank; waiting for a new master")
+                return Wait(message=f"attempt {lease.attempt} already started without this rank; waiting for a new master")
             return Enter(lease)
         if view.lease_start is None:
             return Wait()
         if not self._mine(view.lease_start):
-            return Wait(f"attempt {lease.attempt} started with another process as rank {self.rank}; waiting for a new master")
+            return Wait(message=f"attempt {lease.attempt} started with another process as rank {self.rank}; waiting for a new master")
         return Started(view.lease_start)
 
     def leave(self, *, for_good: bool = True) -> None:

@@ -11,7 +11,7 @@
 
 Two masters racing for the same generation are decided by an ``O_EXCL`` claim file.
 :class:`Takeover` is that decision, pure over what is read (unit-tested with a fake clock);
-:func:`acquire` reads, asks it, and writes.
+coordination/master_lease.py reads, asks it, and writes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import secrets
 
 from orchestrator.protocol import records
 from orchestrator.errors import BadInput
-from orchestrator.node import identity
 from orchestrator.protocol import fsio
 from orchestrator.protocol.wire import TERMINAL_STATES
 from orchestrator.protocol.clock import REAL_CLOCK, Clock
@@ -140,51 +139,3 @@ class Takeover:
 
 def new_attempt_id(generation: int) -> str:
     return f"a{generation:06d}-{secrets.token_hex(3)}"
-
-
-def acquire(layout: RunLayout, timeout_s: float, poll_s: float, clock: Clock = REAL_CLOCK) -> Lease:
-    """Become the run's master, or raise :class:`BadInput` naming the live one."""
-    current = read_lease(layout, settle_s=10.0, clock=clock)
-    takeover = Takeover(current, timeout_s)
-    watching = False
-
-    def step() -> Take | Refuse | None:
-        nonlocal watching
-        holder = None
-        if takeover.needs_holder:
-            holder = HolderView(identity.same_host_process_alive(records.to_dict(current)),
-                                fsio.read_record(layout.attempt(current.attempt).heartbeat(0)))
-        action = takeover.decide(holder, clock.monotonic())
-        if isinstance(action, Watch):
-            if not watching:
-                watching = True
-                log.warning("run is leased to a master on host %s (pid %d); watching its heartbeat for up to %.0f s "
-                            "to tell whether it is alive", current.host, current.pid, timeout_s)
-            return None
-        return action
-
-    # The decision ends the wait: a heartbeat that stands still for timeout_s means a dead holder.
-    action = poll(step, deadline=Deadline.never("the lease holder's heartbeat"), backoff=Backoff(poll_s, poll_s))
-    if isinstance(action, Refuse):
-        raise BadInput(
-            f"another master is live on this run: host {current.host}, pid {current.pid} "
-            f"(attempt {current.attempt}). Stop it first (orchestrator stop --log-path {layout.root}), "
-            f"or start this node with --worker R"
-        )
-    generation = action.generation
-    if action.holder_dead:
-        log.warning("the master of attempt %s (host %s, pid %d) is dead; taking the run over as generation %d",
-                    current.attempt, current.host, current.pid, generation)
-    if not fsio.create_record_exclusive(layout.claim(generation), identity.me()):
-        raise BadInput(f"another master claimed generation {generation} of this run at the same moment; start only one --master")
-    me = identity.me()
-    lease = Lease(generation, new_attempt_id(generation), me["host"], me["pid"], me["pid_start"])
-    fsio.write_record(layout.lease, records.to_dict(lease))
-    return lease
-
-
-def release(layout: RunLayout, lease: Lease) -> None:
-    """Mark the lease free so the next master need not wait for this one to look dead."""
-    current = read_lease(layout)
-    if current is not None and current.generation == lease.generation:
-        fsio.write_record(layout.lease, records.to_dict(dataclasses.replace(lease, released=True)))

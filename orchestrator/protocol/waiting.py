@@ -45,7 +45,7 @@ class CancelToken:
 
     def sleep(self, seconds: float, wake: threading.Event | None = None) -> None:
         """Sleep, but wake and raise at once if the token is cancelled; and return early
-        when ``wake`` is set (a same-host wake-up: protocol/wakeup.py), clearing it."""
+        when ``wake`` is set (a same-host wake-up: coordination/wakeup.py), clearing it."""
         if wake is None:
             if self._event.wait(max(0.0, seconds)):
                 raise self._reason  # type: ignore[misc]

@@ -38,7 +38,7 @@ from orchestrator.node.procs import Children
 from orchestrator.phase_table import Barrier, Phase
 from orchestrator.protocol import fsio, schema
 from orchestrator.protocol.wire import HeartbeatState
-from orchestrator.protocol.coordinator import Coordinator
+from orchestrator.coordination.coordinator import Coordinator
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.schedule import first_point, next_point, schedule
 from orchestrator.protocol.schema import Progress, TrainingPlan
@@ -191,7 +191,7 @@ class Rank:
 
     def _abandoned(self, e: PeerFailed) -> bool:
         """The master's monitor found its workers gave up on it: it was frozen or paused past
-        the node timeout, and they judged it dead (protocol/monitor.py, ``abandoned_by``)."""
+        the node timeout, and they judged it dead (coordination/monitor.py, ``abandoned_by``)."""
         return self.config.is_master and e.culprit.rank == 0 and e.culprit.kind is FailureKind.DEAD
 
     def _take_them_back(self, e: PeerFailed) -> None:

@@ -5,9 +5,9 @@ written by a rank that no longer leads the group. Real files, the monitor's own 
 
 from orchestrator.protocol import fsio
 from orchestrator.protocol.barrier import FanIn
-from orchestrator.protocol.heartbeat import Heartbeat
+from orchestrator.coordination.heartbeat import Heartbeat
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.protocol.monitor import Monitor
+from orchestrator.coordination.monitor import Monitor
 from orchestrator.protocol.waiting import CancelToken
 
 HB = 1.0

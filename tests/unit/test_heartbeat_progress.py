@@ -5,7 +5,7 @@ restarted rank found in its shard), present from the first durable batch on."""
 from pathlib import Path
 
 from orchestrator.protocol import fsio
-from orchestrator.protocol.heartbeat import Heartbeat
+from orchestrator.coordination.heartbeat import Heartbeat
 
 
 class FakeClock:

@@ -13,6 +13,7 @@ LAYERS = [
     {"orchestrator.node"},
     {"orchestrator.config", "orchestrator.train.settings"},  # the trainer's settings: sections of the run's config
     {"orchestrator.protocol"},
+    {"orchestrator.coordination"},
     {"orchestrator.data", "orchestrator.checkpoints", "orchestrator.preflight"},
     {"orchestrator.runtime"},
     {"orchestrator.workloads", "orchestrator.engine", "orchestrator.train", "orchestrator.demo"},
@@ -83,8 +84,8 @@ def test_there_is_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-COORDINATION = {f"orchestrator.protocol.{m}" for m in ("coordinator", "attendance", "monitor", "heartbeat", "barrier", "membership",
-                                                          "join", "lease", "startup", "liveness")}
+COORDINATION = {"orchestrator.coordination", *(f"orchestrator.coordination.{m}" for m in (
+    "coordinator", "attendance", "monitor", "heartbeat", "startup", "wakeup", "executor", "barriers"))}
 """The rank's coordination: its threads, executors and rules. Phases and workloads are told
 what they need of it through ``RunView``."""
 
@@ -99,8 +100,7 @@ def test_phases_and_workloads_see_the_run_through_its_view_never_the_coordinator
             for node in ast.walk(ast.parse(path.read_text())):
                 name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
                 imported = node.module if isinstance(node, ast.ImportFrom) else None
-                if name == "coordinator" or (imported or "") in COORDINATION or any(
-                        f"{imported}.{a.name}" in COORDINATION for a in getattr(node, "names", ()) if imported):
+                if name == "coordinator" or (imported or "").startswith("orchestrator.coordination"):
                     reach.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
     assert not reach, "phases and workloads reach into the coordinator:\n" + "\n".join(reach)
 
@@ -136,4 +136,24 @@ def test_the_users_seams_live_in_one_package():
         assert all(n.module == f"orchestrator.plugins.{face}" for n in tree.body if isinstance(n, ast.ImportFrom))
     loaders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if "importlib.import_module" in p.read_text()]
     assert all(p.startswith("plugins/") for p in loaders), f"module:name is loaded outside orchestrator/plugins/: {loaders}"
+
+
+def test_the_protocol_holds_formats_and_rules_and_no_thread_or_executor():
+    """protocol/ is the file formats and the pure rules; the threads that watch and beat and
+    the executors that read files, call a rule and act are orchestrator/coordination/."""
+    threads = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "protocol").glob("*.py"))
+               if "threading.Thread(" in p.read_text()]
+    assert not threads, f"threads in protocol/: {threads}"
+    modules = _modules()
+    reach = [f"{m} imports {t}" for m, p in sorted(modules.items()) if m.startswith("orchestrator.protocol")
+             for t in sorted(_imports(p, modules)) if t.startswith("orchestrator.coordination")]
+    assert not reach, "\n".join(reach)
+    placing = [f"{path.relative_to(ROOT)}:{node.lineno}" for folder in ("protocol", "coordination") for path in sorted((ROOT / folder).glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef) and node.name == "place"]
+    assert not placing, f"GPU placement is node/placement.py's: {placing}"
+
+
+def test_the_coordinator_stays_small():
+    lines = len((ROOT / "coordination" / "coordinator.py").read_text().splitlines())
+    assert lines <= 400, f"coordination/coordinator.py has {lines} lines: give a concern its own module"
 

@@ -5,7 +5,7 @@ import pytest
 from orchestrator.phase_table import PHASE_TABLE, Barrier, Phase, RLPhase, eval_due
 from orchestrator.protocol.clock import FakeClock
 from orchestrator.protocol.liveness import LivenessTracker
-from orchestrator.protocol.monitor import master_verdict, worker_verdict
+from orchestrator.protocol.verdicts import master_verdict, worker_verdict
 from orchestrator.protocol.schedule import finished, next_point, schedule
 from orchestrator.protocol.schema import Progress
 
@@ -194,7 +194,7 @@ def _verdict_latency(death: float, reads_from: float, interval: float = 5.0, tim
     master reads heartbeats once an interval from ``reads_from`` and judges every poll; a
     worker reads the master's heartbeat (and so its abort) one watch interval later at most.
     Returns how long after the death every rank knows."""
-    from orchestrator.protocol.monitor import poll_interval_s
+    from orchestrator.protocol.verdicts import poll_interval_s
 
     poll_s = poll_interval_s(interval)
     clock, t = FakeClock(start=0.0), LivenessTracker(timeout_s=timeout)
@@ -227,7 +227,7 @@ def _master_death_latency(death: float, reads_from: float, interval: float = 5.0
 @pytest.mark.parametrize("death", [20.01, 21.3, 22.49, 24.99])
 @pytest.mark.parametrize("reads_from", [0.0, 0.1, 1.2, 2.4, 4.9])
 def test_a_rank_that_sees_a_death_first_waits_long_enough_for_the_verdict(death, reads_from):
-    from orchestrator.protocol.monitor import verdict_bound_s
+    from orchestrator.protocol.verdicts import verdict_bound_s
 
     assert 0 < _verdict_latency(death, reads_from) <= verdict_bound_s(20.0, 5.0, 1.0)
     assert 0 < _master_death_latency(death, reads_from % 1.0) <= verdict_bound_s(20.0, 5.0, 1.0)
@@ -242,7 +242,7 @@ def test_the_node_timeout_alone_is_too_short_a_wait_for_the_verdict():
 
 
 def test_the_verdict_bound_is_the_node_timeout_plus_a_heartbeat_a_poll_and_a_watch_interval():
-    from orchestrator.protocol.monitor import verdict_bound_s
+    from orchestrator.protocol.verdicts import verdict_bound_s
 
     assert verdict_bound_s(20, 5, 1) == 20 + 5 + 0.25 + 1
     assert verdict_bound_s(3, 0.2, 1) == 3 + 1 + 1  # a watch interval longer than a heartbeat's

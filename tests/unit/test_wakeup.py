@@ -1,4 +1,4 @@
-"""Same-host wake-ups (protocol/wakeup.py) and the reads that a waiting or watching worker makes:
+"""Same-host wake-ups (coordination/wakeup.py) and the reads that a waiting or watching worker makes:
 a real inotify watch, real files, real threads; timing bounds are correctness bounds only
 (a wait that a wake-up ends comes long before the poll interval it would otherwise sleep)."""
 
@@ -8,8 +8,9 @@ import time
 import pytest
 
 from orchestrator.errors import StopRequested
-from orchestrator.protocol import fsio, wakeup
-from orchestrator.protocol.monitor import MasterWord
+from orchestrator.protocol import fsio
+from orchestrator.coordination import wakeup
+from orchestrator.coordination.monitor import MasterWord
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
 
 LONG_POLL_S = 20.0  # what a wait sleeps between polls here when nothing wakes it

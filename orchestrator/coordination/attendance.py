@@ -1,14 +1,16 @@
 """A rank's presence in an attempt: joining it, rejoining it, leaving it; and what a rank
 runs while it is in one (its heartbeat, its event log, its monitor).
 
-Joining. The master takes the lease (``protocol/lease.py``), which names a fresh attempt ``A``;
-every rank writes ``attempts/A/joins/r<R>.json``; the master reads those N known names,
-checks that all ranks run the same configuration, settles the preflight and the placement
-(``protocol/startup.py``), and publishes ``attempts/A/start.json`` with the resume point. A
+Joining. The master takes the lease (``coordination/master_lease.py``), which names a fresh
+attempt ``A``; every rank writes ``attempts/A/joins/r<R>.json``; the master reads those N
+known names, checks that all ranks run the same configuration, runs the preflight
+(``coordination/startup.py``) and the placement (``node/placement.py``), and publishes
+``attempts/A/start.json`` with the resume point. A
 worker finds ``A`` by polling ``control/lease.json``, and follows the lease if a new master
-starts a new attempt while it waits. What to do at each poll is decided in
-``protocol/join.py`` (and ``lease.Takeover``); this module reads, writes and carries it out.
-The coordinator (``protocol/coordinator.py``) builds on it with barriers and membership.
+starts a new attempt while it waits. What to do at each read is decided in
+``protocol/join.py`` (and ``lease.Takeover``); this module reads, writes and carries it out,
+its waits run by the executor (``coordination/executor.py``).
+The coordinator (``coordination/coordinator.py``) builds on it with barriers and membership.
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 from orchestrator import defaults
-from orchestrator.protocol import records
 from orchestrator.config import RunConfig
-from orchestrator.errors import BadInput, Culprit, FailureKind, PeerFailed, RunFinished, StopRequested
+from orchestrator.coordination import executor, master_lease, startup, wakeup
+from orchestrator.coordination.heartbeat import Heartbeat
+from orchestrator.coordination.monitor import Monitor, publish_abort
+from orchestrator.errors import BadInput, Culprit, DeadlineExceeded, FailureKind, PeerFailed, RunFinished, StopRequested
 from orchestrator.node import gpus, identity
+from orchestrator.node import placement as placement_mod
 from orchestrator.node.placement import Placement
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Phase
-from orchestrator.protocol import faults, fsio, schedule, schema, startup, wakeup
+from orchestrator.protocol import faults, fsio, records, schedule, schema
 from orchestrator.protocol import lease as lease_mod
-from orchestrator.protocol.wire import TERMINAL_STATES, HeartbeatState
+from orchestrator.protocol.actions import Wait
 from orchestrator.protocol.events import EventLog
-from orchestrator.protocol.heartbeat import Heartbeat
 from orchestrator.protocol.join import (
     Abandoned,
     Admit,
@@ -42,8 +46,6 @@ from orchestrator.protocol.join import (
     MasterJoin,
     Rejoin,
     Started,
-    TimedOut,
-    Wait,
     WorkerJoin,
     WorkerView,
     config_mismatch,
@@ -51,8 +53,9 @@ from orchestrator.protocol.join import (
 from orchestrator.protocol.layout import AttemptLayout, RunLayout
 from orchestrator.protocol.liveness import LivenessTracker
 from orchestrator.protocol.membership import Members, ranks_text
-from orchestrator.protocol.monitor import Monitor, publish_abort, worker_verdict
-from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
+from orchestrator.protocol.verdicts import worker_verdict
+from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline
+from orchestrator.protocol.wire import TERMINAL_STATES, HeartbeatState
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +181,7 @@ class Attendance:
         self.monitor.start()
 
     def _join_as_master(self, resume, prepare) -> Entry:
-        self.lease = lease_mod.acquire(self.layout, self.c.node_timeout_s, self.c.poll_max_s)
+        self.lease = master_lease.acquire(self.layout, self.c.node_timeout_s, self.c.poll_max_s, self.cancel)
         self._enter(self.lease.attempt)
         log.info("master holds lease generation %d; attempt %s", self.lease.generation, self.attempt_id)
         self.hosts[0] = identity.host()
@@ -188,21 +191,19 @@ class Attendance:
         if join.missing:
             log.info("waiting for ranks %s to join (up to %.0f s)", ranks_text(join.missing), self.c.join_timeout_s)
 
-        def step():
+        def decide():
             fsio.refresh_dir(self.attempt.joins)
-            action = join.decide({r: fsio.read_record(self.attempt.join(r)) for r in join.missing})
-            if isinstance(action, TimedOut):
-                raise self._join_timed_out(action.missing)
-            if isinstance(action, Admit):
-                for r, j in action.joins.items():
-                    self.hosts[r] = j["host"]
-                    self.monitor.watch([r])
-                return True if action.complete else None
-            return None
+            return join.decide({r: fsio.read_record(self.attempt.join(r)) for r in join.missing})
 
-        poll(step, deadline=join.deadline, cancel=self.cancel, backoff=self.backoff,
-             pace=lambda: (len(join.missing) + 1) / defaults.MASTER_READS_PER_S,  # a probe reads every missing join
-             on_timeout=lambda: self._join_timed_out(join.missing))
+        def admit(action: Admit) -> bool | None:
+            for r, j in action.joins.items():
+                self.hosts[r] = j["host"]
+                self.monitor.watch([r])
+            return True if action.complete else None
+
+        executor.run(executor.Operation(decide, lambda action: self._join_timed_out(action.missing if action else join.missing), admit),
+                     join.deadline, cancel=self.cancel, backoff=self.backoff,
+                     pace=lambda: (len(join.missing) + 1) / defaults.MASTER_READS_PER_S)  # a read of every missing join
         joins = join.joins
         self._nonces = {r: j.get("nonce") for r, j in joins.items()}
         mine = self.config.fingerprint()
@@ -215,8 +216,10 @@ class Attendance:
         startup.preflight({0: fsio.read_record(self.attempt.join(0)) or {}, **joins}, self.c.node_timeout_s)
         reports = {0: {**self.gpus, "host": self.hosts[0]}, **{r: {**j["gpus"], "host": j["host"]} for r, j in joins.items()}}
         try:
-            self.placement = self.full_placement = startup.place(self.config, reports)
-        except startup.Unplaceable as e:
+            self.placement = self.full_placement = placement_mod.place(
+                num_nodes=self.config.num_nodes, rank_weights=self.config.rank_weights, train=self.config.train,
+                rollout=self.config.rollout, max_staleness=self.config.rl.max_staleness, reports=reports)
+        except placement_mod.Unplaceable as e:
             publish_abort(self.attempt, e.culprit, self.heartbeat)
             raise BadInput(e.culprit.error) from None
         prepare(iteration, phase, plan, self.placement)
@@ -262,17 +265,16 @@ class Attendance:
         timeout = self._join_timeout_s if self._join_timeout_s is not None else self.c.join_timeout_s
         deadline = Deadline.after(timeout + defaults.WORKER_GRACE_S, "the master to start an attempt")
         join = self._worker_join
-        said: set[str] = set()
         # A master on this host wakes the wait at once: control/ made, its lease, then the attempt's start.
         wakes = wakeup.Wakeups()
         wakes.watch(self.layout.root, [self.layout.control.name])
         lease_watched = False
 
-        def step():
+        def decide():
             nonlocal lease_watched
             lease_watched = lease_watched or wakes.watch(self.layout.control, ["lease.json"])
             action = join.decide(self._worker_view(), deadline)
-            if isinstance(action, Enter):
+            if isinstance(action, Enter):  # entered, the rank decides again at once: the attempt may have started
                 self._check_rank_free(action.lease.attempt)
                 self._enter(action.lease.attempt, rejoin=action.rejoin)
                 join.joined = action.lease.attempt
@@ -280,23 +282,19 @@ class Attendance:
                 if action.lease.host == identity.host():
                     wakes.watch(self.attempt.root, ["start.json", "abort.json"])
                 action = join.decide(self._worker_view(), deadline)
-            if isinstance(action, (Started, Rejoin)):
-                return action
+            return action
+
+        def act(action) -> Started | Rejoin:
             if isinstance(action, Abandoned):
                 raise PeerFailed(action.culprit)
-            if isinstance(action, TimedOut):
-                raise self._no_master()
             if isinstance(action, Finished):
                 raise RunFinished(f"the run under {self.layout.root} is complete and no master holds it: nothing is left for "
                                   f"rank {self.rank} (the run completed without it)")
-            if isinstance(action, Wait) and action.message and action.message not in said:
-                said.add(action.message)
-                log.info("%s", action.message)
-            return None
+            return action  # Started or Rejoin
 
         with wakes:
-            action = poll(step, deadline=deadline, cancel=self.cancel, backoff=self.idle_backoff, wake=wakes.event,
-                          on_timeout=self._no_master)
+            action = executor.run(executor.Operation(decide, lambda _: self._no_master(), act), deadline, cancel=self.cancel,
+                                  backoff=self.idle_backoff, wake=wakes.event)
         start = records.from_dict(action.start, schema.Start, str_keys=True)
         self.hosts.update(start.hosts)
         if start.fingerprint != self.config.fingerprint():
@@ -318,11 +316,11 @@ class Attendance:
         master = LivenessTracker(self.c.node_timeout_s)
         master.watch(0, time.monotonic())
 
-        def probe():
+        def decide():
             fsio.refresh_dir(self.attempt.root)
             entry = Members.read(self.attempt.members).admitted.get(self.rank)
             if entry is not None and entry.get("nonce") == self.nonce:
-                return entry
+                return entry  # admitted: the wait is over
             now = time.monotonic()
             beat = fsio.read_record(self.attempt.heartbeat(0))
             master.observe(0, beat, now)
@@ -333,10 +331,11 @@ class Attendance:
                 raise RunFinished(f"the run's master finished the run before rank {self.rank} could rejoin: it completed without it")
             if beat is not None and beat.get("state") in TERMINAL_STATES:
                 raise StopRequested(f"the run's master ended ({beat.get('state')}) before rank {self.rank} could rejoin")
-            return None
+            return Wait()
 
-        entry = poll(probe, deadline=Deadline.never("admission into the running attempt"), cancel=self.cancel,
-                     backoff=self.idle_backoff)
+        never = Deadline.never("admission into the running attempt")
+        entry = executor.run(executor.Operation(decide, lambda _: DeadlineExceeded(f"timed out waiting for {never.what}")), never,
+                             cancel=self.cancel, backoff=self.idle_backoff)
         log.info("rank %d rejoins attempt %s at iteration %d", self.rank, self.attempt_id, entry["iteration"])
         return entry["iteration"]
 
