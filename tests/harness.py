@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,6 +49,54 @@ def run_flags(log_path: Path, *, num_nodes: int = 3, weights: str = "2,1,1", rl_
     if max_iterations is not None:
         flags.append(f"--max-iterations={max_iterations}")
     return flags + FAST + list(extra)
+
+
+# The real loop on the demo data, small enough for a CPU: a few tasks and samples, one epoch,
+# several batches a rank (prompts in flight in requests of 2), a dead rank seen within 5 s.
+RL_SMALL = [
+    "rl.train_tasks=8",
+    "rl.samples_per_prompt=4",
+    "rl.eval_tasks=16",
+    "rl.eval_samples=2",
+    "rl.epochs=1",
+    "rl.micro_batch=4",
+    "rollout.max_inflight=32",  # 8 prompts in flight, in requests of 2: a rank's share comes back in several batches
+    "rollout.prompts_per_request=2",
+    "coordination.heartbeat_interval_s=0.5",
+    "coordination.node_timeout_s=5",  # 10 beats; the tests that kill a rank wait this long to see it dead (test_tracking: 5 s too)
+    "coordination.join_timeout_s=60",
+]
+
+
+def rl_flags(data: Path, log_path: Path, *, num_nodes: int | None = 3, weights: str | None = "2,1,1", rl_phase: str = "both",
+             max_iterations: int | None = None, settings: list[str] = RL_SMALL, extra: list[str] = ()) -> list[str]:
+    """Flags of `orchestrator run` or `local` for the real loop on ``data``: ``settings``, then
+    ``extra`` (a later key wins). A run that rolls out and updates evaluates every iteration;
+    ``num_nodes`` or ``weights`` None leaves the flag out (the CLI's default)."""
+    flags = [f"--data-path={data}", f"--log-path={log_path}", f"--rl-phase={rl_phase}"]
+    if num_nodes is not None:
+        flags.append(f"--num-nodes={num_nodes}")
+    if weights is not None:
+        flags.append(f"--rank-weights={weights}")
+    if rl_phase == "both":
+        flags.append("--eval-interval=1")
+    if max_iterations is not None:
+        flags.append(f"--max-iterations={max_iterations}")
+    return flags + list(settings) + list(extra)
+
+
+def run_local(flags: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`orchestrator local` to its end; past ``timeout`` every process it started is killed
+    (its ranks and their engines and trainers too), then the timeout is raised."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "local", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def require(missing: list[str] | str | None, what: str) -> None:
@@ -138,6 +188,14 @@ def kill_tree(pid: int) -> None:
             k.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free a moment ago, for a process that cannot take port 0 (a
+    gloo rendezvous every rank must know in advance) or for a port where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:
@@ -263,9 +321,53 @@ def status_json(log_path: Path) -> dict:
     return json.loads(out.stdout)
 
 
+def aggregate_records(layout: RunLayout, iteration: int, split: str = "train") -> list[dict]:
+    return [json.loads(line) for line in layout.iteration(iteration).aggregate(split).read_text().splitlines()]
+
+
 def aggregate_task_ids(layout: RunLayout, iteration: int, split: str = "train") -> list[str]:
-    path = layout.iteration(iteration).aggregate(split)
-    return [json.loads(line)["task_id"] for line in path.read_text().splitlines()]
+    return [r["task_id"] for r in aggregate_records(layout, iteration, split)]
+
+
+def assert_each_task_once(layout: RunLayout, iterations: int, *, tasks: int, eval_tasks: int = 0) -> None:
+    """Iterations 1 to ``iterations`` of a rehearsal each aggregated every one of its ``tasks``
+    train tasks, and its ``eval_tasks`` eval tasks (every iteration evaluated), exactly once: by
+    id, so that a task lost and another counted twice cannot pass as the right count."""
+    for i in range(1, iterations + 1):
+        for split, n in (("train", tasks), ("eval", eval_tasks)):
+            if n:
+                ids = aggregate_task_ids(layout, i, split)
+                assert sorted(ids) == [f"{split}-{i:06d}-{k:06d}" for k in range(n)], f"iteration {i} {split}: a task missing or twice"
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_addition_aggregate(path: Path, tasks: int, texts, *, tokenizer=None, cut: tuple[int, int] | None = None,
+                             **sample_fields) -> None:
+    """An aggregate for the trainer alone: ``tasks`` addition tasks (task k: 3k+1 plus 7 - k%5),
+    each with a sample for every text ``texts(k, a + b)`` gives, reward 1 for the right sum.
+    ``tokenizer``: the prompt's and each sample's token ids too, as an engine returns them (the
+    sample's ending with EOS); ``cut``: (task, sample) ended by max_tokens (finish_reason
+    length); ``sample_fields``: more keys of every sample."""
+    with open(path, "w") as f:
+        for k in range(tasks):
+            a, b = 3 * k + 1, 7 - k % 5
+            right = str(a + b)
+            samples = []
+            for t in texts(k, a + b):
+                sample = {"text": t}
+                if tokenizer is not None:
+                    sample["token_ids"] = tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                sample.update({"reward": float(t == right), "finish_reason": "stop", **sample_fields})
+                samples.append(sample)
+            if cut is not None and cut[0] == k:
+                samples[cut[1]]["finish_reason"] = "length"
+            record = {"task_id": f"t{k}", "prompt": f"{a}+{b}="}
+            if tokenizer is not None:
+                record["prompt_token_ids"] = tokenizer(f"{a}+{b}=")["input_ids"]
+            f.write(json.dumps({**record, "answer": right, "samples": samples}) + "\n")
 
 
 def assert_default_three_iteration_run(log_path: Path) -> None:

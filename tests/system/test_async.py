@@ -14,7 +14,8 @@ import pytest
 
 from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
-from tests.harness import NODE_TIMEOUT_S, aggregate_task_ids, heartbeat, run_flags, status_json, wait_for, wait_state
+from tests.harness import (NODE_TIMEOUT_S, aggregate_records, assert_each_task_once, heartbeat, run_flags, status_json, wait_for,
+                           wait_state)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -39,11 +40,9 @@ def summaries(layout, iterations: int = ITERATIONS) -> list[dict]:
 def assert_complete_within_the_bound(layout, iterations: int = ITERATIONS) -> None:
     """Every iteration trained once on all its tasks, each counted once, from the checkpoint
     one before the one it trains from (staleness 1), the first from the base model."""
+    assert_each_task_once(layout, iterations, tasks=TASKS)
     for i in range(1, iterations + 1):
-        ids = aggregate_task_ids(layout, i)
-        assert sorted(ids) == [f"train-{i:06d}-{k:06d}" for k in range(TASKS)], f"iteration {i}: tasks missing or counted twice"
-        records = [json.loads(line) for line in layout.iteration(i).aggregate("train").read_text().splitlines()]
-        assert {r["policy_iteration"] for r in records} == {max(0, i - 2)}, i
+        assert {r["policy_iteration"] for r in aggregate_records(layout, i)} == {max(0, i - 2)}, i
         marker = fsio.read_record(layout.checkpoint(i) / "marker.json")
         assert marker["iteration"] == i and marker["records"] == TASKS
     assert [s["staleness"] for s in summaries(layout, iterations)] == [[0, 0]] + [[1, 1]] * (iterations - 1)
@@ -64,6 +63,7 @@ def events(layout, rank: int) -> list[dict]:
             for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_next_rollout_runs_while_an_iteration_trains_and_every_trajectory_keeps_the_bound(cluster):
     procs = cluster.start_all(flags(cluster, TRAIN_ON_MASTER, train_s=2.0))
     assert cluster.wait_all(procs, timeout=90) == [0, 0, 0], "\n".join(p.output() for p in procs)
@@ -80,6 +80,7 @@ def test_the_next_rollout_runs_while_an_iteration_trains_and_every_trajectory_ke
         assert began[i + 1] < made, f"the rollout of iteration {i + 1} waited for the checkpoint of iteration {i}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("roles,victim,where", [
     (TRAIN_ON_MASTER, 1, (2, Phase.ROLLOUT)),  # a rollout node, mid-overlap
     (TRAIN_ON_MASTER, 0, (2, Phase.SHARDS_SEALED)),  # the master, which trains, while it trains
@@ -115,6 +116,7 @@ def test_sigkill_during_the_overlap_names_the_rank_and_the_rerun_continues_with_
     assert_complete_within_the_bound(cluster.layout)
 
 
+@pytest.mark.slow
 def test_sigstop_of_a_rollout_node_during_the_overlap_is_detected_and_the_rerun_completes(cluster):
     run = flags(cluster, TRAIN_ON_MASTER, train_s=3.0)
     procs = cluster.start_all(run)
@@ -144,6 +146,7 @@ def test_a_pipelined_run_resumed_with_another_staleness_is_refused_before_anythi
     assert sorted(p.name for p in cluster.layout.attempts.iterdir()) == attempts
 
 
+@pytest.mark.slow
 def test_elastic_a_rollout_node_killed_during_the_overlap_is_marked_out_its_work_redone_and_it_rejoins(cluster):
     """coordination.elastic with rl.max_staleness=1: rollout nodes are preemptible capacity.
     Rank 2 dies part-way through the rollout of iteration 2 while iteration 1 trains on node
@@ -165,6 +168,7 @@ def test_elastic_a_rollout_node_killed_during_the_overlap_is_marked_out_its_work
     assert_complete_within_the_bound(layout)
 
 
+@pytest.mark.slow
 def test_killed_during_the_overlap_and_resumed_on_fewer_nodes_it_continues_with_the_same_staleness(cluster):
     run = flags(cluster, TRAIN_ON_MASTER, train_s=2.0, extra=["rehearsal.task_s=0.3"])
     procs = cluster.start_all(run)
@@ -184,6 +188,7 @@ def test_killed_during_the_overlap_and_resumed_on_fewer_nodes_it_continues_with_
     assert_complete_within_the_bound(layout)
 
 
+@pytest.mark.slow
 def test_elastic_a_training_node_killed_while_it_trains_in_the_background_has_the_step_trained_again_without_it(cluster):
     """Nodes 0 and 1 train, node 2 rolls out. Rank 1 dies while iteration 1 trains in the
     background (the ranks walk the rollout of iteration 2): the master declares a second round

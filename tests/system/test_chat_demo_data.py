@@ -14,7 +14,7 @@ from orchestrator.data import tasks as data_tasks
 from orchestrator.demo import chat_tokenizer, warm_start
 from orchestrator.demo import tasks as demo_tasks
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # the fixture trains the chat demo model
 
 
 def _tokenizer(path):

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.data import shards
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import assert_default_three_iteration_run, run_flags, wait_for
+from tests.harness import assert_default_three_iteration_run, rl_flags, run_flags, wait_for
 
 
 def _flip_a_byte(path, offset=None):
@@ -42,14 +42,12 @@ def test_a_damaged_aggregate_is_rebuilt_from_the_shards(cluster):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_damaged_checkpoint_is_refused_naming_the_file(demo_data, tmp_path):
-    from tests.system.test_rl_loop import SMALL
-
     log_path = tmp_path / "run"
     layout = RunLayout(log_path)
 
     def run(iterations):
-        return subprocess.run([sys.executable, "-m", "orchestrator", "run", f"--data-path={demo_data}", f"--log-path={log_path}",
-                               "--rl-phase=both", "--eval-interval=1", f"--max-iterations={iterations}", *SMALL],
+        return subprocess.run([sys.executable, "-m", "orchestrator", "run",
+                               *rl_flags(demo_data, log_path, num_nodes=None, weights=None, max_iterations=iterations)],
                               capture_output=True, text=True, timeout=300)
 
     assert run(1).returncode == 0

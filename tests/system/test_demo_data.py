@@ -1,7 +1,6 @@
 """`orchestrator demo-data`: tasks and a warm-started base model, made locally and
 deterministically, in the Hugging Face format vLLM serves."""
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import sys
 import pytest
 
 from orchestrator.demo import tasks as demo_tasks
+from tests.harness import file_sha256
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -20,10 +20,7 @@ def _demo_data(path, *extra):
     return json.loads(result.stdout)
 
 
-def _sha(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
+@pytest.mark.slow
 def test_demo_data_is_complete_deterministic_and_loads_as_a_llama_checkpoint(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     manifest = _demo_data(a, "--warm-steps=20")
@@ -33,7 +30,7 @@ def test_demo_data_is_complete_deterministic_and_loads_as_a_llama_checkpoint(tmp
     assert manifest["settings"] == {"seed": 0, "warm_steps_fixed": 20}, "as before the chat demo: demo data made then is reused"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (a / "model" / name).is_file()
-        assert _sha(a / "model" / name) == _sha(b / "model" / name), f"{name} differs between two runs with one seed"
+        assert file_sha256(a / "model" / name) == file_sha256(b / "model" / name), f"{name} differs between two runs with one seed"
     assert not list((a / "model").glob("*.bin")), "weights are safetensors only"
 
     train, test = demo_tasks.read_tasks(a / "tasks" / "train.jsonl"), demo_tasks.read_tasks(a / "tasks" / "test.jsonl")
@@ -50,6 +47,7 @@ def test_demo_data_is_complete_deterministic_and_loads_as_a_llama_checkpoint(tmp
     assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == "17+25="
 
 
+@pytest.mark.slow
 def test_demo_data_is_reused_when_already_made_with_the_same_settings(tmp_path):
     _demo_data(tmp_path, "--warm-steps=5")
     before = (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns
@@ -57,6 +55,7 @@ def test_demo_data_is_reused_when_already_made_with_the_same_settings(tmp_path):
     assert (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_a_band_out_of_reach_within_the_step_cap_fails_naming_what_to_do_and_leaves_no_model(tmp_path):
     result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", f"--data-path={tmp_path}", "--max-warm-steps=10"],
                             capture_output=True, text=True, timeout=150)

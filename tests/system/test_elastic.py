@@ -18,6 +18,7 @@ from tests.harness import (
     NODE_TIMEOUT_S,
     Cluster,
     aggregate_task_ids,
+    assert_each_task_once,
     heartbeat,
     hold_after_first_batch,
     held_mid_rollout,
@@ -32,10 +33,7 @@ pytestmark = pytest.mark.timeout(150)
 
 TASKS, EVAL_TASKS, ITERATIONS = 36, 9, 4
 ELASTIC = ["coordination.elastic=true", f"rehearsal.tasks={TASKS}", f"rehearsal.eval_tasks={EVAL_TASKS}", "rehearsal.task_s=0.08"]
-
-
-def _flags(cluster, extra: list[str] = ()) -> list[str]:
-    return run_flags(cluster.log_path, weights="1,1,1", eval_interval=1, max_iterations=ITERATIONS, extra=[*ELASTIC, *extra])
+RUN = dict(weights="1,1,1", eval_interval=1, max_iterations=ITERATIONS)  # equal shares; every iteration evaluated, so eval tasks count too
 
 
 def _mid_rollout(layout: RunLayout, rank: int, iteration: int) -> bool:
@@ -53,19 +51,13 @@ def _events(layout: RunLayout, kind: str) -> list[dict]:
     return [e for e in _members(layout).get("events", []) if e["event"] == kind]
 
 
-def _assert_each_task_once(layout: RunLayout) -> None:
-    for i in range(1, ITERATIONS + 1):
-        for split, n in (("train", TASKS), ("eval", EVAL_TASKS)):
-            ids = aggregate_task_ids(layout, i, split)
-            assert sorted(ids) == [f"{split}-{i:06d}-{k:06d}" for k in range(n)], f"iteration {i} {split}: a task missing or twice"
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill-9", "sigstop"])
 def test_a_worker_lost_mid_rollout_is_marked_out_the_others_finish_and_it_rejoins(cluster, how):
     """Killed: rank 1, which leads the group of ranks 1 and 2 (the harness forces
     coordination.fan_in=2), so rank 2 leads it from then on; frozen: rank 2, a member."""
     victim = 1 if how == "kill-9" else 2
-    flags = _flags(cluster)
+    flags = run_flags(cluster.log_path, **RUN, extra=ELASTIC)
     procs = cluster.start_all(flags)
     layout = cluster.layout
     wait_for(lambda: _mid_rollout(layout, victim, 2), 60, f"rank {victim} to be part-way through the rollout of iteration 2")
@@ -88,7 +80,7 @@ def test_a_worker_lost_mid_rollout_is_marked_out_the_others_finish_and_it_rejoin
     wait_for(lambda: _events(layout, "rejoined"), 60, f"rank {victim} to rejoin")
     assert cluster.wait_all(procs, timeout=90) == [0, 0, 0], "\n".join(p.output() for p in procs)
 
-    _assert_each_task_once(layout)
+    assert_each_task_once(layout, ITERATIONS, tasks=TASKS, eval_tasks=EVAL_TASKS)
     rejoined = _events(layout, "rejoined")[0]
     assert rejoined["rank"] == victim and rejoined["iteration"] > 2, rejoined
     status = status_json(cluster.log_path)
@@ -107,12 +99,13 @@ def test_a_worker_lost_mid_rollout_is_marked_out_the_others_finish_and_it_rejoin
         assert changes == [("out", victim, 2), ("rejoined", victim, rejoined["iteration"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill-9", "sigstop"])
 def test_a_worker_lost_mid_training_is_marked_out_the_step_is_trained_again_without_it_and_it_rejoins(cluster, how):
     """Rank 2 is lost in phase 10 of iteration 2, after ranks 0 and 1 arrived at its barrier:
     the master declares a second round of that training (members.json), every rank trains the
     step again without rank 2, and it rejoins at the next iteration."""
-    flags = _flags(cluster)
+    flags = run_flags(cluster.log_path, **RUN, extra=ELASTIC)
     layout = cluster.layout
     procs = [cluster.start(r, flags, {"ORCHESTRATOR_FAULT": "hold@2:10"} if r == 2 else None) for r in range(3)]
 
@@ -134,7 +127,7 @@ def test_a_worker_lost_mid_training_is_marked_out_the_step_is_trained_again_with
     wait_for(lambda: _events(layout, "rejoined"), 60, "rank 2 to rejoin")
     assert cluster.wait_all(procs, timeout=90) == [0, 0, 0], "\n".join(p.output() for p in procs)
 
-    _assert_each_task_once(layout)
+    assert_each_task_once(layout, ITERATIONS, tasks=TASKS, eval_tasks=EVAL_TASKS)
     assert _events(layout, "rejoined")[0]["iteration"] > 2
     assert "training iteration 2 again (round 1) with ranks 0,1" in procs[0].output()
     assert "training it again (round 1)" in procs[1].output()
@@ -143,7 +136,7 @@ def test_a_worker_lost_mid_training_is_marked_out_the_step_is_trained_again_with
 
 def test_min_nodes_ends_the_attempt_as_without_elastic(cluster):
     """With coordination.min_nodes=3 no rank can be lost: a dead worker ends the attempt (exit 3)."""
-    procs = cluster.start_all(_flags(cluster, ["coordination.min_nodes=3"]))
+    procs = cluster.start_all(run_flags(cluster.log_path, **RUN, extra=[*ELASTIC, "coordination.min_nodes=3"]))
     wait_for(lambda: _mid_rollout(cluster.layout, 2, 1), 60, "rank 2 to be part-way through the rollout of iteration 1")
     os.kill(procs[2].pid, signal.SIGKILL)
     assert cluster.wait_all(procs, timeout=30) == [3, 3, -9]
@@ -226,6 +219,7 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
     assert not list(layout.checkpoint(3).parent.glob(".*.tmp")), "a try's staging directory is left"
 
 
+@pytest.mark.slow
 def test_rl_pipelined_a_training_node_killed_mid_update_in_the_background_is_trained_around_and_rejoins(demo_data, tmp_path):
     """rl.max_staleness=1, nodes 0 and 1 train (one gloo group), node 2 rolls out. Rank 1's
     node is killed while its trainer is in the update of iteration 1, which runs in the

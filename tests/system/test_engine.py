@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,11 @@ import pytest
 
 from orchestrator.engine.client import EngineClient, EngineHTTPError, EngineUnavailable
 from orchestrator.protocol import child_error
+from tests.harness import free_port
 
 MODEL_NAME = "tiny-llama"
 PROMPTS = ["1+2=", "12+34=", "", "49+49=", "7*8="]
 STARTUP_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:
@@ -428,7 +422,7 @@ def test_client_health_and_wait_healthy_against_a_running_engine(client):
 
 @pytest.mark.timeout(10)
 def test_wait_healthy_fails_fast_when_nothing_listens():
-    port = _free_port()
+    port = free_port()
     idle = EngineClient(f"http://127.0.0.1:{port}", timeout_s=5)
     assert not idle.health()
     started = time.monotonic()

@@ -11,8 +11,8 @@ import pytest
 
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.data import turns
-from tests.harness import NODE_TIMEOUT_S, hold_after_first_batch, kill_tree, start_ranks, status_json, wait_held_mid_rollout
-from tests.system.test_rl_loop import SMALL, _aggregate, _local
+from tests.harness import (NODE_TIMEOUT_S, aggregate_records, hold_after_first_batch, kill_tree, rl_flags, run_local, start_ranks,
+                           status_json, wait_held_mid_rollout)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -76,25 +76,24 @@ def user_envs(tmp_path):
     return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def _flags(data, log_path, env, *extra, nodes=2):
-    return [f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=both", f"--num-nodes={nodes}",
-            f"--rank-weights={','.join(['1'] * nodes)}", "--eval-interval=1", *SMALL, f"rl.environment=user_envs:{env}",
-            "rl.reward=orchestrator.rewards:math", "rl.max_tokens=48", "rl.max_turns=3", *extra]
+def _turns(env: str) -> list[str]:
+    """Conversations with ENVS' ``env``, graded by the math reward: short turns, at most 3."""
+    return [f"rl.environment=user_envs:{env}", "rl.reward=orchestrator.rewards:math", "rl.max_tokens=48", "rl.max_turns=3"]
 
 
 def test_two_ranks_train_on_turns_and_an_environment_that_raises_or_hangs_costs_only_its_samples(chat_demo_data, tmp_path, user_envs):
     log_path = tmp_path / "run"
     # Every failure tolerated: which batch each lands in decides when a lower limit trips, and the
     # limit's rule is the rewards' (tests/unit/test_scoring.py, test_rl_loop's failing reward).
-    result = _local(_flags(chat_demo_data, log_path, "Faulty", "--max-iterations=1", "rl.env_timeout_s=3",
-                           "rl.max_reward_error_fraction=1.0"), env=user_envs)
+    result = run_local(rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=1,
+                                extra=[*_turns("Faulty"), "rl.env_timeout_s=3", "rl.max_reward_error_fraction=1.0"]), env=user_envs)
     assert result.returncode == 0, result.stdout[-6000:]
     layout = RunLayout(log_path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_demo_data / "model")
     observation = turns.observation_ids(tokenizer, [{"role": "tool", "content": "check it"}])
-    train = _aggregate(layout, 1)
+    train = aggregate_records(layout, 1)
     assert len({r["task_id"] for r in train}) == len(train) == 8
     multi = 0
     for record in train:
@@ -114,7 +113,7 @@ def test_two_ranks_train_on_turns_and_an_environment_that_raises_or_hangs_costs_
     failed = [s for r in train for s in r["samples"] if "reward_error" in s]
     assert len(failed) in (1, 2) and all("no sandbox" in s["reward_error"] and s["token_ids"] == [] for s in failed)
 
-    evals = {r["task_id"]: r for r in _aggregate(layout, 1, "eval")}
+    evals = {r["task_id"]: r for r in aggregate_records(layout, 1, "eval")}
     raised = evals["test-000000"]["samples"]
     hung = evals["test-000001"]["samples"]
     assert all(s["reward"] == 0.0 and "ZeroDivisionError: boom in the environment" in s["reward_error"] for s in raised)
@@ -130,7 +129,8 @@ def test_kill_9_mid_conversations_then_rerun_keeps_every_written_task_and_runs_e
     log_path = tmp_path / "run"
     # 32 tasks of 4 samples a rank, 16 tasks in hand at a time, each step 0.2 s: when the first
     # batch is durable rank 0 still has conversations mid-way. Without work stealing, so its share stays its own.
-    flags = _flags(chat_demo_data, log_path, "Slow", "--max-iterations=1", "rl.train_tasks=64", "coordination.work_stealing=false")
+    flags = rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=1,
+                     extra=[*_turns("Slow"), "rl.train_tasks=64", "coordination.work_stealing=false"])
     procs = start_ranks(flags, 2, env_for={r: {**user_envs, **e} for r, e in hold_after_first_batch(0).items()} | {1: user_envs})
     try:
         layout = RunLayout(log_path)
@@ -143,9 +143,9 @@ def test_kill_9_mid_conversations_then_rerun_keeps_every_written_task_and_runs_e
     finally:
         for p in procs:
             kill_tree(p.pid)
-    result = _local([*flags, "--num-nodes=2"], env=user_envs)
+    result = run_local([*flags, "--num-nodes=2"], env=user_envs)
     assert result.returncode == 0, result.stdout[-6000:]
-    records = _aggregate(layout, 1)
+    records = aggregate_records(layout, 1)
     assert len(records) == 64 and len({r["task_id"] for r in records}) == 64
     kept = [json.loads(line) for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
     assert kept[: len(partial)] == [json.loads(line) for line in partial], "what was durable stays as it was"

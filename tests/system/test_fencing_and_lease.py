@@ -47,6 +47,7 @@ def test_arrival_from_a_crashed_attempt_never_releases_the_barrier(cluster):
     assert fsio.read_record(layout.progress)["phase"] == int(Phase.ROLLOUT_DONE)
 
 
+@pytest.mark.slow
 def test_second_master_is_refused_then_takes_over_once_the_old_one_is_dead(cluster):
     flags = run_flags(cluster.log_path, max_iterations=2, extra=["rehearsal.work_s=1"])
     procs = cluster.start_all(flags)

@@ -8,7 +8,6 @@ standard sharded checkpoint that transformers loads as it is.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 
 from orchestrator.demo import model as demo_model
 from orchestrator.train import request
+from tests.harness import free_port, write_addition_aggregate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,28 +27,11 @@ TOLERANCE = 1e-5
 IS_TOLERANCE = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _aggregate(path: Path) -> None:
-    """12 addition tasks x 4 samples with the engine's token ids, rewards that differ within
-    most groups, completions of different lengths."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path.parent / "init")
-    with open(path, "w") as f:
-        for k in range(12):
-            a, b = 3 * k + 1, 7 - k % 5
-            right = str(a + b)
-            texts = [right + "0" * (k % 3), right, str(a + b + 1), str(a + b + 10)] if k != 4 else ["1", "2", "3", "4"]
-            prompt_ids = tokenizer(f"{a}+{b}=")["input_ids"]
-            samples = [{"text": t, "token_ids": tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-                        "reward": float(t == right), "finish_reason": "stop"} for t in texts]
-            f.write(json.dumps({"task_id": f"t{k}", "prompt": f"{a}+{b}=", "prompt_token_ids": prompt_ids, "answer": right,
-                                "samples": samples}) + "\n")
+def _texts(k: int, total: int) -> list[str]:
+    """The 4 samples of the aggregate's task k (12 tasks, with the engine's token ids): rewards
+    that differ within most groups, completions of different lengths."""
+    right = str(total)
+    return [right + "0" * (k % 3), right, str(total + 1), str(total + 10)] if k != 4 else ["1", "2", "3", "4"]
 
 
 def _train(work: Path, name: str, world: int, **overrides) -> Path:
@@ -61,7 +44,7 @@ def _train(work: Path, name: str, world: int, **overrides) -> Path:
     }
     path = work / f"{name}.train.json"
     path.write_text(json.dumps(request.of(**config)))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -95,7 +78,9 @@ def work(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("fsdp")
     demo_model.save(demo_model.create(0), work / "init")
     demo_model.save(demo_model.create(1), work / "ref")  # a reference unlike the policy: the KL term matters
-    _aggregate(work / "agg.jsonl")
+    from transformers import AutoTokenizer
+
+    write_addition_aggregate(work / "agg.jsonl", 12, _texts, tokenizer=AutoTokenizer.from_pretrained(work / "init"))
     return work
 
 
@@ -227,7 +212,7 @@ def test_importance_correction_without_the_engines_logprobs_is_bad_input_naming_
               "kl_coef": 0.0, "max_grad_norm": 1.0, "is_correction": "tis"}
     path = work / "no-logprobs.train.json"
     path.write_text(json.dumps(request.of(**config)))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "1", "RANK": "0", "TRAIN_BACKEND": "gloo", "TRAIN_TIMEOUT_S": "60"}
     result = subprocess.run([sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(path)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.protocol import fsio
 from tests.fake_gpus import fake_nvidia_smi, gpu_env
-from tests.harness import run_flags
+from tests.harness import rl_flags, run_flags
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,11 +55,8 @@ def test_cpu_nodes_given_a_gpu_mapping_are_refused(cluster):
 
 def _real_loop_on_two_nodes_of_two_gpus(cluster, tmp_path, demo_data, weights, mappings):
     """One RL iteration on 2 ranks that each report 2 GPUs; both must exit 0."""
-    from tests.system.test_rl_loop import SMALL
-
     bin_dir = fake_nvidia_smi(tmp_path / "bin")
-    flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--eval-interval=1",
-             "--num-nodes=2", f"--rank-weights={weights}", "--max-iterations=1", *SMALL, *mappings]
+    flags = rl_flags(demo_data, cluster.log_path, num_nodes=2, weights=weights, max_iterations=1, extra=mappings)
     procs = cluster.start_all(flags, n=2, env_for={r: gpu_env(bin_dir, 2) for r in (0, 1)})
     codes = cluster.wait_all(procs, timeout=240)
     assert codes == [0, 0], procs[0].output()[-3000:] + procs[1].output()[-3000:]

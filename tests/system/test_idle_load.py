@@ -15,6 +15,7 @@ from bench import opcount, scale
 WORKERS_OPS_PER_S = 2.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_at_default_settings_a_worker_costs_at_most_two_metadata_operations_a_second_working_or_waiting(tmp_path):
     if not opcount.available():

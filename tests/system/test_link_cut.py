@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.data import shards
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import status_json, wait_for
+from tests.harness import rl_flags, status_json, wait_for
 from tests.netns import namespaces
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -23,12 +23,10 @@ NODE_TIMEOUT_S = 10
 
 
 def _start(cluster, k, data, log_path, out_dir, attempt):
-    from tests.system.test_rl_loop import SMALL
-
-    argv = [sys.executable, "-m", "orchestrator", "run", f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=both",
-            "--eval-interval=1", "--num-nodes=2", "--rank-weights=1,1", "--max-iterations=1", *SMALL,
-            f"coordination.node_timeout_s={NODE_TIMEOUT_S}", "rl.train_tasks=64", "rl.epochs=4", "rl.micro_batch=4",
-            f"rl.train_timeout_s={TRAIN_TIMEOUT_S}", "--master" if k == 0 else "--worker=1"]
+    flags = rl_flags(data, log_path, num_nodes=2, weights="1,1", max_iterations=1, extra=[
+        f"coordination.node_timeout_s={NODE_TIMEOUT_S}", "rl.train_tasks=64", "rl.epochs=4", "rl.micro_batch=4",
+        f"rl.train_timeout_s={TRAIN_TIMEOUT_S}"])
+    argv = [sys.executable, "-m", "orchestrator", "run", *flags, "--master" if k == 0 else "--worker=1"]
     env = {**os.environ, "ORCHESTRATOR_HOST": f"node{k}", "MASTER_ADDR": cluster.address(0), "PYTHONUNBUFFERED": "1"}
     log = open(out_dir / f"rank{k}.{attempt}.log", "wb")
     return cluster.popen(k, argv, cwd=REPO, env=env, stdout=log, stderr=log), out_dir / f"rank{k}.{attempt}.log"

@@ -15,7 +15,7 @@ import pytest
 from orchestrator import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import exit_codes, kill_trainer_mid_update, start_ranks, status_json
+from tests.harness import aggregate_records, exit_codes, kill_trainer_mid_update, start_ranks, status_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -94,7 +94,7 @@ def test_lora_on_two_ranks_with_fsdp_survives_a_killed_trainer_and_exports_a_mer
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    records = [json.loads(line) for line in RunLayout(whole).iteration(2).aggregate("eval").read_text().splitlines()]
+    records = aggregate_records(RunLayout(whole), 2, "eval")
     assert {r["policy"] for r in records} == {str(RunLayout(whole).checkpoint(1))}
     worst = 0.0
     for rec in records[:16]:

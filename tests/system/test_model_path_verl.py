@@ -10,11 +10,9 @@ import pytest
 
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from tests.system.test_rl_loop import SMALL as RL_SMALL
+from tests.harness import aggregate_records, rl_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-SMALL = [*RL_SMALL, "rl.eval_tasks=8"]
 
 
 def _verl_parquet(demo_rows: list[dict], split: str, path) -> dict[str, str]:
@@ -44,17 +42,16 @@ def test_verls_gsm8k_parquet_with_a_model_outside_the_data_path_runs_on_two_rank
 
     log_path = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "local", f"--data-path={data}", f"--log-path={log_path}", "--num-nodes=2",
-         "--rank-weights=1,1", "--rl-phase=both", "--eval-interval=1", "--max-iterations=2", *SMALL, f"model.path={model}",
-         "data.train_file=gsm8k/train.parquet", "data.test_file=gsm8k/test.parquet", "data.answer_key=reward_model.ground_truth",
-         "data.id_key=extra_info.index", "rl.reward=orchestrator.rewards:math"],
+        [sys.executable, "-m", "orchestrator", "local", *rl_flags(data, log_path, num_nodes=2, weights="1,1", max_iterations=2, extra=[
+            "rl.eval_tasks=8", f"model.path={model}", "data.train_file=gsm8k/train.parquet", "data.test_file=gsm8k/test.parquet",
+            "data.answer_key=reward_model.ground_truth", "data.id_key=extra_info.index", "rl.reward=orchestrator.rewards:math"])],
         capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
     layout = RunLayout(log_path)
     for iteration in (1, 2):
         for split in ("train", "eval"):
-            records = [json.loads(line) for line in layout.iteration(iteration).aggregate(split).read_text().splitlines()]
+            records = aggregate_records(layout, iteration, split)
             assert records and {r["answer"] for r in records} != {"openai/gsm8k"}
             assert all(r["answer"] == truth[split][r["task_id"]] for r in records), "the id and the answer come from the nested keys"
 

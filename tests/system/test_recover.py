@@ -13,7 +13,7 @@ import pytest
 from orchestrator.data import shards
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import hold_after_first_batch, kill_tree, run_flags, start_ranks, status_json, wait_for, wait_held_mid_rollout, wait_state
+from tests.harness import hold_after_first_batch, kill_tree, rl_flags, run_flags, start_ranks, status_json, wait_for, wait_held_mid_rollout, wait_state
 
 
 def recover(log_path, *args, timeout=60):
@@ -35,12 +35,9 @@ def _valid_records(path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_salvage_after_kill_9_mid_rollout_then_train_only_when_allowed(demo_data, tmp_path):
-    from tests.system.test_rl_loop import SMALL
-
     log_path = tmp_path / "run"
-    flags = [f"--data-path={demo_data}", f"--log-path={log_path}", "--rl-phase=both", "--eval-interval=1",
-             "--num-nodes=3", "--rank-weights=2,1,1", "--max-iterations=1", *SMALL, "rl.train_tasks=128",
-             "coordination.work_stealing=false"]  # rank 1 keeps its share (with stealing, a faster rank may take all of it)
+    # Without work stealing rank 1 keeps its share (with stealing, a faster rank may take all of it).
+    flags = rl_flags(demo_data, log_path, max_iterations=1, extra=["rl.train_tasks=128", "coordination.work_stealing=false"])
     procs = start_ranks(flags, 3, env_for=hold_after_first_batch(1))  # its 32 tasks in two requests: held after the first
     layout = RunLayout(log_path)
     try:
@@ -77,8 +74,7 @@ def test_salvage_after_kill_9_mid_rollout_then_train_only_when_allowed(demo_data
     assert len(ids) == len(set(ids)) == m.count
 
     # Training refuses a partial aggregate unless told, then trains on it.
-    update = [f"--data-path={demo_data}", f"--log-path={log_path}", "--rl-phase=update", "--num-nodes=3",
-              "--rank-weights=2,1,1", "--max-iterations=1", *SMALL]
+    update = rl_flags(demo_data, log_path, rl_phase="update", max_iterations=1)
     refused = subprocess.run([sys.executable, "-m", "orchestrator", "local", *update], capture_output=True, text=True, timeout=240)
     assert refused.returncode == 2, refused.stdout[-3000:]
     assert "is partial" in refused.stdout and "rl.train_on_partial=true" in refused.stdout

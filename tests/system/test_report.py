@@ -20,7 +20,7 @@ from orchestrator.phase_table import PHASE_TABLE, Barrier, Phase
 from orchestrator.protocol import fsio
 from orchestrator.protocol.events import read_events
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import run_flags
+from tests.harness import aggregate_records, run_flags
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,7 +128,7 @@ def test_train_reward_and_counts_match_the_aggregates_and_summaries(run):
     log_path, _, data = run
     layout = RunLayout(log_path)
     for i, row in zip((1, 2, 3), data["iterations"]):
-        rewards = [json.loads(line)["reward"] for line in layout.iteration(i).aggregate("train").read_text().splitlines()]
+        rewards = [r["reward"] for r in aggregate_records(layout, i)]
         assert row["iteration"] == i
         assert row["train_mean_reward"] == pytest.approx(sum(rewards) / len(rewards))
         s = fsio.read_record(layout.iteration(i).summary)

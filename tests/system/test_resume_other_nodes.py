@@ -9,20 +9,17 @@ import sys
 import pytest
 
 from orchestrator.protocol import fsio
-from tests.harness import aggregate_task_ids, kill_tree, run_flags, status_json, wait_mid_rollout
+from tests.harness import assert_each_task_once, kill_tree, run_flags, status_json, wait_mid_rollout
 
 pytestmark = pytest.mark.timeout(180)
 
 TASKS = 24
 SLOW = ["rehearsal.tasks=24", "rehearsal.eval_tasks=6", "rehearsal.task_s=0.1"]
-
-
-def _flags(cluster, n: int) -> list[str]:
-    return run_flags(cluster.log_path, num_nodes=n, weights=",".join(["1"] * n), eval_interval=1, max_iterations=2, extra=SLOW)
+RUN = dict(eval_interval=1, max_iterations=2, extra=SLOW)  # whatever the number of ranks, with equal weights
 
 
 def _kill_all_mid_rollout(cluster, n: int, rank: int) -> None:
-    procs = cluster.start_all(_flags(cluster, n), n=n)
+    procs = cluster.start_all(run_flags(cluster.log_path, num_nodes=n, weights=",".join("1" * n), **RUN), n=n)
     try:
         wait_mid_rollout(cluster.layout, rank, timeout=60)
     finally:
@@ -32,23 +29,16 @@ def _kill_all_mid_rollout(cluster, n: int, rank: int) -> None:
         p.wait(timeout=10)
 
 
-def _assert_each_task_once(cluster, iterations: int) -> None:
-    for i in range(1, iterations + 1):
-        for split, count in (("train", TASKS), ("eval", 6)):
-            ids = aggregate_task_ids(cluster.layout, i, split)
-            assert sorted(ids) == [f"{split}-{i:06d}-{k:06d}" for k in range(count)], f"iteration {i} {split}"
-
-
 def test_three_ranks_killed_mid_rollout_finish_on_two(cluster):
     _kill_all_mid_rollout(cluster, 3, rank=2)
     it = cluster.layout.iteration(1)
     partial = [line for line in it.shard("train", 2).read_text().splitlines() if line.endswith("}")]
     assert fsio.read_record(it.shard_manifest("train", 2)) is None and partial, "rank 2 was part-way through its share"
 
-    again = cluster.start_all(_flags(cluster, 2), n=2)
+    again = cluster.start_all(run_flags(cluster.log_path, num_nodes=2, weights="1,1", **RUN), n=2)
     assert cluster.wait_all(again, timeout=120) == [0, 0], "\n".join(p.output() for p in again)
     assert "ranks 2 have train work in iteration 1 but this run has 2 node(s)" in again[0].output()
-    _assert_each_task_once(cluster, 2)
+    assert_each_task_once(cluster.layout, 2, tasks=TASKS, eval_tasks=6)
     assert it.adopted_shard("train", 2).read_text().splitlines() == partial
     assert fsio.read_record(it.adopted_shard("train", 2).with_name("r00002.adopted.manifest.json"))["adopted"] is True
     status = status_json(cluster.log_path)
@@ -61,9 +51,9 @@ def test_three_ranks_killed_mid_rollout_finish_on_two(cluster):
 
 def test_two_ranks_killed_mid_rollout_finish_on_four(cluster):
     _kill_all_mid_rollout(cluster, 2, rank=1)
-    again = cluster.start_all(_flags(cluster, 4), n=4)
+    again = cluster.start_all(run_flags(cluster.log_path, num_nodes=4, weights="1,1,1,1", **RUN), n=4)
     assert cluster.wait_all(again, timeout=120) == [0, 0, 0, 0], "\n".join(p.output() for p in again)
-    _assert_each_task_once(cluster, 2)
+    assert_each_task_once(cluster.layout, 2, tasks=TASKS, eval_tasks=6)
     status = status_json(cluster.log_path)
     assert status["failure"] is None and status["num_nodes"] == 4
     assert sum(status["iterations"][0]["tasks_done_per_rank"]) == TASKS
@@ -75,7 +65,8 @@ def test_two_ranks_killed_mid_rollout_finish_on_four(cluster):
 def test_a_change_that_alters_an_interrupted_iteration_is_exit_2_naming_the_key(cluster, change):
     _kill_all_mid_rollout(cluster, 2, rank=1)
     before = sorted(str(p.relative_to(cluster.log_path)) for p in cluster.log_path.rglob("*"))
-    flags = [f for f in _flags(cluster, 2) if not (change[0].startswith("--rl-phase") and f.startswith("--rl-phase"))]
+    flags = run_flags(cluster.log_path, num_nodes=2, weights="1,1", **RUN)
+    flags = [f for f in flags if not (change[0].startswith("--rl-phase") and f.startswith("--rl-phase"))]
     out = subprocess.run([sys.executable, "-m", "orchestrator", "run", *flags, *change, "--master"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr

@@ -17,10 +17,7 @@ pytestmark = pytest.mark.timeout(150)
 
 # Two ranks, little simulated work: the iterations, not the work in them, are what counts here.
 LIGHT = ["rehearsal.work_s=0.01", "rehearsal.tasks=4", "rehearsal.eval_tasks=2"]
-
-
-def _flags(cluster, iterations: int, *keys: str) -> list[str]:
-    return run_flags(cluster.log_path, num_nodes=2, weights="1,1", eval_interval=4, max_iterations=iterations, extra=LIGHT + list(keys))
+TWO_RANKS = dict(num_nodes=2, weights="1,1", eval_interval=4)
 
 
 def kept(layout: RunLayout) -> list[int]:
@@ -41,7 +38,7 @@ def _run(cluster, flags: list[str]) -> None:
     (("checkpoint.keep_last=2", "checkpoint.keep_every=5"), [5, 10, 11, 12]),
 ], ids=["defaults", "keep_last=2,keep_every=5"])
 def test_twelve_iterations_keep_exactly_the_checkpoints_the_keys_say(cluster, keys, expected):
-    _run(cluster, _flags(cluster, 12, *keys))
+    _run(cluster, run_flags(cluster.log_path, **TWO_RANKS, max_iterations=12, extra=[*LIGHT, *keys]))
     layout = cluster.layout
     assert kept(layout) == expected
     assert trash(layout) == []
@@ -52,13 +49,13 @@ def test_twelve_iterations_keep_exactly_the_checkpoints_the_keys_say(cluster, ke
 def test_a_consumer_marker_keeps_the_old_checkpoint_it_names(cluster):
     layout = cluster.layout
     retention.mark_consumer(layout, 1, layout.checkpoint(2))  # rank 1 last loaded iteration 2's checkpoint
-    _run(cluster, _flags(cluster, 12, "checkpoint.keep_last=2"))
+    _run(cluster, run_flags(cluster.log_path, **TWO_RANKS, max_iterations=12, extra=[*LIGHT, "checkpoint.keep_last=2"]))
     assert kept(layout) == [2, 11, 12]
     assert trash(layout) == []
 
 
 def test_master_killed_in_the_middle_of_a_removal_resumes_and_finishes(cluster):
-    flags = _flags(cluster, 8, "checkpoint.keep_last=2")
+    flags = run_flags(cluster.log_path, **TWO_RANKS, max_iterations=8, extra=[*LIGHT, "checkpoint.keep_last=2"])
     layout = cluster.layout
     master = cluster.start(0, flags, env={"ORCHESTRATOR_FAULT": "hold-in-removal@6:13"})
     worker = cluster.start(1, flags)

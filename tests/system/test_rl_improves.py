@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import status_json
+from tests.harness import aggregate_records, status_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -89,7 +89,7 @@ def test_readme_chat_demo_lifts_eval_accuracy_by_ten_points_with_the_math_reward
     curve = _curve(log)
     assert curve[-1] - curve[0] >= 0.10, f"chat demo, seed 1: eval accuracy {curve}"
     layout = RunLayout(log)
-    records = [json.loads(line) for line in layout.iteration(10).aggregate("train").read_text().splitlines()]
+    records = aggregate_records(layout, 10)
     assert all(r["prompt"].startswith("<|im_start|>user\n") and r["prompt_token_ids"] for r in records)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

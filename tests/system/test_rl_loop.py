@@ -1,7 +1,6 @@
 """The RL loop for real on the demo: engine processes, HTTP rollout, rewards, a
 torch.distributed GRPO step across ranks, checkpoints served by every engine (issue 3)."""
 
-import hashlib
 import json
 import os
 import re
@@ -18,54 +17,10 @@ from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.checkpoints import optimizer_state
 from orchestrator.phase_table import Phase
-from tests.harness import (NODE_TIMEOUT_S, heartbeat, hold_after_first_batch, kill_tree, start_ranks, status_json, wait_for,
-                           wait_held_mid_rollout)
+from tests.harness import (NODE_TIMEOUT_S, aggregate_records, file_sha256, heartbeat, hold_after_first_batch, kill_tree, rl_flags,
+                           run_local, start_ranks, status_json, wait_for, wait_held_mid_rollout)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-SMALL = [
-    "rl.train_tasks=8",
-    "rl.samples_per_prompt=4",
-    "rl.eval_tasks=16",
-    "rl.eval_samples=2",
-    "rl.epochs=1",
-    "rl.micro_batch=4",
-    "rollout.max_inflight=32",  # 8 prompts in flight, in requests of 2: a rank's share comes back in several batches
-    "rollout.prompts_per_request=2",
-    "coordination.heartbeat_interval_s=0.5",
-    "coordination.node_timeout_s=5",  # 10 beats; the tests that kill a rank wait this long to see it dead (test_tracking: 5 s too)
-    "coordination.join_timeout_s=60",
-]
-
-
-def _flags(data, log_path, *, num_nodes=3, weights="2,1,1", rl_phase="both", extra=()):
-    flags = [f"--data-path={data}", f"--log-path={log_path}", f"--rl-phase={rl_phase}",
-             f"--num-nodes={num_nodes}", f"--rank-weights={weights}", *SMALL, *extra]
-    if rl_phase == "both":
-        flags.append("--eval-interval=1")
-    return flags
-
-
-def _local(flags, timeout=240, env=None):
-    """`orchestrator local` to its end; past ``timeout`` every process it started is killed
-    (its ranks and their engines and trainers too), then the timeout is raised."""
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "local", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _sha(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _aggregate(layout, iteration, split="train"):
-    return [json.loads(line) for line in layout.iteration(iteration).aggregate(split).read_text().splitlines()]
 
 
 def _served_hashes(log_path):
@@ -78,7 +33,7 @@ def _served_hashes(log_path):
 
 def test_three_ranks_three_iterations_keep_their_trainers_and_engines_and_every_engine_serves_the_new_checkpoint(demo_data, tmp_path):
     log_path = tmp_path / "run"
-    result = _local(_flags(demo_data, log_path, extra=["--max-iterations=3"]))
+    result = run_local(rl_flags(demo_data, log_path, extra=["--max-iterations=3"]))
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
     # train.keep_alive: one trainer process per worker for the whole attempt, its optimizer continued in memory
@@ -99,7 +54,7 @@ def test_three_ranks_three_iterations_keep_their_trainers_and_engines_and_every_
     timing = status_json(log_path)["iterations"][0]["timing"]
     assert {"train.startup", "train.steps", "train.checkpoint", "engine.start", "engine.reload"} <= set(timing["parts"]), timing
     for i in (1, 2):
-        records = _aggregate(layout, i)
+        records = aggregate_records(layout, i)
         assert len(records) == 8 and len({r["task_id"] for r in records}) == 8
         assert sum(len(r["samples"]) for r in records) == 8 * 4  # tasks x samples
         stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
@@ -109,8 +64,8 @@ def test_three_ranks_three_iterations_keep_their_trainers_and_engines_and_every_
         logs = sorted(log_path.glob("attempts/*/train/trainer-w*.log"))
         assert len(logs) == 3
     # after iteration 1's publish, every engine restarted on the same new weights
-    new = _sha(layout.checkpoint(1) / "model.safetensors")
-    base = _sha(demo_data / "model" / "model.safetensors")
+    new = file_sha256(layout.checkpoint(1) / "model.safetensors")
+    base = file_sha256(demo_data / "model" / "model.safetensors")
     served = _served_hashes(log_path)
     assert sorted(served) == [0, 1, 2]
     for rank, hashes in served.items():
@@ -125,16 +80,16 @@ def test_a_cpu_run_trains_on_one_node_and_rolls_out_on_another_and_corrects_with
     the only engine and no trainer; rl.is_correction=tis weighs each token by the trainer's
     probability over the engine's, which serves the same weights in fp32: ratios of 1."""
     log_path = tmp_path / "run"
-    flags = _flags(demo_data, log_path, num_nodes=2, weights="auto",
+    flags = rl_flags(demo_data, log_path, num_nodes=2, weights="auto",
                    extra=["--max-iterations=2", "train.nodes=0", "rollout.nodes=1", "rl.is_correction=tis"])
-    result = _local(flags)
+    result = run_local(flags)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
     assert [p.parent.name for p in (log_path / "engines").glob("r*/engine*.log")] == ["r00001"]
     assert [p.name for p in log_path.glob("attempts/*/train/trainer-w*.log")] == ["trainer-w00000.log"]
     for i in (1, 2):
         assert not layout.iteration(i).shard("train", 0).exists() or not layout.iteration(i).shard("train", 0).read_text()
-        assert len(_aggregate(layout, i)) == 8
+        assert len(aggregate_records(layout, i)) == 8
         stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
         assert stats["world_size"] == 1 and stats["is_correction"] == "tis"
         assert abs(stats["is_ratio_mean"] - 1) < 1e-3 and stats["is_ratio_max"] < 1.01 and stats["is_capped_fraction"] == 0, stats
@@ -146,13 +101,13 @@ def test_a_pipelined_cpu_run_rolls_out_on_the_checkpoint_one_before_and_corrects
     checkpoint i-2 while iteration i-1 trains; rl.is_correction defaults to tis, whose
     ratios are 1 where the policy is the trainer's (iteration 1) and not once it lags."""
     log_path = tmp_path / "run"
-    flags = _flags(demo_data, log_path, num_nodes=2, weights="auto",
+    flags = rl_flags(demo_data, log_path, num_nodes=2, weights="auto",
                    extra=["--max-iterations=3", "train.nodes=0", "rollout.nodes=1", "rl.max_staleness=1", "checkpoint.keep_last=5"])
-    result = _local(flags)
+    result = run_local(flags)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
     for i in (1, 2, 3):
-        records = _aggregate(layout, i)
+        records = aggregate_records(layout, i)
         assert len(records) == 8 and {r["policy_iteration"] for r in records} == {max(0, i - 2)}
         stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
         assert stats["is_correction"] == "tis", stats
@@ -184,7 +139,7 @@ UPDATE_OPTIONS = {
 def test_the_update_options_away_from_their_defaults_run_two_iterations_on_two_ranks(demo_data, tmp_path, name):
     options, reported = UPDATE_OPTIONS[name]
     log_path = tmp_path / "run"
-    result = _local(_flags(demo_data, log_path, num_nodes=2, weights="1,1", extra=["--max-iterations=2", *options]))
+    result = run_local(rl_flags(demo_data, log_path, num_nodes=2, weights="1,1", extra=["--max-iterations=2", *options]))
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
     for i in (1, 2):
@@ -194,28 +149,28 @@ def test_the_update_options_away_from_their_defaults_run_two_iterations_on_two_r
             assert stats["kl"] and all(k is not None for k in stats["kl"]), stats
         assert "overlong_samples" in stats
         rounds = (fsio.read_record(layout.iteration(i).summary).get("resample") or {}).get("rounds", 0)  # rl.filter_groups
-        assert len(_aggregate(layout, i)) == 8 * (rounds + 1)
+        assert len(aggregate_records(layout, i)) == 8 * (rounds + 1)
 
 
 def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
     log_path = tmp_path / "run"
     # An update before its rollout is a state the user fixes: exit 2, saying what to run.
-    early = _local(_flags(demo_data, tmp_path / "early", num_nodes=2, weights="1,1", rl_phase="update", extra=["--max-iterations=1"]))
+    early = run_local(rl_flags(demo_data, tmp_path / "early", num_nodes=2, weights="1,1", rl_phase="update", extra=["--max-iterations=1"]))
     assert early.returncode == 2, early.stdout[-4000:]
     assert "no sealed train aggregate" in early.stdout and "--rollout-split train-only" in early.stdout
-    rollout = _local(_flags(demo_data, log_path, num_nodes=2, weights="1,1", rl_phase="rollout",
+    rollout = run_local(rl_flags(demo_data, log_path, num_nodes=2, weights="1,1", rl_phase="rollout",
                             extra=["--rollout-split=train-only", "--max-iterations=1"]))
     assert rollout.returncode == 0, rollout.stdout[-4000:]
     layout = RunLayout(log_path)
-    assert len(_aggregate(layout, 1)) == 8 and not layout.checkpoint(1).exists()
+    assert len(aggregate_records(layout, 1)) == 8 and not layout.checkpoint(1).exists()
 
-    update = _local(_flags(demo_data, log_path, num_nodes=2, weights="1,1", rl_phase="update", extra=["--max-iterations=1"]))
+    update = run_local(rl_flags(demo_data, log_path, num_nodes=2, weights="1,1", rl_phase="update", extra=["--max-iterations=1"]))
     assert update.returncode == 0, update.stdout[-4000:]
     assert (layout.checkpoint(1) / "model.safetensors").is_file()
     assert fsio.read_record(layout.current_checkpoint)["iteration"] == 1
 
     evals = tmp_path / "eval-run"
-    result = _local(_flags(demo_data, evals, num_nodes=2, weights="1,1", rl_phase="rollout",
+    result = run_local(rl_flags(demo_data, evals, num_nodes=2, weights="1,1", rl_phase="rollout",
                            extra=["--rollout-split=eval-only", "--max-iterations=1"]))
     assert result.returncode == 0, result.stdout[-4000:]
     it = status_json(evals)["iterations"][0]
@@ -224,10 +179,10 @@ def test_rollout_only_then_update_only_each_run_alone(demo_data, tmp_path):
 
 def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, tmp_path):
     log_path = tmp_path / "run"
-    # 64 tasks: rank 0 (weight 2 of 4) has 32 prompts, 8 in flight at a time in requests of 2 (SMALL's
+    # 64 tasks: rank 0 (weight 2 of 4) has 32 prompts, 8 in flight at a time in requests of 2 (RL_SMALL's
     # rollout.max_inflight=32 sequences of 4 samples), and is held after its first batch is fsynced. Without work stealing,
     # so its share stays its own (tests/system/test_work_stealing.py kills ranks mid-steal).
-    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=64", "coordination.work_stealing=false"])
+    flags = rl_flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=64", "coordination.work_stealing=false"])
     procs = start_ranks(flags, 3, env_for=hold_after_first_batch(0))
     try:
         layout = RunLayout(log_path)
@@ -240,9 +195,9 @@ def test_kill_9_mid_rollout_then_rerun_loses_and_duplicates_nothing(demo_data, t
     finally:
         for p in procs:
             kill_tree(p.pid)
-    result = _local(flags)
+    result = run_local(flags)
     assert result.returncode == 0, result.stdout[-6000:]
-    ids = [r["task_id"] for r in _aggregate(layout, 1)]
+    ids = [r["task_id"] for r in aggregate_records(layout, 1)]
     assert len(ids) == 64 and len(set(ids)) == 64
     kept = [json.loads(line)["task_id"] for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
     assert kept[: len(partial)] == [json.loads(line)["task_id"] for line in partial]
@@ -254,7 +209,7 @@ def test_filter_groups_draws_more_prompts_and_a_kill_9_mid_round_records_no_task
     rerun finishes it: each drawn task is in the aggregate once, the uninformative groups are
     left out of the update and counted in status."""
     log_path = tmp_path / "run"
-    flags = _flags(demo_data, log_path, num_nodes=2, weights="1,1",
+    flags = rl_flags(demo_data, log_path, num_nodes=2, weights="1,1",
                    extra=["--max-iterations=2", "rl.filter_groups=true", "rl.max_resample_rounds=3", "rl.train_tasks=16",
                           "rl.samples_per_prompt=2", "coordination.work_stealing=false"])
     procs = start_ranks(flags, 2, env_for={0: {"ORCHESTRATOR_FAULT": f"hold-after-round-batch@1:{int(Phase.ROLLOUT)}"}})
@@ -268,15 +223,15 @@ def test_filter_groups_draws_more_prompts_and_a_kill_9_mid_round_records_no_task
             kill_tree(p.pid)
     for p in procs:
         p.wait(timeout=30)
-    result = _local(flags)
+    result = run_local(flags)
     assert result.returncode == 0, result.stdout[-6000:]
     for i in (1, 2):
         summary = fsio.read_record(layout.iteration(i).summary)
         drawn = summary["resample"]
-        ids = [r["task_id"] for r in _aggregate(layout, i)]
+        ids = [r["task_id"] for r in aggregate_records(layout, i)]
         assert len(ids) == len(set(ids)) == drawn["tasks"] == 16 * (drawn["rounds"] + 1), (i, drawn, len(ids))
         stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
-        informative = sum(1 for r in _aggregate(layout, i) if len({s["reward"] for s in r["samples"]}) > 1)
+        informative = sum(1 for r in aggregate_records(layout, i) if len({s["reward"] for s in r["samples"]}) > 1)
         assert drawn["informative"] == informative == stats["records"] - stats["filtered_groups"], (drawn, stats)
     first = fsio.read_record(layout.iteration(1).summary)["resample"]
     assert first["rounds"] >= 1
@@ -305,7 +260,7 @@ def test_a_pickle_where_a_shard_belongs_is_refused_and_never_unpickled(tmp_path)
 
     shard = tmp_path / "r00001.jsonl"
     shard.write_bytes(pickle.dumps(Trap()))
-    fsio.write_record(shards.manifest_path(shard), {"count": 1, "bytes": shard.stat().st_size, "sha256": _sha(shard)})
+    fsio.write_record(shards.manifest_path(shard), {"count": 1, "bytes": shard.stat().st_size, "sha256": file_sha256(shard)})
     with pytest.raises(shards.ShardError, match=r"rank 1: shard .*r00001.jsonl has an invalid record"):
         shards.merge([("rank 1", shard)], tmp_path / "agg.jsonl")
     shards.manifest_path(shard).unlink()
@@ -322,11 +277,11 @@ def test_debug_mode_uses_the_running_engine_and_never_starts_or_stops_one(demo_d
     try:
         port = int(wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 60, "the external engine's port"))
         log_path = tmp_path / "run"
-        result = _local(_flags(demo_data, log_path, num_nodes=1, weights="1", rl_phase="rollout",
+        result = run_local(rl_flags(demo_data, log_path, num_nodes=1, weights="1", rl_phase="rollout",
                                extra=["--rollout-split=train-only", "--max-iterations=1", "--debug-mode",
                                       f"rollout.engine_url=http://127.0.0.1:{port}"]))
         assert result.returncode == 0, result.stdout[-4000:]
-        assert len(_aggregate(RunLayout(log_path), 1)) == 8
+        assert len(aggregate_records(RunLayout(log_path), 1)) == 8
         assert not (log_path / "engines").exists(), "no engine may be started in debug mode"
         assert engine.poll() is None, "the external engine must be left running"
     finally:
@@ -338,15 +293,15 @@ def test_a_trainer_that_fails_is_named_with_its_own_error_record_in_the_failure_
     (sealed, so only the trainer can notice): the trainer's own exception, not its log's
     tail, is the root cause the rank reports and `status` shows."""
     log_path = tmp_path / "run"
-    flags = _flags(demo_data, log_path, num_nodes=1, weights="1")
-    first = _local([*flags, "--max-iterations=1"])
+    flags = rl_flags(demo_data, log_path, num_nodes=1, weights="1")
+    first = run_local([*flags, "--max-iterations=1"])
     assert first.returncode == 0, first.stdout[-4000:]
     checkpoint = RunLayout(log_path).checkpoint(1)
     save_file({"model.embed_tokens.weight/exp_avg": torch.zeros(3, 3), "model.embed_tokens.weight/exp_avg_sq": torch.zeros(3, 3),
                "model.embed_tokens.weight/step": torch.tensor(1.0)}, optimizer_state.path(checkpoint))
     checkpoints.seal(checkpoint)
 
-    second = _local([*flags, "--max-iterations=2"])
+    second = run_local([*flags, "--max-iterations=2"])
     assert second.returncode == 1, second.stdout[-4000:]
     assert re.search(r"train worker 0 of rank 0 \(pid \d+\) exited with code 2: BadTrainInput: optimizer state \S+adamw.safetensors has "
                      r"shape \(3, 3\) for model.embed_tokens.weight", second.stdout), second.stdout[-4000:]
@@ -382,19 +337,19 @@ def test_a_failing_reward_scores_zero_is_counted_and_past_the_limit_fails_the_ra
 
     # Within the limit: 2 of the 32 eval samples fail (6%, limit 10%); they score 0 and are counted.
     tolerant = tmp_path / "tolerant"
-    result = _local(_flags(demo_data, tolerant, num_nodes=1, weights="1", extra=[
+    result = run_local(rl_flags(demo_data, tolerant, num_nodes=1, weights="1", extra=[
         "--max-iterations=1", "rl.reward=user_rewards:first_eval_task_fails", "rl.max_reward_error_fraction=0.1"]), env=env)
     assert result.returncode == 0, result.stdout[-6000:]
     assert "ZeroDivisionError: boom in the reward" in result.stdout  # the first traceback is logged
     errors = status_json(tolerant)["iterations"][0]["reward_errors"]
     assert list(errors) == ["eval"] and errors["eval"]["count"] == 2 and errors["eval"]["samples"] == 32
     assert errors["eval"]["first_task_id"] == "test-000000" and "ZeroDivisionError" in errors["eval"]["first_error"]
-    failed = [s for r in _aggregate(RunLayout(tolerant), 1, "eval") for s in r["samples"] if "reward_error" in s]
+    failed = [s for r in aggregate_records(RunLayout(tolerant), 1, "eval") for s in r["samples"] if "reward_error" in s]
     assert len(failed) == 2 and all(s["reward"] == 0.0 for s in failed)
 
     # Past the limit: the rank fails naming the task, and the failing batch is never written.
     broken = tmp_path / "broken"
-    result = _local(_flags(demo_data, broken, num_nodes=1, weights="1", extra=[
+    result = run_local(rl_flags(demo_data, broken, num_nodes=1, weights="1", extra=[
         "--max-iterations=1", "rl.reward=user_rewards:always_fails"]), env=env)
     assert result.returncode == 1, result.stdout[-6000:]
     failure = status_json(broken)["failure"]
@@ -422,9 +377,9 @@ def _demo_rows(demo_data, name):
 def _each_task_once(log_path, iterations, per_iteration):
     layout = RunLayout(log_path)
     for i in iterations:
-        ids = [r["task_id"] for r in _aggregate(layout, i)]
+        ids = [r["task_id"] for r in aggregate_records(layout, i)]
         assert len(ids) == len(set(ids)) == per_iteration
-        evals = [r["task_id"] for r in _aggregate(layout, i, "eval")]
+        evals = [r["task_id"] for r in aggregate_records(layout, i, "eval")]
         assert len(evals) == len(set(evals)) == 16
 
 
@@ -440,12 +395,12 @@ def test_parquet_question_answer_columns_run_on_two_ranks(demo_data, tmp_path):
 
     data = _data_with(demo_data, tmp_path / "data", {"train.parquet": parquet("train.jsonl"), "test.parquet": parquet("test.jsonl")})
     log_path = tmp_path / "run"
-    result = _local(_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
+    result = run_local(rl_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
         "--max-iterations=2", "data.train_file=tasks/train.parquet", "data.test_file=tasks/test.parquet", "data.prompt_key=question",
         'rl.stop=["9"]', "rl.max_prompt_tokens=6"]))
     assert result.returncode == 0, result.stdout[-6000:]
     _each_task_once(log_path, (1, 2), 8)
-    records = _aggregate(RunLayout(log_path), 1) + _aggregate(RunLayout(log_path), 2)
+    records = aggregate_records(RunLayout(log_path), 1) + aggregate_records(RunLayout(log_path), 2)
     assert records[0]["task_id"].isdigit() and re.fullmatch(r"\d+\+\d+=", records[0]["prompt"])  # row numbers as ids
     samples = [s for r in records for s in r["samples"]]
     assert all("9" not in s["text"] for s in samples)  # rl.stop reached the engine: it ends a sample, cut from the text
@@ -473,7 +428,7 @@ def test_chat_messages_run_on_two_ranks_through_the_chat_template(chat_demo_data
     files = {"train_chat.jsonl": chat("train.jsonl"), "test_chat.jsonl": chat("test.jsonl")}
     data = _data_with(chat_demo_data, tmp_path / "data", files)
     log_path = tmp_path / "run"
-    result = _local(_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
+    result = run_local(rl_flags(data, log_path, num_nodes=2, weights="1,1", extra=[
         "--max-iterations=2", "data.train_file=tasks/train_chat.jsonl", "data.test_file=tasks/test_chat.jsonl",
         "data.prompt_key=messages", "rl.reward=orchestrator.rewards:math"]))
     assert result.returncode == 0, result.stdout[-6000:]
@@ -483,7 +438,7 @@ def test_chat_messages_run_on_two_ranks_through_the_chat_template(chat_demo_data
     from orchestrator.demo import chat_tokenizer
 
     base = AutoTokenizer.from_pretrained(chat_demo_data / "model")
-    record = _aggregate(RunLayout(log_path), 1)[0]
+    record = aggregate_records(RunLayout(log_path), 1)[0]
     assert re.fullmatch(r"<\|im_start\|>user\nWhat is \d+\+\d+\? .*<\|im_end\|>\n<\|im_start\|>assistant\n", record["prompt"], re.S)
     assert record["prompt_token_ids"] == base(record["prompt"])["input_ids"]
     assert all(s["token_ids"] and len(s["token_ids"]) == len(s["logprobs"]) for s in record["samples"])

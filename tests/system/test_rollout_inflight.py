@@ -15,11 +15,16 @@ import httpx
 import pytest
 
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import hold_after_first_batch, kill_tree, start_ranks, wait_for, wait_held_mid_rollout
+from tests.harness import hold_after_first_batch, kill_tree, rl_flags, start_ranks, wait_for, wait_held_mid_rollout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 TASKS, SAMPLES, IN_FLIGHT, PER_REQUEST = 96, 8, 64, 2
+# One rank's train rollout against the stub engine, which the test started (--debug-mode).
+ROLLOUT = dict(num_nodes=None, weights=None, rl_phase="rollout", max_iterations=1, settings=[
+    "--rollout-split=train-only", "--debug-mode", f"rollout.max_inflight={IN_FLIGHT}", f"rollout.prompts_per_request={PER_REQUEST}",
+    f"rl.train_tasks={TASKS}", f"rl.samples_per_prompt={SAMPLES}", "coordination.heartbeat_interval_s=0.5",
+    "coordination.node_timeout_s=10"])
 
 
 @pytest.fixture
@@ -34,14 +39,6 @@ def stub_engine(tmp_path):
         kill_tree(proc.pid)
 
 
-def _flags(data, log_path, url):
-    return [f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=rollout", "--rollout-split=train-only",
-            "--max-iterations=1", "--debug-mode", f"rollout.engine_url={url}", f"rollout.max_inflight={IN_FLIGHT}",
-            f"rollout.prompts_per_request={PER_REQUEST}",
-            f"rl.train_tasks={TASKS}", f"rl.samples_per_prompt={SAMPLES}", "coordination.heartbeat_interval_s=0.5",
-            "coordination.node_timeout_s=10"]
-
-
 def _run(flags):
     return subprocess.run([sys.executable, "-m", "orchestrator", "run", *flags], capture_output=True, text=True, timeout=180)
 
@@ -52,7 +49,7 @@ def _task_ids(layout):
 
 def test_the_rollout_keeps_max_inflight_sequences_in_flight_in_requests_of_prompts_per_request(demo_data, tmp_path, stub_engine):
     layout = RunLayout(tmp_path / "run")
-    result = _run(_flags(demo_data, layout.root, stub_engine))
+    result = _run(rl_flags(demo_data, layout.root, **ROLLOUT, extra=[f"rollout.engine_url={stub_engine}"]))
     assert result.returncode == 0, result.stderr[-4000:]
     stats = httpx.get(f"{stub_engine}/stats").json()
     assert stats["requests"] == TASKS // PER_REQUEST  # two prompts (their 8 samples each) a request
@@ -64,7 +61,7 @@ def test_the_rollout_keeps_max_inflight_sequences_in_flight_in_requests_of_promp
 def test_a_rank_killed_mid_rollout_with_requests_in_flight_and_restarted_leaves_every_task_once(demo_data, tmp_path,
                                                                                                  stub_engine):
     layout = RunLayout(tmp_path / "run")
-    flags = _flags(demo_data, layout.root, stub_engine)
+    flags = rl_flags(demo_data, layout.root, **ROLLOUT, extra=[f"rollout.engine_url={stub_engine}"])
     [proc] = start_ranks(flags, 1, env_for=hold_after_first_batch(0))
     try:
         wait_held_mid_rollout(layout, 0, timeout=60)

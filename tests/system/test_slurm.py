@@ -30,6 +30,7 @@ def slurm_cluster(tmp_path_factory):
         cluster.close()
 
 
+@pytest.mark.slow
 def test_sbatch_of_the_example_runs_three_ranks_without_rank_flags_under_real_slurm(slurm_cluster, tmp_path):
     log_path = tmp_path / "run"
     env = {**slurm_cluster.env, "DATA_PATH": str(tmp_path), "LOG_PATH": str(log_path), "RANK_WEIGHTS": "2,1,1",

@@ -36,6 +36,7 @@ def _rank_rows(text: str) -> dict[int, dict[str, str]]:
     return {int(r["rank"]): r for r in rows}
 
 
+@pytest.mark.slow
 def test_progress_and_rate_show_during_a_rehearsal_rollout_from_the_first_durable_batch(cluster):
     # 12 tasks a rank at 0.4 s each: a rollout of about 5 s, one task per durable batch.
     flags = run_flags(cluster.log_path, num_nodes=2, weights="1,1", max_iterations=1,

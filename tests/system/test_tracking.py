@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import kill_tree, start_ranks, status_json, wait_for
+from tests.harness import kill_tree, rl_flags, start_ranks, status_json, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -28,11 +28,6 @@ SMALL = ["rl.train_tasks=8", "rl.samples_per_prompt=4", "rl.eval_tasks=16", "rl.
 EXPECTED = {"reward/mean", "eval/accuracy", "eval/pass_at_2", "train/loss", "train/entropy", "train/clip_fraction", "train/grad_norm",
             "rollout/response_length", "rollout/tokens_per_s", "rollout/zero_advantage_groups", "timing_s/rollout", "timing_s/train",
             "timing_s/iteration", "perf/checkpoint_bytes", "perf/weights_read_bytes"}
-
-
-def _flags(data: Path, log_path: Path, backends: str) -> list[str]:
-    return [f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=both", "--num-nodes=2", "--rank-weights=1,1",
-            "--eval-interval=1", "--max-iterations=3", *SMALL, f"tracking.backends={backends}"]
 
 
 def _tensorboard_counts(directory: Path) -> dict[str, collections.Counter]:
@@ -80,7 +75,8 @@ def _tracking_state(layout: RunLayout) -> dict:
 def test_every_iteration_reaches_each_backend_exactly_once_across_a_kill_9_and_a_resume(demo_data, tmp_path):
     log_path = tmp_path / "tracked"
     layout = RunLayout(log_path)
-    flags = _flags(demo_data, log_path, "tensorboard,wandb,mlflow")
+    flags = rl_flags(demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=3, settings=SMALL,
+                     extra=["tracking.backends=tensorboard,wandb,mlflow"])
     # Rank 0 is held at the start of iteration 3, once iterations 1 and 2 are logged: then every
     # process of the run is killed with SIGKILL, wandb's own service included.
     procs = start_ranks(flags, 2, env_for={0: {"ORCHESTRATOR_FAULT": "hold@3:1"}})

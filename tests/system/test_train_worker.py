@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import torch
 
 from orchestrator.demo import model as demo_model
 from orchestrator.train import grpo, request
+from tests.harness import free_port, write_addition_aggregate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -21,26 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _texts(k: int, total: int) -> list[str]:
+    """The 4 samples of the aggregate's task k (9 tasks: uneven shards over 2 ranks): one right.
 
-
-def _aggregate(path: Path) -> None:
-    """9 addition tasks x 4 samples (uneven shards over 2 ranks): right answers get reward 1.
-
-    Record 4 has no right answer (an all-equal group) and record 2 a cut-off sample.
+    Task 4 has no right answer (an all-equal group); task 2's third sample is cut off.
     """
-    with open(path, "w") as f:
-        for k in range(9):
-            a, b = 3 * k + 1, 7 - k % 5
-            right, wrong = str(a + b), [str(a + b + d) for d in (1, 10, -2)]
-            texts = [wrong[0], right, wrong[1], wrong[2]] if k != 4 else wrong + [wrong[0]]
-            samples = [{"text": t, "reward": float(t == right), "finish_reason": "stop", "logprobs": None} for t in texts]
-            if k == 2:
-                samples[2]["finish_reason"] = "length"
-            f.write(json.dumps({"task_id": f"t{k}", "prompt": f"{a}+{b}=", "answer": right, "samples": samples}) + "\n")
+    right, wrong = str(total), [str(total + d) for d in (1, 10, -2)]
+    return [wrong[0], right, wrong[1], wrong[2]] if k != 4 else wrong + [wrong[0]]
 
 
 def _config(work: Path, output: Path, **overrides) -> Path:
@@ -86,7 +73,7 @@ def _launch(config: Path, rank: int, port: int, **env) -> subprocess.Popen:
 def _train(work: Path, name: str, **overrides) -> Path:
     output = work / name
     config = _config(work, output, **overrides)
-    port = _free_port()
+    port = free_port()
     procs = [_launch(config, rank, port) for rank in range(WORLD)]
     results = [p.communicate(timeout=120) for p in procs]
     for rank, (p, (_, err)) in enumerate(zip(procs, results)):
@@ -99,7 +86,7 @@ def work(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("train")
     demo_model.save(demo_model.create(0), work / "init")
     shutil.copytree(work / "init", work / "ref")  # a distinct path: the reference is loaded on its own
-    _aggregate(work / "agg.jsonl")
+    write_addition_aggregate(work / "agg.jsonl", 9, _texts, cut=(2, 2), logprobs=None)
     return work
 
 
@@ -163,7 +150,7 @@ def test_training_raises_the_logprob_of_rewarded_completions_relative_to_unrewar
 def test_a_rank_whose_peer_never_comes_fails_within_the_timeout_naming_the_rendezvous(work):
     config = _config(work, work / "out-alone")
     started = time.monotonic()
-    proc = _launch(config, 0, _free_port(), TRAIN_TIMEOUT_S="5")
+    proc = _launch(config, 0, free_port(), TRAIN_TIMEOUT_S="5")
     _, err = proc.communicate(timeout=60)
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
@@ -178,7 +165,7 @@ def test_a_request_without_a_required_key_exits_2_naming_the_key(work):
     raw = json.loads(config.read_text())
     del raw["seed"]
     config.write_text(json.dumps(raw))
-    proc = _launch(config, 1, _free_port())
+    proc = _launch(config, 1, free_port())
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "rank 1/2" in err and "lacks seed" in err, err[-2000:]

@@ -26,7 +26,7 @@ from orchestrator.engine import vllm
 from orchestrator.engine.client import Completion, EngineClient, EngineUnavailable
 from orchestrator.node.ports import free_port
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(300)]
 
 NAME = "policy-test"
 STARTUP_S = 240.0

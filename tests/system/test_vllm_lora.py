@@ -19,6 +19,7 @@ from tests.system.test_vllm_rl_loop import SETTINGS, _forward_logprobs, _max_err
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed: run scripts/setup-vllm.sh"),
 ]

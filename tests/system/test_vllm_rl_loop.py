@@ -19,6 +19,7 @@ from orchestrator.protocol.layout import RunLayout
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed: run scripts/setup-vllm.sh"),
 ]

@@ -13,14 +13,16 @@ from orchestrator.protocol.layout import RunLayout
 from tests.harness import (
     NODE_TIMEOUT_S,
     aggregate_task_ids,
+    file_sha256,
     hold_after_first_batch,
     kill_trainer_mid_update,
     kill_tree,
+    rl_flags,
+    run_local,
     start_ranks,
     status_json,
     wait_held_mid_rollout,
 )
-from tests.system.test_rl_loop import _flags, _local, _sha
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -30,7 +32,7 @@ ITERATIONS = 2
 def _finish_and_check(flags, layout):
     """The rerun of the same command finishes every iteration with each task once, and every
     update continued the optimizer of the one before it."""
-    result = _local(flags, timeout=300)
+    result = run_local(flags, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:]
     steps = 0
     for i in range(1, ITERATIONS + 1):
@@ -48,7 +50,7 @@ def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_co
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     log_path = tmp_path / "run"
     layout = RunLayout(log_path)
-    flags = _flags(demo_data, log_path, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"])
+    flags = rl_flags(demo_data, log_path, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"])
     procs = start_ranks(flags, 3)
     kill_trainer_mid_update(procs, log_path, worker=2, rank=2, iteration=2, codes=[3, 3, 1], timeout=240)
     assert layout.checkpoint_stagings(2), "the killed try's staging directory"
@@ -58,11 +60,11 @@ def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_co
     assert stats["policy_from"] == "checkpoint"  # the rerun's new trainers loaded iteration 1's weights and moments
     # The same run without the crash ends with the same weights and moments, bit for bit.
     calm = tmp_path / "calm"
-    result = _local(_flags(demo_data, calm, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"]), timeout=300)
+    result = run_local(rl_flags(demo_data, calm, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"]), timeout=300)
     assert result.returncode == 0, result.stdout[-6000:]
     last = RunLayout(calm).checkpoint(ITERATIONS)
     for name in ("model.safetensors", "optimizer/adamw.safetensors"):
-        assert _sha(last / name) == _sha(layout.checkpoint(ITERATIONS) / name), name
+        assert file_sha256(last / name) == file_sha256(layout.checkpoint(ITERATIONS) / name), name
 
 
 def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_finishes(demo_data, tmp_path):
@@ -71,7 +73,7 @@ def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_fin
     # 128 tasks: rank 1 (weight 1 of 4) sends its 32 prompts in two requests of 16 and is held
     # after the first. Without work stealing: with it, a rank whose engine starts first may take
     # all of rank 1's share.
-    flags = _flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=128", "coordination.work_stealing=false"])
+    flags = rl_flags(demo_data, log_path, extra=["--max-iterations=1", "rl.train_tasks=128", "coordination.work_stealing=false"])
     procs = start_ranks(flags, 3, env_for=hold_after_first_batch(1))
     try:
         wait_held_mid_rollout(layout, 1)
@@ -85,7 +87,7 @@ def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_fin
     failure = status_json(log_path)["failure"]
     assert failure["rank"] == 1 and failure["iteration"] == 1, failure
     assert re.search(rf"engine 1 of rank 1 \(pid {pid}\) exited with code -9", failure["error"]), failure
-    result = _local(flags, timeout=300)
+    result = run_local(flags, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:]
     ids = aggregate_task_ids(layout, 1)
     assert len(ids) == 128 and len(set(ids)) == 128
@@ -104,9 +106,9 @@ def _engine_pid(rank_pid: int) -> int:
 def test_keep_alive_off_and_restart_start_a_trainer_and_an_engine_per_iteration(demo_data, tmp_path):
     """The mode before warm processes, which bench/iteration.py compares against, still runs."""
     log_path = tmp_path / "run"
-    flags = _flags(demo_data, log_path, num_nodes=1, weights="1",
+    flags = rl_flags(demo_data, log_path, num_nodes=1, weights="1",
                    extra=["--max-iterations=2", "train.keep_alive=false", "rollout.weight_update=restart"])
-    result = _local(flags)
+    result = run_local(flags)
     assert result.returncode == 0, result.stdout[-6000:]
     layout = RunLayout(log_path)
     first, stats = (json.loads((layout.checkpoint(i) / "train_stats.json").read_text()) for i in (1, 2))
