@@ -17,7 +17,7 @@ from orchestrator.phase_table import Phase
 from orchestrator.protocol import fsio
 from tests.harness import kill_tree, require, run_flags, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 ITERATIONS = 3
 
