@@ -290,7 +290,9 @@ class Attendance:
             if isinstance(action, Finished):
                 raise RunFinished(f"the run under {self.layout.root} is complete and no master holds it: nothing is left for "
                                   f"rank {self.rank} (the run completed without it)")
-            return action  # Started or Rejoin
+            if isinstance(action, (Started, Rejoin)):
+                return action
+            return None  # entered again (a new master's attempt, say): read again
 
         with wakes:
             action = executor.run(executor.Operation(decide, lambda _: self._no_master(), act), deadline, cancel=self.cancel,
