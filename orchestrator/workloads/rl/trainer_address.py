@@ -32,29 +32,6 @@ def master_address() -> str:
         return "127.0.0.1"
 
 
-def socket_ifname(addr: str) -> str | None:
-    """The interface this node reaches ``addr`` through: the one holding it on its own node,
-    else the one its route leaves by. Gloo and NCCL otherwise take the interface of the host
-    name's address, which is often 127.0.0.1 (the classic multi-node hang: peers are told to
-    connect to loopback)."""
-    import psutil
-
-    from orchestrator.node.facts import route_to
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == addr for a in addrs):
-            return name
-    route = route_to([addr])
-    return route["dev"] if route else None
-
-
-def socket_env(addr: str, environ=os.environ) -> dict[str, str]:
-    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for the trainers, unless the user set them."""
-    unset = [v for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not environ.get(v)]
-    ifname = socket_ifname(addr) if unset else None
-    return {v: ifname for v in unset} if ifname else {}
-
-
 def publish_or_read(ctx: PhaseContext) -> dict:
     """The node of train worker 0 (the master on CPU) chooses and publishes the address of
     this iteration's training (and round: a step trained again without a lost rank is a new

@@ -17,6 +17,7 @@ import random
 import time
 from pathlib import Path
 
+from orchestrator.phase_table import Phase
 from orchestrator.plugins import environments, rewards
 from orchestrator.config import RunConfig
 from orchestrator import checkpoints
@@ -32,8 +33,9 @@ from orchestrator.workloads.rl.engine_requests import Inflight
 from orchestrator.workloads.rl.episodes import Episodes
 from orchestrator.workloads.rl.rollout_pipe import MultiTurnPipe, RLRolloutPipe
 from orchestrator.workloads.rl.scoring import Scorer
+from orchestrator.train import launch
 from orchestrator.train.settings import TrainerSettings, UpdateSettings
-from orchestrator.workloads.rl.trainers import NodeTrainers
+from orchestrator.workloads.rl import trainer_address
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ class RLWorkload:
         self._verified = checkpoints.Verified()
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
         self._tokenizer = None  # the model's, for multi-turn rollouts (rl.environment)
-        self.trainers = NodeTrainers(children, keep_alive=config.train.keep_alive, train_timeout_s=self.rl.train_timeout_s)
+        self.trainers = launch.NodeTrainers(children, keep_alive=config.train.keep_alive)
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -152,8 +154,7 @@ class RLWorkload:
             self.clients = [EngineClient(self.config.rollout.engine_url, timeout_s=600)]
             return
         engines = self._node_engines(ctx)
-        trainer_gpus = {t.worker.gpu for t in self.trainers.running if t.worker.gpu is not None}
-        shared = sorted(trainer_gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
+        shared = sorted(self.trainers.gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
         if shared:  # kept-alive trainers offloaded their state after training: check that the memory is back
             wait_memory_released(shared, self.config.rollout, ctx.cancel)
         self.clients = engines.ensure(self.verified(ctx.policy), ctx.cancel, timing=ctx.run.timing)
@@ -290,29 +291,46 @@ class RLWorkload:
 
     def train(self, ctx: PhaseContext, plan: TrainingPlan, checkpoint_dir: Path | None) -> None:
         """Run this node's train workers (one per GPU the placement gives it; one on CPU) as
-        part of one torch.distributed job; worker 0 writes into ``checkpoint_dir`` (None on
-        the other nodes), and with fsdp every worker into the same staging directory."""
-        placement = ctx.run.placement
-        workers = placement.train_workers_on(ctx.rank)
-        if not workers:
-            return
+        part of one torch.distributed job (train/launch.py); worker 0 writes into
+        ``checkpoint_dir`` (None on the other nodes), and with fsdp every worker into the same
+        staging directory."""
         began = time.monotonic()
-        attempt = ctx.run.attempt
-        base = self._trainer_config(ctx, plan)
-        # With fsdp every worker writes its shard into the staging directory that the node of
-        # worker 0 made (phase 10); with ddp worker 0 writes it all and the others nothing.
-        staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, ctx.run.train_round)
-        writes = self.config.train.strategy == "fsdp"
-        configs = {w.rank: {**base, "output": str(staging if w.rank == 0 or writes else attempt.trainer_scratch(w.rank)),
-                            "offload": placement.colocated and w.gpu is not None and bool(placement.engines_on(ctx.rank))}
-                   for w in workers}
-        done = self.trainers.update(ctx, configs)
+        step = self._train_step(ctx, plan, checkpoint_dir)
+        if not step.workers:
+            return
+        done = self.trainers.update(step)
         for worker, record in sorted(done.items()):
             written = (record.get("stats") or {}).get("checkpoint_bytes")  # worker 0's: the whole checkpoint
             for part, seconds in record["timing"].items():
                 extra = {"bytes": written} if part == "checkpoint" and written else {}
                 ctx.run.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"], **extra)
         ctx.run.timing("train.total", time.monotonic() - began)
+
+    def _train_step(self, ctx: PhaseContext, plan: TrainingPlan, checkpoint_dir: Path | None) -> launch.Step:
+        """The iteration's update on this node, described once for the launcher: each worker's
+        request and files, the group, and where its rendezvous comes from."""
+        run = ctx.run
+        placement, attempt = run.placement, run.attempt
+        here = placement.train_workers_on(ctx.rank)
+        workers = ()
+        if here:
+            base = self._trainer_config(ctx, plan)
+            # With fsdp every worker writes its shard into the staging directory that the node of
+            # worker 0 made (phase 10); with ddp worker 0 writes it all and the others nothing.
+            staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, run.train_round)
+            writes = self.config.train.strategy == "fsdp"
+            offload = placement.colocated and bool(placement.engines_on(ctx.rank))
+            workers = tuple(
+                launch.Worker(w.rank, w.gpu,
+                              {**base, "output": str(staging if w.rank == 0 or writes else attempt.trainer_scratch(w.rank)),
+                               "offload": offload and w.gpu is not None},
+                              launch.WorkerFiles(attempt.trainer_config(w.rank), attempt.trainer_done(w.rank),
+                                                 attempt.trainer_error(w.rank), attempt.trainer_log(w.rank)))
+                for w in here)
+        return launch.Step(
+            iteration=ctx.iteration, node=ctx.rank, workers=workers, group=tuple((w.rank, w.node) for w in placement.train_workers),
+            rendezvous=lambda: trainer_address.publish_or_read(ctx), cancel=ctx.cancel, timeout_s=self.rl.train_timeout_s,
+            peer_verdict_s=run.verdict_s, training=lambda: run.position()[1] is Phase.TRAIN)
 
     def _trainer_config(self, ctx: PhaseContext, plan: TrainingPlan) -> dict:
         """The train request (train/request.py) of ``plan``: its paths, and the run's own ``rl``
