@@ -35,7 +35,11 @@ def table(title: str | None, columns: list[str], rows: list[list[object]]) -> Ta
 
 
 def display_table(title: str | None, columns: list[str], rows: list[list[object]]) -> None:
-    out.print(table(title, columns, rows))
+    """A table under its title, the title folded to the terminal's width like prose (a rich
+    title is cut to the table's width, or runs off the edge under soft wrapping)."""
+    if title:
+        out.print(line(title))
+    out.print(table(None, columns, rows))
 
 
 class Prose:

@@ -127,21 +127,26 @@ def config_command(prefix: str, as_json: bool) -> None:
         if n:
             terminal.out.print()
         doc = section_doc(classes[entries[0].key][0]) if section != TOP_LEVEL else ""
-        head = textwrap.wrap(f"{section}: {doc}" if doc else section, width=width, break_on_hyphens=False)
+        head = textwrap.wrap(f"{section}: {doc}" if doc else section, width=width, subsequent_indent="    ", break_on_hyphens=False)
         terminal.out.print(Text.assemble((section, "bold"), head[0][len(section):]))
         _lines(head[1:], 0)
         key_width = max(len(k.key) for k in entries)
-        type_width = max(len(k.type) for k in entries)
+        # A choice too long for the aligned columns is listed under its key, "choice" in its column.
+        long_choice = {k.key for k in entries if "|" in k.type and 2 + key_width + 2 + len(k.type) + 2 + len(shown(k.default)) > width}
+        type_of = {k.key: "choice" if k.key in long_choice else k.type for k in entries}
+        type_width = max(len(t) for t in type_of.values())
         for k in entries:
-            default = shown(k.default)
-            # Aligned columns while the line fits; a long default gives up the type's padding, then the key's.
-            pad_type = 2 + key_width + 2 + type_width + 2 + len(default) <= width
-            pad_key = pad_type or 2 + key_width + 2 + len(k.type) + 2 + len(default) <= width
-            fits = pad_key or 2 + len(k.key) + 2 + len(k.type) + 2 + len(default) <= width
-            terminal.out.print(Text.assemble("  ", (k.key.ljust(key_width if pad_key else 0), "bold cyan"), "  ",
-                                             (k.type.ljust(type_width if pad_type else 0), "dim"), "  ", default if fits else ""))
-            if not fits:  # a default too long for the line: under it, wrapped
+            default, type_ = shown(k.default), type_of[k.key]
+            # Aligned columns; a default too long for the line goes under it, wrapped.
+            fits = 2 + key_width + 2 + type_width + 2 + len(default) <= width
+            row = Text.assemble("  ", (k.key.ljust(key_width), "bold cyan"), "  ", (type_.ljust(type_width), "dim"), "  ",
+                                default if fits else "")
+            row.rstrip()
+            terminal.out.print(row)
+            if not fits:
                 _lines(textwrap.wrap(f"default: {default}", width=max(width - 6, 40), break_on_hyphens=False), 6)
+            if k.key in long_choice:
+                _lines(textwrap.wrap(f"one of: {', '.join(k.type.split('|'))}", width=max(width - 6, 40), break_on_hyphens=False), 6)
             _lines(textwrap.wrap(k.help if len(chosen) == 1 else k.summary, width=max(width - 6, 40), break_on_hyphens=False), 6)
 
 

@@ -113,7 +113,7 @@ def _show(resolved: placement.Placement, weights: tuple[float, ...], source: str
     counts = resolved.gpus_per_node
     cluster = f"{resolved.num_nodes} node(s) x {counts[0]} GPUs" if len(set(counts)) == 1 else (
         f"{resolved.num_nodes} nodes of {','.join(map(str, counts))} GPUs")
-    terminal.out.print(f"{cluster} ({source}); {mode}")
+    terminal.out.print(terminal.line(f"{cluster} ({source}); {mode}"))
     total = sum(weights)
     terminal.display_table(
         "nodes: each rolls out and evaluates its weight's share of the tasks; only nodes with engines have a share",

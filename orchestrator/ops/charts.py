@@ -145,7 +145,8 @@ def timeline_figure(data: dict):
     tl = data["timeline"]
     segs = tl["segments"]
     ranks = sorted({s["rank"] for s in segs})
-    fig = _figure(11, min(1.9 + 0.45 * max(len(ranks), 1), 14))
+    legend_rows = math.ceil((len({s["phase"] for s in segs}) + 6) / 5)
+    fig = _figure(11, min(1.9 + 0.45 * max(len(ranks), 1) + 0.25 * legend_rows, 16))
     ax = fig.subplots()
     if not segs:
         _empty(ax, "no event logs")
@@ -192,7 +193,7 @@ def timeline_figure(data: dict):
     if changes:
         handles += [Line2D([], [], marker="X", color="red", linestyle="none", label="marked out (elastic)"),
                     Line2D([], [], marker="P", color="green", linestyle="none", label="rejoined")]
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize="x-small")
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize="small")
     ax.set_title("per-rank phase timeline")
     return fig
 
@@ -238,11 +239,13 @@ def barrier_wait_figure(data: dict):
     waits = data["barrier_wait"]
     ranks = sorted({w["rank"] for w in waits})
     phases = sorted({w["phase"] for w in waits})
-    fig = _figure(min(max(7.0, 3.5 + 0.7 * len(ranks)), 16), 1.9 + 0.35 * max(len(phases), 1))
-    ax = fig.subplots()
-    if not waits:
-        _empty(ax, "no barrier waits")
+    if not waits or max(w["total_s"] for w in waits) < 0.005:
+        fig = _figure(6, 1.6)
+        _empty(fig.subplots(), "no barrier waits" if not waits else
+               f"every barrier of every rank ({len(ranks)}) cleared in under 0.01 s in total:\nno wait to draw")
         return fig
+    fig = _figure(min(max(5.0, 3.6 + 0.6 * len(ranks)), 16), 1.9 + 0.35 * max(len(phases), 1))
+    ax = fig.subplots()
     grid = [[math.nan] * len(ranks) for _ in phases]
     col = {r: k for k, r in enumerate(ranks)}
     line = {p: k for k, p in enumerate(phases)}
@@ -271,12 +274,13 @@ def barrier_wait_png(data: dict) -> bytes:
 
 
 # The parts of the train and engine phases, in the order they are stacked: train in reds
-# (the train phase's colour), engines in oranges (the engine restart's), darker as they come later.
+# (the train phase's colour), engines in blues (apart from the reds at a glance), darker as
+# they come later.
 TRAIN_PARTS = (
     ("train.startup", "#fcbba1"), ("train.load", "#fc9272"), ("train.prepare", "#fb6a4a"),
     ("train.steps", "#de2d26"), ("train.checkpoint", "#a50f15"),
 )
-ENGINE_PARTS = (("engine.start", "#fdd0a2"), ("engine.restart", "#fdae6b"), ("engine.reload", "#e6550d"), ("engine.release", "#a63603"))
+ENGINE_PARTS = (("engine.start", "#c6dbef"), ("engine.restart", "#6baed6"), ("engine.reload", "#2171b5"), ("engine.release", "#08306b"))
 TRAIN_REST = "train.total, rest"
 
 

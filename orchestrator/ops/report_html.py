@@ -28,28 +28,45 @@ def _cell(v) -> str:
     return str(v)
 
 
+# The time tables put iterations across (phases and parts down, their labels once), so that
+# the 14 phases never run off the page; the last this many iterations: report.json has all.
+TIME_TABLE_ITERATIONS = 12
+
+
+def _bytes(n) -> str:
+    """1618098 as 1.6 MB (decimal units, as ``status`` shows them)."""
+    if not isinstance(n, (int, float)):
+        return ""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def time_tables(rows: list[dict]) -> str:
-    """Two tables of seconds per iteration: the master's phases, and the train and engine
-    parts (only when the run recorded any)."""
+    """Tables of seconds per iteration, iterations across: the master's phases, and the train
+    and engine parts (only when the run recorded any); then the policy's bytes."""
     e = html.escape
     timed = [r for r in rows if r.get("timing")]
+    shown = timed[-TIME_TABLE_ITERATIONS:]
     out = []
     phases = sorted({lbl for r in timed for lbl in r["timing"]["phases"]}, key=lambda lbl: int(lbl.split(":")[0]))
     parts = sorted({p for r in timed for p in r["timing"]["parts"]}, key=part_sort_key)
+    left_out = f" (the last {len(shown)} of {len(timed)} iterations; {REPORT_JSON} has every one)" if len(shown) < len(timed) else ""
+    head = "<th>iteration</th>" + "".join(f"<th>{r['iteration']}</th>" for r in shown)
     for keys, of_phases, caption in ((phases, True, "seconds per phase (master)"), (parts, False, "slowest rank, worker or engine (s)")):
         if not keys:
             continue
-        head = "<th>iteration</th>" + ("<th>total</th>" if of_phases else "") + "".join(f"<th>{e(k)}</th>" for k in keys)
         body = []
-        for r in timed:
-            t = r["timing"]
-            figures = t["phases"] if of_phases else t["parts"]
-            cells = ([t["total_s"]] if of_phases else []) + [figures.get(k) for k in keys]
-            body.append(f"<tr><td>{r['iteration']}</td>" + "".join(f"<td>{e(_cell(v))}</td>" for v in cells) + "</tr>")
-        out.append(f'<table class="time">\n<caption>{e(caption)}</caption>\n<tr>{head}</tr>\n' + "\n".join(body) + "\n</table>")
-    moved = [(r["iteration"], r["timing"]["bytes"]) for r in timed if r["timing"].get("bytes")]
+        if of_phases:
+            body.append("<tr><th>total</th>" + "".join(f"<td>{e(_cell(r['timing']['total_s']))}</td>" for r in shown) + "</tr>")
+        for k in keys:
+            cells = [r["timing"]["phases" if of_phases else "parts"].get(k) for r in shown]
+            body.append(f"<tr><th>{e(k)}</th>" + "".join(f"<td>{e(_cell(v))}</td>" for v in cells) + "</tr>")
+        out.append(f'<table class="time">\n<caption>{e(caption + left_out)}</caption>\n<tr>{head}</tr>\n' + "\n".join(body) + "\n</table>")
+    moved = [(r["iteration"], r["timing"]["bytes"]) for r in shown if r["timing"].get("bytes")]
     if moved:
-        body = "\n".join(f"<tr><td>{i}</td><td>{b['written']}</td><td>{b['read']}</td></tr>" for i, b in moved)
+        body = "\n".join(f"<tr><td>{i}</td><td>{_bytes(b['written'])}</td><td>{_bytes(b['read'])}</td></tr>" for i, b in moved)
         out.append('<table class="time">\n<caption>bytes of the policy per iteration: the checkpoint written, what the engines '
                    'read to serve it</caption>\n<tr><th>iteration</th><th>written</th><th>read</th></tr>\n' + body + "\n</table>")
     return "\n".join(out)
@@ -85,6 +102,7 @@ body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
 table {{ border-collapse: collapse; margin: 1em 0; }}
 th, td {{ border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: right; }}
 th {{ background: #eee; }}
+table.time th:first-child {{ text-align: left; }}
 img {{ max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0 1.5em; }}
 .note {{ color: #666; font-size: 0.9em; }}
 caption {{ text-align: left; color: #666; font-size: 0.9em; }}

@@ -82,6 +82,8 @@ class Tracker(Protocol):
 class Workload(Protocol):
     min_chunk_tasks: int
     """The smallest chunk of tasks worth handing out (what one engine request carries)."""
+    simulated: bool
+    """Its rewards and metrics are made up (the rehearsal): the log says so beside them."""
 
     def tasks_per_iteration(self, split: str) -> int:
         """How many ``split`` ("train" or "eval") tasks one iteration has."""

@@ -38,6 +38,7 @@ def _spread(seed: int, task_id: str) -> float:
 
 class RehearsalWorkload:
     min_chunk_tasks = 1
+    simulated = True
 
     def __init__(self, config: RunConfig, children: Children):
         self.config = config

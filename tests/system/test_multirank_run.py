@@ -18,6 +18,8 @@ def test_three_rank_rehearsal_completes_with_weighted_split_and_eval_schedule(cl
     assert_default_three_iteration_run(cluster.log_path)
     lines = (cluster.log_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [1, 3]
+    evals = [line for line in procs[0].output().splitlines() if "eval of iteration" in line]
+    assert len(evals) == 2 and all("(simulated by the rehearsal: no model ran): accuracy=" in line for line in evals), evals
 
 
 def test_largest_remainder_split_is_visible_in_status(cluster):

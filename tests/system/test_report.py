@@ -216,7 +216,8 @@ def test_time_breakdown_has_every_phase_the_master_walked_back_to_back_in_the_at
         assert t["parts"] == {}  # a rehearsal records no train or engine parts
     page = (out_dir / "index.html").read_text()
     table = page.split("<caption>seconds per phase (master)</caption>")[1].split("</table>")[0]
-    assert [int(i) for i in re.findall(r"<tr><td>(\d+)</td>", table)] == [1, 2, 3]
+    assert [int(i) for i in re.findall(r"<th>(\d+)</th>", table)] == [1, 2, 3]  # iterations across, phases down
+    assert re.findall(r"<tr><th>([^<]+)</th>", table) == ["iteration", "total", *(p.label for p in Phase)]
     assert "<caption>slowest" not in page  # no table of parts
 
 
@@ -309,7 +310,21 @@ def test_breakdown_chart_and_tables_show_the_train_and_engine_parts():
     tables = report_html.time_tables(rows)
     assert tables.count("<table") == 2
     parts = tables.split("</table>")[1]
-    assert re.findall(r"<th>([^<]+)</th>", parts) == ["iteration", "train.startup", "train.steps", "train.checkpoint", "train.total",
-                                                       "engine.reload"]
-    assert "<tr><td>2</td><td>0.500</td><td>3.000</td><td>0.300</td><td>4.500</td><td>1.200</td></tr>" in parts
-    assert "<tr><td>3</td>" not in tables
+    assert re.findall(r"<tr><th>([^<]+)</th>", parts) == ["iteration", "train.startup", "train.steps", "train.checkpoint",
+                                                         "train.total", "engine.reload"]
+    assert "<tr><th>iteration</th><th>1</th><th>2</th></tr>" in parts, "iteration 3 has no timing: no column"
+    assert "<tr><th>train.steps</th><td>2.000</td><td>3.000</td></tr>" in parts
+
+
+def test_the_time_tables_stay_narrow_whatever_the_iterations_and_show_bytes_in_units():
+    """14 phases and 40 iterations: a row never holds more than the last 12 iterations and a
+    label (the page at 1280 px once ran off at the 10th phase); bytes read 1.6 MB, not 1618098."""
+    phases = {p.label: 1.0 for p in Phase}
+    rows = [{"iteration": i, "timing": {"phases": phases, "total_s": 14.0, "parts": {"train.total": 2.0},
+                                        "bytes": {"written": 1618098, "read": 3_200_000_000}}} for i in range(1, 41)]
+    tables = report_html.time_tables(rows)
+    for table in tables.split("</table>")[:-1]:
+        for row in re.findall(r"<tr>(.*?)</tr>", table):
+            assert len(re.findall(r"<t[hd]>", row)) <= report_html.TIME_TABLE_ITERATIONS + 1, row
+    assert "the last 12 of 40 iterations" in tables and "<th>29</th>" in tables and "<th>28</th>" not in tables
+    assert "<td>1.6 MB</td><td>3.2 GB</td>" in tables and "1618098" not in tables

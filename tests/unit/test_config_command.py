@@ -47,6 +47,25 @@ def test_the_listing_fits_80_columns(listing):
     assert [line for line in listing.splitlines() if len(line) > 80] == []
 
 
+def test_each_section_s_types_line_up_and_its_description_is_indented_under_it(listing):
+    """A section's description folds under its heading, never to column 0; within a section
+    every key's type starts in one column (a choice too long for it is listed under its key)."""
+    import re
+
+    section, starts = None, {}
+    for line in listing.splitlines():
+        if line and not line.startswith(" "):
+            section = line.split(":")[0]
+            assert line.startswith(section), line
+            continue
+        if line.startswith("  ") and not line.startswith("   "):
+            starts.setdefault(section, set()).add(re.match(r"  \S+\s+", line).end())
+    assert {s: c for s, c in starts.items() if len(c) != 1} == {}
+    assert "  rl.loss_agg" in listing and "one of: token_mean, seq_mean_token_sum, seq_mean_token_mean" in listing
+    heading_lines = [i for i, line in enumerate(listing.splitlines()) if line.startswith("checkpoint:")]
+    assert listing.splitlines()[heading_lines[0] + 1].startswith("    "), "the description folds under its heading"
+
+
 def test_keys_are_grouped_under_each_section_of_the_run_config(listing):
     sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(f.default_factory)]
     headings = [line.split(":")[0] for line in listing.splitlines()

@@ -261,11 +261,12 @@ def test_plan_json_for_two_nodes_of_four():
     assert [e["port"] for e in out["engines"]] == [8000, 8001, 8000, 8001]
 
 
-def test_plan_table_shows_nodes_and_engines():
+def test_plan_table_shows_nodes_and_engines_within_80_columns():
     r = subprocess.run([sys.executable, "-m", "orchestrator", "plan", "--num-nodes", "2", "--gpus-per-node", "8",
                         "train.device_mapping=0-15", "rollout.device_mapping=0-11", "rollout.gpus_per_engine=2"],
-                       capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "120"})
+                       capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "80"})
     assert r.returncode == 0, r.stderr
+    assert [line for line in r.stdout.splitlines() if len(line) > 80] == []
     assert "colocated" in r.stdout and "16 train worker(s)" in r.stdout and "6 engine(s)" in r.stdout
     assert "tensor parallel 2" in r.stdout
 

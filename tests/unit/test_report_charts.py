@@ -119,6 +119,7 @@ def test_timeline_draws_one_labelled_line_per_iteration_start_and_titles_its_axe
     assert ax.get_xlabel() == "seconds since the run's first event"
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "iteration starts (it N)" in legend and "attempt starts" in legend
+    assert min(t.get_fontsize() for t in fig.legends[0].get_texts()) >= 8, "a legend of 14 phases must be legible"
 
 
 def test_timeline_of_many_short_iterations_keeps_every_line_and_labels_that_do_not_overlap():
@@ -143,6 +144,26 @@ def _waits(totals: dict[tuple[int, int], float]) -> list[dict]:
 def test_wait_colours_start_at_0_and_span_at_least_the_minimum():
     assert charts.wait_scale(_waits({(2, 0): 0.0085, (2, 1): 0.0105})) == (0.0, charts.WAIT_SCALE_MIN_S)
     assert charts.wait_scale(_waits({(2, 0): 0.5, (12, 1): 27.0})) == (0.0, 27.0)
+
+
+def test_barrier_waits_all_under_a_hundredth_of_a_second_are_said_in_words_not_drawn_as_a_grid():
+    fig = _drawn(charts.barrier_wait_figure({"barrier_wait": _waits({(2, 0): 0.003, (12, 0): 0.001, (13, 0): 0.0})}))
+    ax = fig.axes[0]
+    assert not ax.get_images() and "under 0.01 s" in " ".join(t.get_text() for t in ax.texts)
+    assert fig.get_size_inches()[1] < 2
+
+
+def test_engine_parts_are_another_hue_than_train_parts():
+    """The breakdown stacks train parts in reds beside engine parts: the two must not look alike."""
+    from matplotlib.colors import rgb_to_hsv
+
+    def hue(colour):
+        return float(rgb_to_hsv(to_rgba(colour)[:3])[0])
+
+    def apart(a, b):
+        return min(abs(a - b), 1 - abs(a - b))
+
+    assert min(apart(hue(e), hue(t)) for _, e in charts.ENGINE_PARTS for _, t in charts.TRAIN_PARTS) > 0.25
 
 
 def test_milliseconds_of_barrier_wait_are_drawn_in_the_palest_colour_with_a_scale_in_seconds():

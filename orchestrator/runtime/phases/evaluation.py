@@ -31,5 +31,7 @@ def aggregate_results(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:
         metrics["policy_iteration"] = policies[0]
     summary.update(ctx.layout, ctx.iteration, evaluated=True, metrics=metrics)
     summary.append_metrics(ctx.layout, ctx.iteration, metrics)
-    ctx.log.info("eval of iteration %d: %s", ctx.iteration, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    ctx.log.info("eval of iteration %d%s: %s", ctx.iteration,
+                 " (simulated by the rehearsal: no model ran)" if ctx.workload.simulated else "",
+                 ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return {"metrics": metrics}

@@ -70,6 +70,7 @@ def shortfall(split: str, wanted: int, path: Path, held: int, usable: int) -> st
 
 class RLWorkload:
     min_chunk_tasks = MIN_CHUNK_TASKS
+    simulated = False
 
     def __init__(self, config: RunConfig, children: Children):
         self.config = config
