@@ -1,5 +1,5 @@
 """A run's checkpoints, in one package: what a directory holds (``files``), its manifest and
-verification (``manifest``), staging, rename into place and the current pointer
+verification (``manifest``; the sums its writers computed as they wrote, ``sums``), staging, rename into place and the current pointer
 (``store``), retention and consumer markers (``retention``), export as a plain model
 (``export``), and the formats the trainer writes (``sharded`` safetensors,
 ``optimizer_state``).
@@ -8,7 +8,7 @@ The names most callers need are here: ``checkpoints.verify(path)``, ``checkpoint
 """
 
 from orchestrator.checkpoints.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, adapter_config, is_adapter, weight_bytes
-from orchestrator.checkpoints.manifest import MANIFEST, CheckpointCorrupt, Verified, seal, verify
+from orchestrator.checkpoints.manifest import ALL, MANIFEST, WEIGHTS, CheckpointCorrupt, Verified, seal, verify
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MANIFEST", "CheckpointCorrupt", "Verified", "adapter_base", "adapter_config",
+__all__ = ["ALL", "WEIGHTS", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MANIFEST", "CheckpointCorrupt", "Verified", "adapter_base", "adapter_config",
            "is_adapter", "seal", "verify", "weight_bytes"]

@@ -69,7 +69,7 @@ def export(log_path: Path, iteration: int | None, out: Path, base: Path | None =
         if not (base / "config.json").is_file():
             raise BadInput(f"the checkpoint of iteration {iteration} is a LoRA adapter of {base}, which is not a model directory "
                            f"here: give the base model with --base-model")
-    checkpoints.verify(source)
+    checkpoints.verify(source, checkpoints.WEIGHTS)  # what an export reads
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:

@@ -1,14 +1,21 @@
 """A checkpoint directory sealed: ``orchestrator.manifest.json`` lists every file with its
-size and sha256, written by the node that trains before the directory is renamed into place.
-A rank verifies a checkpoint against it before serving or training from it, so a damaged
-file (a bad disk, a partial copy, a bit flip) is named instead of served.
+size and checksum, written by the node that trains before the directory is renamed into place.
+
+The sums come from the writers, computed as they wrote (sums.py): sealing checks each summed
+file's size and reads none of them; only the small files a library wrote (the config, the
+tokenizer) are summed here. A reader verifies what it reads against the manifest, and only
+that: an engine the weights (``WEIGHTS``: the files at the top level), a trainer that loads the
+checkpoint all of it (``ALL``: the optimizer state too). A damaged file (a bad disk, a partial
+copy, a bit flip) is named instead of served. Manifests of older runs name sha256: still read.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
+from orchestrator.checkpoints import sums
 from orchestrator.data import shards
 from orchestrator.errors import OrchestratorError
 from orchestrator.protocol import fsio
@@ -16,6 +23,9 @@ from orchestrator.protocol import fsio
 log = logging.getLogger(__name__)
 
 MANIFEST = "orchestrator.manifest.json"
+WEIGHTS = "weights"
+"""What an engine reads: the files at the checkpoint's top level (weights, config, tokenizer)."""
+ALL = "all"
 
 
 class CheckpointCorrupt(OrchestratorError):
@@ -24,17 +34,28 @@ class CheckpointCorrupt(OrchestratorError):
 
 def seal(directory: Path) -> dict:
     """Write the manifest of every file under ``directory`` (the weights at the top, the
-    optimizer state in ``optimizer/``), keyed by its path relative to ``directory``. Raises
-    CheckpointCorrupt when a safetensors index names a file that is not there (shards come
-    from every train worker's node: one that is not visible here yet is waited for briefly)."""
+    optimizer state in ``optimizer/``), keyed by its path relative to ``directory``: the sums
+    its writers recorded, each file's size checked; a file no writer summed is summed here.
+    Raises CheckpointCorrupt when a safetensors index names a file that is not there (shards
+    come from every train worker's node: one that is not visible here yet is waited for
+    briefly), or when a file's size is not what its writer wrote."""
     _shards_present(directory)
+    written = sums.gathered(directory)
     files = {}
     for p in sorted(directory.rglob("*")):
         rel = p.relative_to(directory)
         if p.is_file() and p.name != MANIFEST and not any(part.startswith(".") for part in rel.parts):
-            files[rel.as_posix()] = {"bytes": p.stat().st_size, "sha256": shards.sha256_file(p)}
+            size = p.stat().st_size
+            entry = written.get(rel.as_posix())
+            if entry is None:
+                entry = {"bytes": size, sums.ALGORITHM: sums.file_sum(p)}
+            elif entry["bytes"] != size:
+                raise CheckpointCorrupt(f"checkpoint file {p} has {size} bytes where its writer wrote {entry['bytes']}: "
+                                        f"a write was cut short or the file was changed since")
+            files[rel.as_posix()] = entry
     body = {"files": files}
     fsio.write_record(directory / MANIFEST, body)
+    shutil.rmtree(directory / sums.DIRECTORY, ignore_errors=True)  # gathered into the manifest
     return body
 
 
@@ -59,8 +80,9 @@ def _shards_present(directory: Path, wait_s: float = 30.0) -> None:
                                     f"worker's shard was not written or is not visible from this node") from None
 
 
-def verify(directory: Path) -> None:
-    """Raise CheckpointCorrupt naming the first file that does not match the manifest."""
+def verify(directory: Path, part: str = ALL) -> None:
+    """Raise CheckpointCorrupt naming the first file of ``part`` (``WEIGHTS`` or ``ALL``) that
+    does not match the manifest."""
     manifest = fsio.read_record(directory / MANIFEST)
     if manifest is None:
         raise CheckpointCorrupt(
@@ -68,14 +90,19 @@ def verify(directory: Path) -> None:
             f"Restore the directory from a copy, or see docs/reliability.md, \"corrupted checkpoint\""
         )
     for name, want in manifest["files"].items():
+        if part == WEIGHTS and "/" in name:
+            continue  # the optimizer state: the trainer's, not the engine's
         path = directory / name
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             raise CheckpointCorrupt(f"checkpoint {directory} lacks {name}, which its manifest lists") from None
-        got = shards.sha256_file(path) if size == want["bytes"] else None
-        if got != want["sha256"]:
-            what = f"{size} bytes, expected {want['bytes']}" if got is None else f"sha256 {got[:12]}, expected {want['sha256'][:12]}"
+        algorithm = sums.ALGORITHM if sums.ALGORITHM in want else "sha256"
+        got = None
+        if size == want["bytes"]:
+            got = sums.file_sum(path) if algorithm == sums.ALGORITHM else shards.sha256_file(path)
+        if got != want[algorithm]:
+            what = f"{size} bytes, expected {want['bytes']}" if got is None else f"{algorithm} {got[:12]}, expected {want[algorithm][:12]}"
             raise CheckpointCorrupt(
                 f"checkpoint file {path} is damaged ({what}). Restore it from a copy, or see docs/reliability.md, "
                 f"\"corrupted checkpoint\""
@@ -83,14 +110,14 @@ def verify(directory: Path) -> None:
 
 
 class Verified:
-    """Verify each checkpoint once per process (verification hashes every file)."""
+    """Verify each part of a checkpoint once per process (verification reads every file of it)."""
 
     def __init__(self) -> None:
-        self._ok: set[Path] = set()
+        self._ok: set[tuple[Path, str]] = set()
 
-    def check(self, directory: Path) -> None:
-        if directory in self._ok:
+    def check(self, directory: Path, part: str = ALL) -> None:
+        if (directory, part) in self._ok or (directory, ALL) in self._ok:
             return
-        verify(directory)
-        log.info("checkpoint %s matches its manifest", directory)
-        self._ok.add(directory)
+        verify(directory, part)
+        log.info("checkpoint %s matches its manifest%s", directory, " (its weights: what the engines read)" if part == WEIGHTS else "")
+        self._ok.add((directory, part))

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.checkpoints.sums import Sums
+
 DIRECTORY = "optimizer"
 FILE = "adamw.safetensors"
 INDEX = "adamw.safetensors.index.json"
@@ -34,10 +36,9 @@ def path(checkpoint: Path) -> Path:
     return checkpoint / DIRECTORY / FILE
 
 
-def save(optimizer, model, checkpoint: Path) -> None:
-    """Write the state of ``optimizer`` (an AdamW over ``model``'s parameters) into ``checkpoint``."""
-    from safetensors.torch import save_file
-
+def save(optimizer, model, checkpoint: Path, written: Sums | None = None) -> None:
+    """Write the state of ``optimizer`` (an AdamW over ``model``'s parameters) into
+    ``checkpoint``, summed as it is written into ``written`` (the writer's sums, sums.py)."""
     tensors = {}
     for name, param in model.named_parameters():
         state = optimizer.state.get(param)
@@ -47,10 +48,11 @@ def save(optimizer, model, checkpoint: Path) -> None:
             tensors[f"{name}/{key}"] = state[key].detach().to("cpu", copy=True).contiguous()
     target = path(checkpoint)
     target.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, target, metadata={"format": FORMAT})
+    (written or Sums(checkpoint, "unrecorded")).save_safetensors(target, tensors, {"format": FORMAT})
 
 
-def save_sharded(optimizer, model, checkpoint: Path, *, rank: int, world_size: int, barrier, parallel: bool = True) -> None:
+def save_sharded(optimizer, model, checkpoint: Path, *, rank: int, world_size: int, barrier, written: Sums,
+                 parallel: bool = True) -> None:
     """Every worker's part of the state of a sharded ``model``'s AdamW, as whole tensors in
     one file per owner, and the index from worker 0 once every file is in place."""
     from orchestrator.checkpoints import sharded
@@ -72,11 +74,11 @@ def save_sharded(optimizer, model, checkpoint: Path, *, rank: int, world_size: i
     barrier()
     mine = sharded.gather(named, owner_of, rank)
     if mine:
-        sharded.write_file(mine, directory / files[rank], {"format": FORMAT})
+        sharded.write_file(mine, directory / files[rank], {"format": FORMAT}, written)
     del mine
     barrier()
     if rank == 0:
-        sharded.write_index(directory / INDEX, owner_of, files, sum(sharded.full_size(t) for _, t in named), format=FORMAT)
+        sharded.write_index(directory / INDEX, owner_of, files, sum(sharded.full_size(t) for _, t in named), written, format=FORMAT)
 
 
 class _Reader:

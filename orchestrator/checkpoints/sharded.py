@@ -9,7 +9,7 @@ the whole tensor; so no worker ever holds more than its own share plus one tenso
 
 On a shared filesystem (prime-rl's ``save_state_dict_parallel`` learned the same): the
 directory exists before anyone writes (worker 0 makes it, then a barrier), each worker
-writes a temp file, fsyncs it and renames only its own file, and the index comes after a
+writes a temp file (summed as it is written: sums.py), fsyncs it and renames only its own file, and the index comes after a
 barrier that every worker reaches only once its file is in place. A complete index therefore
 means complete shards; the checkpoint's manifest (manifest.py) then covers every file.
 
@@ -20,10 +20,9 @@ Index format, as Hugging Face's ``model.safetensors.index.json``:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from orchestrator.protocol import fsio
+from orchestrator.checkpoints.sums import Sums
 
 
 def owners(sizes: dict[str, int], world_size: int, *, parallel: bool = True) -> dict[str, int]:
@@ -61,20 +60,14 @@ def gather(named: list[tuple[str, object]], owner_of: dict[str, int], rank: int)
     return mine
 
 
-def write_file(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
-    """Temp file, fsync, rename: ``path`` is absent or complete."""
-    from safetensors.torch import save_file
-
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, temp, metadata=metadata)
-    with open(temp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+def write_file(tensors: dict, path: Path, metadata: dict[str, str], written: Sums) -> None:
+    """Temp file, fsync, rename: ``path`` is absent or complete; summed as it is written."""
+    written.save_safetensors(path, tensors, metadata)
 
 
-def write_index(path: Path, owner_of: dict[str, int], files: dict[int, str], total_size: int, **metadata) -> None:
+def write_index(path: Path, owner_of: dict[str, int], files: dict[int, str], total_size: int, written: Sums, **metadata) -> None:
     body = {"metadata": {"total_size": total_size, **metadata}, "weight_map": {name: files[owner_of[name]] for name in sorted(owner_of)}}
-    fsio.atomic_write_bytes(path, json.dumps(body, indent=2).encode())
+    written.write_bytes(path, json.dumps(body, indent=2).encode())
 
 
 def read_index(path: Path) -> dict[str, str]:
@@ -104,7 +97,7 @@ def model_tensors(model) -> list[tuple[str, object]]:
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-def save_model(model, output: Path, *, rank: int, world_size: int, barrier, parallel: bool = True) -> None:
+def save_model(model, output: Path, *, rank: int, world_size: int, barrier, written: Sums, parallel: bool = True) -> None:
     """The weights of a sharded ``model`` into ``output`` as ``model-0000i-of-0000n.safetensors``
     and, from worker 0 after every worker's file is in place, the index. ``barrier()`` waits
     for every worker. The config, generation config and tokenizer are the caller's."""
@@ -113,8 +106,14 @@ def save_model(model, output: Path, *, rank: int, world_size: int, barrier, para
     files = file_names(owner_of, "model")
     mine = gather(named, owner_of, rank)
     if mine:
-        write_file(mine, output / files[rank], {"format": "pt"})
+        write_file(mine, output / files[rank], {"format": "pt"}, written)
     del mine
     barrier()
     if rank == 0:
-        write_index(output / WEIGHTS_INDEX, owner_of, files, sum(full_size(t) for _, t in named))
+        write_index(output / WEIGHTS_INDEX, owner_of, files, sum(full_size(t) for _, t in named), written)
+
+
+def save_whole(model, output: Path, written: Sums) -> None:
+    """The weights of an unsharded ``model`` as one ``model.safetensors`` (what
+    ``save_pretrained`` writes, tied parameters once), streamed and summed by one writer."""
+    written.save_safetensors(output / "model.safetensors", {name: t.detach() for name, t in model_tensors(model)}, {"format": "pt"})

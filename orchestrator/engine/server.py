@@ -61,7 +61,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from orchestrator import checkpoints
-from orchestrator.data import shards
+from orchestrator.checkpoints import sums
 from orchestrator.engine import loading, lora
 from orchestrator.engine.sampling import Generation, PromptRejected, Sampler, SamplingParams
 from orchestrator.engine.scheduler import EngineStopped, Scheduler
@@ -416,8 +416,8 @@ class _Handler(BaseHTTPRequestHandler):
         except EngineStopped as e:
             raise RequestRejected(str(e), HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError") from e
         seconds = time.monotonic() - started
-        log.info("reloaded %s in place in %.2fs as %r (%s sha256 %s)", directory, seconds, body["served_model_name"],
-                 "LoRA adapter, merged into the base" if checkpoints.is_adapter(directory) else "model.safetensors", _weights_sha256(directory))
+        log.info("reloaded %s in place in %.2fs as %r (%s %s)", directory, seconds, body["served_model_name"],
+                 "LoRA adapter, merged into the base" if checkpoints.is_adapter(directory) else "model.safetensors", _weights_sum(directory))
         return HTTPStatus.OK, {"model": body["served_model_name"], "root": str(directory), "seconds": round(seconds, 4)}, ""
 
     def _completions(self):
@@ -545,17 +545,18 @@ def load_weights(model, directory: Path) -> None:
     model.load_state_dict(tensors, strict=False)
 
 
-def _weights_sha256(model_dir: Path) -> str:
-    """The content hash of the weights served, so operators (and tests) can tell that every
-    node's engine serves the same checkpoint: the one the checkpoint's manifest records (the
-    rank verified it before asking), else hashed here (the base model has no manifest)."""
+def _weights_sum(model_dir: Path) -> str:
+    """The checksum of the weights served (``xxh3_128 <hex>``), so operators (and tests) can
+    tell that every node's engine serves the same checkpoint: the one the checkpoint's
+    manifest records (the rank verified it before asking), else summed here (the base model
+    has no manifest)."""
     name = checkpoints.ADAPTER_WEIGHTS if checkpoints.is_adapter(model_dir) else "model.safetensors"
     weights = model_dir / name
     if not weights.is_file():
         return "sharded"
     manifest = fsio.read_record(model_dir / checkpoints.MANIFEST)
-    recorded = (manifest or {}).get("files", {}).get(name, {}).get("sha256")
-    return recorded or shards.sha256_file(weights)
+    recorded = (manifest or {}).get("files", {}).get(name, {}).get(sums.ALGORITHM)
+    return f"{sums.ALGORITHM} {recorded or sums.file_sum(weights)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -575,9 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
         log.info(
-            "loaded %s in %.1fs on %s in %s (context length %d; %s sha256 %s)",
+            "loaded %s in %.1fs on %s in %s (context length %d; %s %s)",
             args.model, time.monotonic() - started, sampler.device, str(model.dtype).removeprefix("torch."), sampler.max_model_len,
-            checkpoints.ADAPTER_WEIGHTS if adapter else "model.safetensors", _weights_sha256(args.model),
+            checkpoints.ADAPTER_WEIGHTS if adapter else "model.safetensors", _weights_sum(args.model),
         )
         name = args.served_model_name or str(args.model)
         scheduler = Scheduler(sampler, max_num_seqs=args.max_num_seqs)

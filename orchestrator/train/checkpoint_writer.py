@@ -1,7 +1,8 @@
 """The new checkpoint, written into the staging directory ``output`` after the update: with
 ddp worker 0 writes it all, with fsdp every worker its shards and worker 0 the indexes
 (checkpoints/sharded.py); with LoRA worker 0 writes the adapter (train/lora.py) and the optimizer
-state as for the whole model. Weights and optimizer state are fp32 (the master copy), and a
+state as for the whole model. Each worker sums the files it writes as it writes them
+(checkpoints/sums.py), so sealing reads none of them back. Weights and optimizer state are fp32 (the master copy), and a
 whole model's ``config.json`` names the dtype the engines serve it in (train/precision.py). ``train_stats.json`` comes last, so it vouches for everything else; the
 final barrier after it is what a ``done`` answer waits for."""
 
@@ -12,7 +13,7 @@ import logging
 import time
 
 from orchestrator.protocol import fsio
-from orchestrator.checkpoints import optimizer_state, sharded
+from orchestrator.checkpoints import optimizer_state, sharded, sums
 from orchestrator.train import lora, precision
 from orchestrator.train.errors import TrainerError
 from orchestrator.train.policy import Policy
@@ -32,43 +33,52 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float) -> 
         output.mkdir(parents=True, exist_ok=True)
         # A stats file left by an earlier attempt would vouch for weights being rewritten now.
         (output / STATS_FILE).unlink(missing_ok=True)
+    written = sums.Sums(output, f"worker-{rank}")  # each file summed as it is written: sealing reads none back
     if policy.setup.lora:  # the adapter and its optimizer state only: megabytes (train/lora.py)
         def barrier() -> None:
             _barrier(device, "checkpoint shard")
 
         if policy.setup.sharded:
             barrier()  # worker 0 made the directory
-        lora.save(model, output, rank=rank)
+        lora.save(model, output, rank=rank, written=written)
         if policy.setup.sharded:
             optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
-                                         parallel=config.parallel_write)
+                                         written=written, parallel=config.parallel_write)
         elif rank == 0:
-            optimizer_state.save(optimizer, model, output)
+            optimizer_state.save(optimizer, model, output, written)
     elif policy.setup.sharded:
         def barrier() -> None:
             _barrier(device, "checkpoint shard")
 
         barrier()  # worker 0 made the directory
-        sharded.save_model(model, output, rank=rank, world_size=world_size, barrier=barrier, parallel=config.parallel_write)
+        sharded.save_model(model, output, rank=rank, world_size=world_size, barrier=barrier, written=written,
+                           parallel=config.parallel_write)
         optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
-                                     parallel=config.parallel_write)
+                                     written=written, parallel=config.parallel_write)
         if rank == 0:
-            model.config.save_pretrained(output)
-            precision.write_served_dtype(output, policy.served_dtype)
-            if model.can_generate() and model.generation_config is not None:
-                model.generation_config.save_pretrained(output)
+            _save_configs(model, output, policy.served_dtype)
     elif rank == 0:
-        model.save_pretrained(output)
-        precision.write_served_dtype(output, policy.served_dtype)
-        optimizer_state.save(optimizer, model, output)
+        sharded.save_whole(model, output, written)
+        _save_configs(model, output, policy.served_dtype)
+        optimizer_state.save(optimizer, model, output, written)
+    written.record()
     if rank == 0:
         if not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)
             policy.tokenizer.save_pretrained(output)
-        stats["checkpoint_bytes"] = sum(p.stat().st_size for p in output.rglob("*") if p.is_file())
+        stats["checkpoint_bytes"] = sum(p.stat().st_size for p in output.rglob("*") if p.is_file() and ".sums" not in p.parts)
         stats["seconds"] = round(time.monotonic() - started, 3)
         fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
         log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
     _barrier(device)
+
+
+def _save_configs(model, output, served_dtype) -> None:
+    """The model's config (naming the dtype the engines serve) and generation config: small
+    files, summed when the checkpoint is sealed."""
+    model.config.save_pretrained(output)
+    precision.write_served_dtype(output, served_dtype)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(output)
 
 
 def _barrier(device, what: str = "final barrier") -> None:

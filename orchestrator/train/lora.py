@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.checkpoints.files import ADAPTER_WEIGHTS, adapter_config, is_adapter
+from orchestrator.checkpoints.sums import Sums
 from orchestrator.train.errors import BadTrainInput
 from orchestrator.train.request import TrainRequest
 
@@ -77,11 +78,11 @@ def dropout(model, on: bool) -> None:
             drop.train(on)
 
 
-def save(model, output: Path, *, rank: int) -> int:
+def save(model, output: Path, *, rank: int, written: Sums | None = None) -> int:
     """Write the adapter into ``output`` from worker 0 (each sharded tensor gathered whole by
-    every worker, in the same order: a collective). Returns the bytes of its weights on worker 0."""
+    every worker, in the same order: a collective), summed as it is written into ``written``.
+    Returns the bytes of its weights on worker 0."""
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     whole = {}
     for name, param in model.named_parameters():
@@ -92,6 +93,6 @@ def save(model, output: Path, *, rank: int) -> int:
     if rank != 0:
         return 0
     tensors = get_peft_model_state_dict(model, state_dict=whole)
-    save_file(tensors, output / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    (written or Sums(output, "unrecorded")).save_safetensors(output / ADAPTER_WEIGHTS, tensors, {"format": "pt"})
     model.peft_config["default"].save_pretrained(str(output))
     return (output / ADAPTER_WEIGHTS).stat().st_size

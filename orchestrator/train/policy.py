@@ -8,9 +8,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.checkpoints import optimizer_state
+from orchestrator.checkpoints import manifest, optimizer_state
 from orchestrator.train import lora, parallel, precision
-from orchestrator.train.errors import BadTrainInput
+from orchestrator.train.errors import BadTrainInput, TrainerError
 from orchestrator.train.rendezvous import Rendezvous
 from orchestrator.train.request import TrainRequest
 
@@ -90,6 +90,11 @@ class Policy:
         from transformers import AutoTokenizer
 
         self.model = self.optimizer = None
+        if config.init_iteration is not None:  # a checkpoint of the run, read whole here: checked first (the base has no manifest)
+            try:
+                manifest.verify(config.init_checkpoint, manifest.ALL)
+            except manifest.CheckpointCorrupt as e:
+                raise TrainerError(str(e)) from None
         self.tokenizer = AutoTokenizer.from_pretrained(config.base_model if setup.lora else config.init_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if setup.lora:  # the base, from this node's model.path, with the adapter of the init checkpoint (or new ones)

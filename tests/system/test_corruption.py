@@ -56,7 +56,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(demo_data, tmp_path):
     _flip_a_byte(weights)
     refused = run(2)
     assert refused.returncode == 1, refused.stderr[-3000:]
-    assert f"checkpoint file {weights} is damaged (sha256" in refused.stderr
+    assert f"checkpoint file {weights} is damaged (xxh3_128" in refused.stderr
     assert not layout.iteration(2).shard("train", 0).exists() or not layout.iteration(2).shard("train", 0).read_bytes()
     weights.write_bytes(good)  # restored from a copy, as the message says
     done = run(2)

@@ -494,7 +494,7 @@ def test_reload_serves_the_new_weights_under_a_new_name_only_and_refuses_a_misfi
         after = json.loads(_http(e.url + "/v1/completions", "POST", {"model": "policy-2", **body})[1])["choices"][0]
         assert after["text"] == want["text"] and after["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
         assert client.models() == ["policy-2"] and e.proc.poll() is None
-        assert re.search(r"reloaded \S+other in place in [0-9.]+s as 'policy-2' \(model.safetensors sha256 [0-9a-f]{64}\)", e.log())
+        assert re.search(r"reloaded \S+other in place in [0-9.]+s as 'policy-2' \(model.safetensors xxh3_128 [0-9a-f]{32}\)", e.log())
 
         misfit = tmp_path / "misfit"
         misfit.mkdir()

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from orchestrator import checkpoints
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from orchestrator.checkpoints import optimizer_state
+from orchestrator.checkpoints import optimizer_state, sums
 from orchestrator.phase_table import Phase
 from tests.harness import (NODE_TIMEOUT_S, aggregate_records, file_sha256, heartbeat, hold_after_first_batch, kill_tree, rl_flags,
                            run_local, start_ranks, status_json, wait_for, wait_held_mid_rollout)
@@ -24,10 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _served_hashes(log_path):
-    """sha256 of the weights each rank's engine loaded, in order, from the engine logs."""
+    """The checksum of the weights each rank's engine loaded, in order, from the engine logs."""
     out = {}
     for log in sorted((log_path / "engines").glob("r*/engine*.log")):
-        out[int(log.parent.name[1:])] = re.findall(r"model.safetensors sha256 ([0-9a-f]{64})", log.read_text())
+        out[int(log.parent.name[1:])] = re.findall(r"model.safetensors xxh3_128 ([0-9a-f]{32})", log.read_text())
     return out
 
 
@@ -64,8 +64,8 @@ def test_three_ranks_three_iterations_keep_their_trainers_and_engines_and_every_
         logs = sorted(log_path.glob("attempts/*/train/trainer-w*.log"))
         assert len(logs) == 3
     # after iteration 1's publish, every engine restarted on the same new weights
-    new = file_sha256(layout.checkpoint(1) / "model.safetensors")
-    base = file_sha256(demo_data / "model" / "model.safetensors")
+    new = sums.file_sum(layout.checkpoint(1) / "model.safetensors")
+    base = sums.file_sum(demo_data / "model" / "model.safetensors")
     served = _served_hashes(log_path)
     assert sorted(served) == [0, 1, 2]
     for rank, hashes in served.items():

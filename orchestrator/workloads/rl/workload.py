@@ -134,12 +134,17 @@ class RLWorkload:
     # -- engine ------------------------------------------------------------------------------
 
     def verified(self, policy: store.Checkpoint) -> Path:
-        """``policy``'s directory, checked against its manifest (the base model has none), with
-        this rank's consumer marker naming it first: retention never removes a checkpoint a
-        marker names."""
+        """``policy``'s directory, its weights (what the engines read) checked against its
+        manifest (the base model has none), with this rank's consumer marker naming it first:
+        retention never removes a checkpoint a marker names."""
+        return self._consumed(policy, checkpoints.WEIGHTS)
+
+    def _consumed(self, policy: store.Checkpoint, part: str | None) -> Path:
+        """``policy``'s directory, named by this rank's consumer marker, and ``part`` of it
+        verified (None: the reader verifies what it reads, as a trainer does when it loads)."""
         retention.mark_consumer(self.layout, self.config.rank, policy.path)
-        if not policy.is_base:
-            self._verified.check(policy.path)
+        if not policy.is_base and part is not None:
+            self._verified.check(policy.path, part)
         return policy.path
 
     def _node_engines(self, ctx: PhaseContext) -> NodeEngines:
@@ -341,7 +346,7 @@ class RLWorkload:
         return {
             "iteration": ctx.iteration,
             "data": str(self.config.log_path / plan.data),
-            "init_checkpoint": str(self.verified(init)),
+            "init_checkpoint": str(self._consumed(init, None)),  # a trainer that loads it verifies it (train/policy.py)
             "init_iteration": plan.init_iteration or None,
             "reference_checkpoint": str(self.config.model_path) if self.rl.kl_coef > 0 else None,
             "seed": self.config.seed + ctx.iteration,
