@@ -456,6 +456,23 @@ class CheckpointConfig:
         _check_fields(self, "checkpoint")
 
 
+PUBLISH_DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass(kw_only=True, slots=True)
+class PublishConfig:
+    """How each checkpoint's weights reach the engines (docs/training.md, "Dtypes: what is
+    kept in which")."""
+
+    dtype: Annotated[str, _one_of(PUBLISH_DTYPES, "dtypes")] = "auto"
+    """The dtype of the weights the engines read: auto (the dtype they serve: rollout.dtype
+    with vLLM when it names one, else the base model's), bf16, fp16 or fp32. Other than fp32,
+    the checkpoint keeps the fp32 master weights apart (master/), for the trainer alone."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "publish")
+
+
 TRACKING_BACKENDS = ("tensorboard", "wandb", "mlflow")
 
 
@@ -517,6 +534,7 @@ class RunConfig:
     train: TrainPlacementConfig = field(default_factory=TrainPlacementConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:

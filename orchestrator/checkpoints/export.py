@@ -4,7 +4,8 @@ directory, which ``AutoModelForCausalLM.from_pretrained`` and vLLM load as they 
 A LoRA checkpoint (``train.lora_rank``) is merged into its base with peft
 (``merge_and_unload``): W = W_base + (lora_alpha / r) B A, saved as safetensors. A whole
 checkpoint is copied without what only the run needs (the optimizer state, the training
-stats, the manifest). Either way the checkpoint is first checked against its manifest, and
+stats, the manifest), in full precision: a checkpoint that publishes 16-bit weights
+(``publish.dtype``) gives its fp32 master weights (``master/``) in their place. Either way the checkpoint is first checked against its manifest, and
 the directory appears whole or not at all (written beside ``--out``, then renamed). Read-only
 over the run.
 """
@@ -32,6 +33,8 @@ class Exported:
     out: Path
     merged_from: Path | None
     """The base the adapter was merged into (LoRA), else None."""
+    master: bool
+    """The fp32 master weights were written in place of the published 16-bit ones."""
     bytes: int
 
 
@@ -69,7 +72,8 @@ def export(log_path: Path, iteration: int | None, out: Path, base: Path | None =
         if not (base / "config.json").is_file():
             raise BadInput(f"the checkpoint of iteration {iteration} is a LoRA adapter of {base}, which is not a model directory "
                            f"here: give the base model with --base-model")
-    checkpoints.verify(source, checkpoints.WEIGHTS)  # what an export reads
+    master = not adapter and checkpoints.master_dir(source) is not None
+    checkpoints.verify(source, checkpoints.ALL if master else checkpoints.WEIGHTS)  # what an export reads
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:
@@ -83,7 +87,7 @@ def export(log_path: Path, iteration: int | None, out: Path, base: Path | None =
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return Exported(iteration, source, out, base if adapter else None, size)
+    return Exported(iteration, source, out, base if adapter else None, master, size)
 
 
 def _merge(adapter: Path, base: Path, into: Path) -> None:
@@ -98,6 +102,11 @@ def _merge(adapter: Path, base: Path, into: Path) -> None:
 
 def _copy(source: Path, into: Path) -> None:
     into.mkdir()
+    master = checkpoints.master_dir(source)
     for p in sorted(source.iterdir()):
-        if p.is_file() and p.name not in _RUN_ONLY and not p.name.startswith("."):
+        weights = p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")
+        if p.is_file() and p.name not in _RUN_ONLY and not p.name.startswith(".") and not (master and weights):
+            shutil.copy2(p, into / p.name)
+    if master is not None:
+        for p in sorted(master.iterdir()):
             shutil.copy2(p, into / p.name)

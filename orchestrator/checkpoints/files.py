@@ -1,7 +1,9 @@
 """Which files a checkpoint directory holds: a whole Hugging Face model (``config.json``,
 safetensors, tokenizer), or a LoRA adapter of the base model in peft's format
 (``adapter_config.json``, ``adapter_model.safetensors``); the optimizer state in
-``optimizer/`` either way (optimizer_state.py)."""
+``optimizer/`` either way (optimizer_state.py); and, when the weights at the top are
+published in a 16-bit dtype (``publish.dtype``), the fp32 master weights in ``master/``, the
+same tensors in the same layout, which only a trainer reads."""
 
 from __future__ import annotations
 
@@ -11,6 +13,16 @@ from pathlib import Path
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 """A LoRA checkpoint (train.lora_rank) holds these, peft's, instead of the model's weights."""
+
+
+MASTER_DIR = "master"
+
+
+def master_dir(directory: Path) -> Path | None:
+    """Where ``directory`` keeps its fp32 master weights apart from the published ones (None:
+    the weights at its top level are the master)."""
+    master = Path(directory) / MASTER_DIR
+    return master if master.is_dir() else None
 
 
 def is_adapter(directory: Path) -> bool:

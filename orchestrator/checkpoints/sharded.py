@@ -97,23 +97,53 @@ def model_tensors(model) -> list[tuple[str, object]]:
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-def save_model(model, output: Path, *, rank: int, world_size: int, barrier, written: Sums, parallel: bool = True) -> None:
+def save_model(model, output: Path, *, rank: int, world_size: int, barrier, written: Sums, parallel: bool = True,
+               dtype=None, master: Path | None = None) -> None:
     """The weights of a sharded ``model`` into ``output`` as ``model-0000i-of-0000n.safetensors``
-    and, from worker 0 after every worker's file is in place, the index. ``barrier()`` waits
-    for every worker. The config, generation config and tokenizer are the caller's."""
+    and, from worker 0 after every worker's file is in place, the index; in ``dtype`` (None:
+    their own), and with ``master`` the same files in their own dtype there too (each tensor
+    gathered once). ``barrier()`` waits for every worker. The config, generation config and
+    tokenizer are the caller's."""
     named = model_tensors(model)
     owner_of = owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
     files = file_names(owner_of, "model")
     mine = gather(named, owner_of, rank)
     if mine:
-        write_file(mine, output / files[rank], {"format": "pt"}, written)
+        write_file(_cast(mine, dtype), output / files[rank], {"format": "pt"}, written)
+        if master is not None:
+            write_file(mine, master / files[rank], {"format": "pt"}, written)
     del mine
     barrier()
     if rank == 0:
-        write_index(output / WEIGHTS_INDEX, owner_of, files, sum(full_size(t) for _, t in named), written)
+        for directory, cast in ((output, dtype), *(((master, None),) if master is not None else ())):
+            total = sum(t.numel() * (cast.itemsize if cast is not None else t.element_size()) for _, t in named)
+            write_index(directory / WEIGHTS_INDEX, owner_of, files, total, written)
 
 
-def save_whole(model, output: Path, written: Sums) -> None:
+def save_whole(model, output: Path, written: Sums, *, dtype=None, master: Path | None = None) -> None:
     """The weights of an unsharded ``model`` as one ``model.safetensors`` (what
-    ``save_pretrained`` writes, tied parameters once), streamed and summed by one writer."""
-    written.save_safetensors(output / "model.safetensors", {name: t.detach() for name, t in model_tensors(model)}, {"format": "pt"})
+    ``save_pretrained`` writes, tied parameters once) in ``dtype`` (None: their own), and
+    with ``master`` in their own dtype there too; streamed and summed by one writer."""
+    tensors = {name: t.detach() for name, t in model_tensors(model)}
+    written.save_safetensors(output / "model.safetensors", _cast(tensors, dtype), {"format": "pt"})
+    if master is not None:
+        written.save_safetensors(master / "model.safetensors", tensors, {"format": "pt"})
+
+
+def read_all(directory: Path, prefix: str = "model") -> dict:
+    """Every tensor of ``<prefix>.safetensors`` in ``directory``, or of the shards its index names."""
+    from safetensors.torch import load_file
+
+    index = directory / f"{prefix}.safetensors.index.json"
+    files = sorted(set(read_index(index).values())) if index.is_file() else [f"{prefix}.safetensors"]
+    out = {}
+    for name in files:
+        out.update(load_file(directory / name))
+    return out
+
+
+def _cast(tensors: dict, dtype) -> dict:
+    """Floating-point tensors in ``dtype`` (None: as they are); others as they are."""
+    if dtype is None:
+        return tensors
+    return {n: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for n, t in tensors.items()}

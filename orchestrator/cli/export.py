@@ -34,6 +34,7 @@ def export(log_path: Path, iteration: int | None, out: Path, base_model: Path | 
         terminal.abort(str(e), EXIT_ERROR)
     except OSError as e:
         terminal.abort(f"could not export: {e}", EXIT_ERROR)
-    how = f"the LoRA adapter merged into {done.merged_from}" if done.merged_from else "copied"
+    how = (f"the LoRA adapter merged into {done.merged_from}" if done.merged_from else
+           "copied, with its fp32 master weights in place of the 16-bit ones the engines read" if done.master else "copied")
     terminal.out.print(f"exported iteration {done.iteration} ({done.source}, {how}) to {done.out}: {done.bytes / 1e6:.1f} MB",
                        markup=False)

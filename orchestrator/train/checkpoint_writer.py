@@ -1,10 +1,14 @@
 """The new checkpoint, written into the staging directory ``output`` after the update: with
 ddp worker 0 writes it all, with fsdp every worker its shards and worker 0 the indexes
-(checkpoints/sharded.py); with LoRA worker 0 writes the adapter (train/lora.py) and the optimizer
-state as for the whole model. Each worker sums the files it writes as it writes them
-(checkpoints/sums.py), so sealing reads none of them back. Weights and optimizer state are fp32 (the master copy), and a
-whole model's ``config.json`` names the dtype the engines serve it in (train/precision.py). ``train_stats.json`` comes last, so it vouches for everything else; the
-final barrier after it is what a ``done`` answer waits for."""
+(checkpoints/sharded.py); with LoRA worker 0 writes the adapter (train/lora.py) and the
+optimizer state as for the whole model. Each worker sums the files it writes as it writes
+them (checkpoints/sums.py), so sealing reads none of them back.
+
+The weights the engines read are in ``publish_dtype`` (auto: the dtype they serve, which a
+whole model's ``config.json`` names: train/precision.py); when that is not fp32, the fp32
+master weights go to ``master/`` beside them, for the trainer alone. The optimizer state is
+fp32 (an adapter is kept in fp32 too: megabytes). ``train_stats.json`` comes last, so it
+vouches for everything else; the final barrier after it is what a ``done`` answer waits for."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import time
 
 from orchestrator.protocol import fsio
 from orchestrator.checkpoints import optimizer_state, sharded, sums
+from orchestrator.checkpoints.files import MASTER_DIR
 from orchestrator.train import lora, precision
 from orchestrator.train.errors import TrainerError
 from orchestrator.train.policy import Policy
@@ -50,15 +55,21 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float) -> 
         def barrier() -> None:
             _barrier(device, "checkpoint shard")
 
-        barrier()  # worker 0 made the directory
+        dtype, master = _published(policy, config, output)
+        if rank == 0 and master is not None:
+            master.mkdir(exist_ok=True)
+        barrier()  # worker 0 made the directories
         sharded.save_model(model, output, rank=rank, world_size=world_size, barrier=barrier, written=written,
-                           parallel=config.parallel_write)
+                           parallel=config.parallel_write, dtype=dtype, master=master)
         optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
                                      written=written, parallel=config.parallel_write)
         if rank == 0:
             _save_configs(model, output, policy.served_dtype)
     elif rank == 0:
-        sharded.save_whole(model, output, written)
+        dtype, master = _published(policy, config, output)
+        if master is not None:
+            master.mkdir(exist_ok=True)
+        sharded.save_whole(model, output, written, dtype=dtype, master=master)
         _save_configs(model, output, policy.served_dtype)
         optimizer_state.save(optimizer, model, output, written)
     written.record()
@@ -70,6 +81,17 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float) -> 
         fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
         log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
     _barrier(device)
+
+
+def _published(policy: Policy, config: TrainRequest, output):
+    """The torch dtype of the weights the engines read (None: the master's own, fp32) and, when
+    it is not the master's, the directory the fp32 master weights go to."""
+    import torch
+
+    name = precision.published_dtype(policy.served_dtype, config.publish_dtype, adapter=False)
+    if name == precision.MASTER:
+        return None, None
+    return getattr(torch, name), output / MASTER_DIR
 
 
 def _save_configs(model, output, served_dtype) -> None:

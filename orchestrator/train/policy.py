@@ -8,7 +8,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.checkpoints import manifest, optimizer_state
+from orchestrator import checkpoints
+from orchestrator.checkpoints import manifest, optimizer_state, sharded
 from orchestrator.train import lora, parallel, precision
 from orchestrator.train.errors import BadTrainInput, TrainerError
 from orchestrator.train.rendezvous import Rendezvous
@@ -47,6 +48,8 @@ def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: Tr
     # Eval mode throughout: no dropout, so the first step's ratio is exactly what the
     # precomputed old log-probs say it is. Gradients (and their reduction) do not depend on it.
     model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=dtype).eval()
+    if lora_from is None and (master := checkpoints.master_dir(path)) is not None:
+        _load_master(model, master)  # the published weights are rounded (publish.dtype): the fp32 master goes on
     if lora_from is not None:
         model = lora.attach(model, lora_from).eval()
         precision.to_master(model)
@@ -57,6 +60,17 @@ def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: Tr
                                 mixed_precision=setup.mixed_precision, activation_checkpointing=setup.activation_checkpointing)
     except ValueError as e:
         raise BadTrainInput(f"{path}: {e}") from None
+
+
+def _load_master(model, master: Path) -> None:
+    """The fp32 master weights a checkpoint keeps apart from the 16-bit ones it publishes, in
+    place of those in ``model``; every tensor the checkpoint has must be there."""
+    tensors = sharded.read_all(master)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {n for n, _ in sharded.model_tensors(model)}
+    if unexpected or [n for n in missing if n in tied]:
+        raise BadTrainInput(f"{master}: its master weights do not fit the model (missing {sorted(n for n in missing if n in tied)[:3]}, "
+                            f"unexpected {sorted(unexpected)[:3]})")
 
 
 class Policy:

@@ -8,9 +8,11 @@
 - **The frozen base under LoRA** has no update to lose: with bf16 compute it stays in its
   checkpoint's 16-bit dtype (half the memory); with fp32 compute it is loaded in fp32, so that
   the forward is the fp32 model's exactly.
-- **What the engines serve is the base's dtype.** A checkpoint holds fp32 weights, and its
-  ``config.json`` keeps the dtype its init checkpoint named (``"dtype": "bfloat16"``), which
-  vLLM (``--dtype auto``) and the embedded engine load the weights in, as they did the base.
+- **What the engines serve is the base's dtype.** A checkpoint's ``config.json`` keeps the
+  dtype its init checkpoint named (``"dtype": "bfloat16"``), which vLLM (``--dtype auto``)
+  and the embedded engine load the weights in, as they did the base; its weights are written
+  in that dtype (``publish.dtype=auto``: half the bytes an engine reads from a bf16 base),
+  and the fp32 master beside them in ``master/``, which only a trainer reads.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ def frozen_dtype(model) -> str | None:
     """The dtype of ``model``'s frozen parameters (None: every parameter trains)."""
     frozen = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if not p.requires_grad}
     return ",".join(sorted(frozen)) or None
+
+
+def published_dtype(served: str, requested: str, *, adapter: bool) -> str:
+    """The dtype of the weights a checkpoint gives the engines: ``requested`` (publish.dtype
+    resolved; auto: ``served``, the dtype they serve); an adapter stays fp32 (megabytes,
+    merged into the base by the engines)."""
+    if adapter:
+        return MASTER
+    return served if requested == "auto" else requested
 
 
 def write_served_dtype(output: Path, dtype: str) -> None:

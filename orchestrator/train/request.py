@@ -44,6 +44,9 @@ class TrainRequest:
     """Staging directory for the new checkpoint (rank 0 writes it)."""
     seed: int
     """Seeds torch and the per-epoch shuffle (same on every rank)."""
+    publish_dtype: Annotated[str, msgspec.Meta(pattern=r"\A(?:auto|bfloat16|float16|float32)\Z")] = "auto"
+    """The dtype of the weights written for the engines (auto: the dtype they serve, the init
+    checkpoint's); other than the master's, the fp32 master goes to ``master/`` beside them."""
     parallel_write: bool = True
     """With fsdp: every worker writes its shard of the checkpoint (false: worker 0 writes it all)."""
     offload: bool = False

@@ -195,6 +195,7 @@ def _stats(policy: Policy, config: TrainRequest, records: list[grpo.Record], kep
         "mixed_precision": config.train.mixed_precision,
         "master_dtype": precision.MASTER,
         "served_dtype": policy.served_dtype,
+        "published_dtype": precision.published_dtype(policy.served_dtype, config.publish_dtype, adapter=policy.setup.lora),
         "activation_checkpointing": config.train.activation_checkpointing,
         "records": len(records),
         "samples": len(samples),

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from orchestrator import checkpoints
 from orchestrator.checkpoints import sums
 from orchestrator.demo import model as demo_model
 from orchestrator.train import request
@@ -311,9 +312,14 @@ def bf16_bases(work) -> tuple[Path, Path]:
     return work / "base-bf16", work / "base-bf16-as-fp32"
 
 
-def _delta(checkpoint: Path, base: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
+def _master(checkpoint: Path) -> str:
+    """Where a checkpoint's fp32 master weights are: master/ when it publishes 16-bit weights."""
+    return "master/model" if (checkpoint / "master").is_dir() else "model"
+
+
+def _delta(checkpoint: Path, base: Path) -> dict[str, torch.Tensor]:
     before = _tensors(base, "model")
-    return {n: t - before[n].float() for n, t in _tensors(checkpoint, prefix).items()}
+    return {n: t - before[n].float() for n, t in _tensors(checkpoint, _master(checkpoint)).items()}
 
 
 def _lora_options(base: Path, **more) -> dict:
@@ -329,10 +335,11 @@ def test_a_bf16_base_trains_with_fp32_master_weights_as_the_same_model_loaded_in
     reference = trained(f"{tag}fp32-of-bf16-ddp-2", 2, strategy="ddp", **options(as_fp32))
     runs = {"ddp-2": trained(f"{tag}bf16-ddp-2", 2, strategy="ddp", **options(bf16)),
             "fsdp-3": trained(f"{tag}bf16-fsdp-3", 3, strategy="fsdp", micro_batch_tokens=24, **options(bf16))}
-    weights = "adapter_model" if lora else "model"
+    weights = "adapter_model" if lora else "master/model"
     for name, out in runs.items():
         stats = json.loads((out / "train_stats.json").read_text())
         assert (stats["master_dtype"], stats["served_dtype"]) == ("float32", "bfloat16"), stats
+        assert stats["published_dtype"] == ("float32" if lora else "bfloat16"), stats
         for prefix in (weights, "optimizer/adamw"):
             tensors = _tensors(out, prefix)
             assert {str(t.dtype) for n, t in tensors.items() if not n.endswith("/step")} == {"torch.float32"}, f"{name}: {prefix}"
@@ -340,10 +347,16 @@ def test_a_bf16_base_trains_with_fp32_master_weights_as_the_same_model_loaded_in
             assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16", "the engines serve the base's dtype"
             served, _ = demo_model.load(out)  # as the embedded engine loads a checkpoint
             assert served.dtype == torch.bfloat16
+            # publish.dtype=auto: the engines read bf16 weights, the master rounded; half its bytes
+            master, published = _tensors(out, "master/model"), _tensors(out, "model")
+            assert master.keys() == published.keys()
+            assert all(published[n].dtype == torch.bfloat16 and published[n].equal(t.to(torch.bfloat16)) for n, t in master.items())
+            master_bytes = sum(p.stat().st_size for p in (out / "master").glob("*.safetensors"))
+            assert checkpoints.weight_bytes(out) < 0.51 * master_bytes
         for prefix in (weights, "optimizer/adamw"):
-            if lora or prefix != "model":
+            if lora or prefix != weights:
                 worst, where = _worst_relative_difference(_tensors(reference, prefix), _tensors(out, prefix))
-            else:  # the weights barely move at this rate: compare what moved
+            else:  # the master weights barely move at this rate: compare what moved
                 worst, where = _worst_relative_difference(_delta(reference, as_fp32), _delta(out, bf16))
             print(f"{tag}bf16 {name}: {prefix} worst relative difference {worst:.2e} ({where})")
             assert worst <= (0.0 if name == "ddp-2" else 1e-3), f"{name}: {prefix} {where} differs from the fp32 model's by {worst:.2e}"

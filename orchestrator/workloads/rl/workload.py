@@ -338,6 +338,15 @@ class RLWorkload:
             rendezvous=lambda: trainer_address.publish_or_read(ctx), cancel=ctx.cancel, timeout_s=self.rl.train_timeout_s,
             peer_verdict_s=run.verdict_s, training=lambda: run.position()[1] is Phase.TRAIN)
 
+    def _publish_dtype(self) -> str:
+        """publish.dtype as the trainer takes it: a torch dtype's name, or auto (the dtype the
+        engines serve: vLLM's rollout.dtype when it names one, else the checkpoint's own, which
+        is what the embedded engine and vLLM's auto load)."""
+        chosen = self.config.publish.dtype
+        if chosen == "auto" and self.config.rollout.engine == "vllm":
+            chosen = self.config.rollout.dtype
+        return _TORCH_DTYPES.get(chosen, "auto")
+
     def _trainer_config(self, ctx: PhaseContext, plan: TrainingPlan) -> dict:
         """The train request (train/request.py) of ``plan``: its paths, and the run's own ``rl``
         and ``train`` settings of the update as the run validated them (train/settings.py)."""
@@ -351,9 +360,14 @@ class RLWorkload:
             "reference_checkpoint": str(self.config.model_path) if self.rl.kl_coef > 0 else None,
             "seed": self.config.seed + ctx.iteration,
             "base_model": str(self.config.model_path) if self.config.train.lora_rank else None,
+            "publish_dtype": self._publish_dtype(),
             "rl": {**_section(self.rl, UpdateSettings), "is_correction": self.rl.correction},
             "train": _section(self.config.train, TrainerSettings),
         }
+
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
+                 "fp32": "float32", "float32": "float32", "float": "float32"}
 
 
 def _section(values, section: type) -> dict:

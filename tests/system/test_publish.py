@@ -1,0 +1,66 @@
+"""A bf16 base through the real loop (publish.dtype=auto): the engines read bf16 weights, half
+the bytes of the fp32 master, which the checkpoint keeps in master/ for the trainer alone; a
+trainer that loads each checkpoint (train.keep_alive=false) continues from that master and
+reaches the weights of one that continued in memory, tensor for tensor."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from orchestrator import checkpoints
+from orchestrator.protocol.layout import RunLayout
+from tests.harness import rl_flags, run_local
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def bf16_model(demo_data, tmp_path_factory):
+    """The demo data's model saved in bf16, as released models are."""
+    out = tmp_path_factory.mktemp("bf16") / "model"
+    model = AutoModelForCausalLM.from_pretrained(demo_data / "model", dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(demo_data / "model").save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    return out
+
+
+def _run(demo_data, bf16_model, log_path, *extra):
+    result = run_local(rl_flags(demo_data, log_path, num_nodes=1, weights="1", max_iterations=2,
+                                extra=[f"model.path={bf16_model}", "rl.lr=1e-5", *extra]), timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return RunLayout(log_path)
+
+
+def test_a_bf16_base_publishes_bf16_weights_and_continues_from_the_fp32_master(demo_data, bf16_model, tmp_path):
+    warm = _run(demo_data, bf16_model, tmp_path / "warm")
+    cold = _run(demo_data, bf16_model, tmp_path / "cold", "train.keep_alive=false")
+    for layout in (warm, cold):
+        for i in (1, 2):
+            out = layout.checkpoint(i)
+            stats = json.loads((out / "train_stats.json").read_text())
+            assert (stats["served_dtype"], stats["published_dtype"], stats["master_dtype"]) == ("bfloat16", "bfloat16", "float32")
+            published, master = load_file(out / "model.safetensors"), load_file(out / "master" / "model.safetensors")
+            assert all(published[n].equal(t.to(torch.bfloat16)) for n, t in master.items())
+            assert checkpoints.weight_bytes(out) < 0.51 * (out / "master" / "model.safetensors").stat().st_size
+            files = json.loads((out / checkpoints.MANIFEST).read_text())["body"]["files"]
+            assert "master/model.safetensors" in files, "the master is sealed with the rest"
+    assert json.loads((cold.checkpoint(2) / "train_stats.json").read_text())["policy_from"] == "checkpoint"
+    assert json.loads((warm.checkpoint(2) / "train_stats.json").read_text())["policy_from"] == "memory"
+    a, b = (load_file(layout.checkpoint(2) / "master" / "model.safetensors") for layout in (warm, cold))
+    assert a.keys() == b.keys() and all(a[n].equal(b[n]) for n in a), "continued from the checkpoint's master, not its bf16 weights"
+    moved = [n for n in a if not a[n].equal(load_file(warm.checkpoint(1) / "master" / "model.safetensors")[n])]
+    assert moved, "iteration 2 trained"
+
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "export", f"--log-path={tmp_path / 'warm'}", f"--out={out}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "fp32 master weights" in done.stdout, done.stdout + done.stderr
+    exported = load_file(out / "model.safetensors")
+    assert all(exported[n].dtype == torch.float32 and exported[n].equal(a[n]) for n in a), "export is in full precision"
+    assert not (out / "master").exists() and (out / "tokenizer.json").is_file()
