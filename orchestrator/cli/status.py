@@ -196,7 +196,10 @@ def time_line(iteration: int, timing: dict) -> str:
     line = f"last iteration {iteration} took {_duration(timing['total_s'])}: {', '.join(shown)}"
     line += f"; engines (slowest): {', '.join(engine)}" if engine else ""
     moved = timing.get("bytes")
-    return line + (f"; checkpoint {_size(moved['written'])} written, {_size(moved['read'])} read by the engines" if moved else "")
+    if not moved:
+        return line
+    state = f" ({_size(moved['written_state'])} of it training state)" if moved.get("written_state") else ""
+    return line + f"; checkpoint {_size(moved['written'])} written{state}, {_size(moved['read'])} read by the engines"
 
 
 def _size(n: int) -> str:

@@ -114,6 +114,8 @@ class RankLog:
     durations: dict[tuple[int, int], float] = field(default_factory=dict)
     parts: dict[tuple[int, int, str, object, object], float] = field(default_factory=dict)
     part_bytes: dict[tuple[int, int, str, object, object], int] = field(default_factory=dict)
+    part_state_bytes: dict[tuple[int, int, str, object, object], int] = field(default_factory=dict)
+    """Of ``part_bytes``, the training state's (``bytes_state``: optimizer, fp32 master)."""
     steals: list[dict] = field(default_factory=list)
     membership: list[dict] = field(default_factory=list)
     first_t: float | None = None
@@ -142,6 +144,8 @@ class RankLog:
                 self.parts[key] = self.parts.get(key, 0.0) + float(seconds)
                 if isinstance(e.get("bytes"), int):
                     self.part_bytes[key] = self.part_bytes.get(key, 0) + e["bytes"]
+                if isinstance(e.get("bytes_state"), int):
+                    self.part_state_bytes[key] = self.part_state_bytes.get(key, 0) + e["bytes_state"]
         else:
             self._feed_duration(kind, e)
         if self.spans and is_number(e.get("t")):

@@ -38,8 +38,10 @@ def phase_durations(logs: list[RankLog]) -> dict[tuple[int, int], float]:
 
 def iteration_timing(logs: list[RankLog]) -> dict[int, dict]:
     """Per iteration: ``{"phases": {label: s}, "total_s": s, "parts": {part: s}}``, and
-    ``"bytes": {"written": n, "read": n}`` when the run recorded them: the checkpoint the
-    trainers wrote, and what every engine read to serve it (a reload, or a start's model).
+    ``"bytes": {"written": n, "read": n, ...}`` when the run recorded them: the checkpoint the
+    trainers wrote (``written_weights`` what the engines read of it, ``written_state`` the
+    training state's: optimizer, fp32 master), and what every engine read to serve it (a
+    reload, or a start's model; ``read_per_node``: by rank, as ``{"R": n}``).
 
     ``phases`` are the master's phase durations, ``total_s`` their sum. ``parts[p]`` is the
     slowest actor's time in part ``p`` (ranks, train workers and engines run in parallel):
@@ -48,16 +50,24 @@ def iteration_timing(logs: list[RankLog]) -> dict[int, dict]:
     """
     by_key: dict[tuple[int, int, str, object, object, int], float] = {}
     moved: dict[tuple[int, int, str, object, object, int], int] = {}
+    state: dict[tuple[int, int, str, object, object, int], int] = {}
     for log in logs:
         for (iteration, phase, part, worker, engine), seconds in log.parts.items():
             by_key[(iteration, phase, part, worker, engine, log.rank)] = seconds
         for (iteration, phase, part, worker, engine), n in log.part_bytes.items():
             moved[(iteration, phase, part, worker, engine, log.rank)] = n  # a later attempt's replaces an earlier one's
-    bytes_: dict[int, dict[str, int]] = {}
-    for (iteration, _, part, *_), n in moved.items():
-        way = "written" if part.startswith("train.") else "read"
-        totals = bytes_.setdefault(iteration, {"written": 0, "read": 0})
-        totals[way] += n
+            state[(iteration, phase, part, worker, engine, log.rank)] = log.part_state_bytes.get((iteration, phase, part, worker, engine), 0)
+    bytes_: dict[int, dict] = {}
+    for key, n in moved.items():
+        iteration, part, rank = key[0], key[2], key[5]
+        totals = bytes_.setdefault(iteration, {"written": 0, "read": 0, "written_weights": 0, "written_state": 0, "read_per_node": {}})
+        if part.startswith("train."):
+            totals["written"] += n
+            totals["written_state"] += state[key]
+            totals["written_weights"] += n - state[key]
+        else:
+            totals["read"] += n
+            totals["read_per_node"][str(rank)] = totals["read_per_node"].get(str(rank), 0) + n
     per_actor: dict[tuple[int, str, object, object, int], float] = {}
     for (iteration, _, part, worker, engine, rank), seconds in by_key.items():
         actor = (iteration, part, worker, engine, rank)

@@ -76,7 +76,10 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float) -> 
     if rank == 0:
         if not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)
             policy.tokenizer.save_pretrained(output)
-        stats["checkpoint_bytes"] = sum(p.stat().st_size for p in output.rglob("*") if p.is_file() and ".sums" not in p.parts)
+        files = [p for p in output.rglob("*") if p.is_file() and sums.DIRECTORY not in p.parts]
+        stats["checkpoint_bytes"] = sum(p.stat().st_size for p in files)
+        # the training state (the optimizer's, the fp32 master kept apart): what no engine reads
+        stats["state_bytes"] = sum(p.stat().st_size for p in files if p.relative_to(output).parts[0] in (optimizer_state.DIRECTORY, MASTER_DIR))
         stats["seconds"] = round(time.monotonic() - started, 3)
         fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
         log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from orchestrator import checkpoints
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import rl_flags, run_local
+from tests.harness import rl_flags, run_local, status_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -50,6 +50,12 @@ def test_a_bf16_base_publishes_bf16_weights_and_continues_from_the_fp32_master(d
             assert checkpoints.weight_bytes(out) < 0.51 * (out / "master" / "model.safetensors").stat().st_size
             files = json.loads((out / checkpoints.MANIFEST).read_text())["body"]["files"]
             assert "master/model.safetensors" in files, "the master is sealed with the rest"
+    moved = status_json(tmp_path / "warm")["iterations"][1]["timing"]["bytes"]
+    state = sum(p.stat().st_size for d in ("master", "optimizer") for p in (warm.checkpoint(2) / d).iterdir())
+    assert moved["written_state"] == state and moved["written"] == moved["written_weights"] + state, moved
+    first = status_json(tmp_path / "warm")["iterations"][0]["timing"]["bytes"]
+    read = checkpoints.weight_bytes(bf16_model) + checkpoints.weight_bytes(warm.checkpoint(1))  # a start, then a reload of bf16 weights
+    assert (first["read"], first["read_per_node"]) == (read, {"0": read}), first
     assert json.loads((cold.checkpoint(2) / "train_stats.json").read_text())["policy_from"] == "checkpoint"
     assert json.loads((warm.checkpoint(2) / "train_stats.json").read_text())["policy_from"] == "memory"
     a, b = (load_file(layout.checkpoint(2) / "master" / "model.safetensors") for layout in (warm, cold))

@@ -27,7 +27,8 @@ SMALL = ["rl.train_tasks=8", "rl.samples_per_prompt=4", "rl.eval_tasks=16", "rl.
          "coordination.heartbeat_interval_s=0.25", "coordination.node_timeout_s=5"]
 EXPECTED = {"reward/mean", "eval/accuracy", "eval/pass_at_2", "train/loss", "train/entropy", "train/clip_fraction", "train/grad_norm",
             "rollout/response_length", "rollout/tokens_per_s", "rollout/zero_advantage_groups", "timing_s/rollout", "timing_s/train",
-            "timing_s/iteration", "perf/checkpoint_bytes", "perf/weights_read_bytes"}
+            "timing_s/iteration", "perf/checkpoint_bytes", "perf/weights_read_bytes", "perf/checkpoint_state_bytes",
+            "perf/weights_read_bytes_max_node"}
 
 
 def _tensorboard_counts(directory: Path) -> dict[str, collections.Counter]:

@@ -306,9 +306,10 @@ class RLWorkload:
             return
         done = self.trainers.update(step)
         for worker, record in sorted(done.items()):
-            written = (record.get("stats") or {}).get("checkpoint_bytes")  # worker 0's: the whole checkpoint
+            stats = record.get("stats") or {}
+            written = stats.get("checkpoint_bytes")  # worker 0's: the whole checkpoint
             for part, seconds in record["timing"].items():
-                extra = {"bytes": written} if part == "checkpoint" and written else {}
+                extra = {"bytes": written, "bytes_state": stats.get("state_bytes") or 0} if part == "checkpoint" and written else {}
                 ctx.run.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"], **extra)
         ctx.run.timing("train.total", time.monotonic() - began)
 
