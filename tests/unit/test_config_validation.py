@@ -178,7 +178,7 @@ def test_the_valid_keys_are_the_fields_of_every_section_in_order():
     keys = config.valid_override_keys()
     assert keys[:2] == ["seed", "coordination.heartbeat_interval_s"]
     sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(f.default_factory)]
-    assert sections == ["coordination", "deadlines", "rehearsal", "model", "rl", "data", "train", "rollout", "checkpoint", "tracking"]
+    assert sections == ["coordination", "deadlines", "rehearsal", "model", "rl", "data", "train", "rollout", "checkpoint", "publish", "tracking"]
     expected = ["seed"] + [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(_run(), s))]
     assert keys == expected
 
