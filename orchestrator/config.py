@@ -536,6 +536,9 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    keys_from_data: tuple[str, ...] = ()
+    """The ``key=value`` settings taken from --data-path's demo.json because the command line
+    did not set them (data/run_keys.py); their values are in the sections like any other."""
 
     def __post_init__(self) -> None:
         for name in ("data_path", "log_path"):

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def chat_demo_data(tmp_path_factory):
     result = subprocess.run([sys.executable, "-m", "orchestrator", "demo-data", "--chat", f"--data-path={path}", "--warm-steps=40"],
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
-    assert "rl.reward=orchestrator.rewards:math" in result.stderr, "demo-data --chat names the reward the run needs"
+    assert json.loads((path / "demo.json").read_text())["run_keys"] == {"rl.reward": "orchestrator.rewards:math"}, \
+        "demo-data --chat names the reward its runs need"
     return path
 
 

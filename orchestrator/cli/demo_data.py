@@ -47,7 +47,7 @@ def _default(plain: str, chat: str, tools: str) -> str:
               help="Exactly N warm-start steps instead of stopping in the band.")
 @click.option("--chat", is_flag=True, default=False,
               help="The chat demo: the same tasks as chat messages answered in \\boxed{}, a tiny Qwen2-style model with a "
-                   "BPE tokenizer and a chat template. Run it with rl.reward=orchestrator.rewards:math.")
+                   "BPE tokenizer and a chat template, graded by the math reward (demo.json names it for its runs).")
 @click.option("--tools", is_flag=True, default=False,
               help="The tool demo: products of three- and two-digit numbers, worked out over two turns with a calculator "
                    "(the environment orchestrator.demo.calculator:Calculator) and answered in \\boxed{}, by the chat demo's "
@@ -84,13 +84,14 @@ def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_st
         except warm_start.WarmStartError as e:
             terminal.abort(f"demo-data (seed {seed}): {e}", EXIT_ERROR)
     terminal.out.print(json.dumps(manifest, indent=2), markup=False)
-    if chat:  # stdout is the manifest alone (JSON); the hint goes with the logs
-        terminal.err.print(f"the chat demo is graded by the math reward: run it with rl.reward=orchestrator.rewards:math, e.g.\n"
+    # stdout is the manifest alone (JSON); the hint goes with the logs
+    if chat:
+        terminal.err.print(f"the chat demo is graded by the math reward, which {data_path / 'demo.json'} names for its runs, e.g.\n"
                            f"  python3 -m orchestrator run --data-path {data_path} --log-path LOG_PATH --rl-phase both --eval-interval 3 "
-                           "--max-iterations 10 rl.reward=orchestrator.rewards:math", markup=False)
+                           "--max-iterations 10", markup=False)
     if tools:
-        terminal.err.print(f"the tool demo runs with the calculator as its environment, graded by the math reward, in "
-                           f"{TOOLS_MAX_TOKENS} tokens a sample (both turns and the calculator's answer), e.g.\n"
+        terminal.err.print(f"the tool demo runs with the calculator as its environment, graded by the math reward (both named by "
+                           f"{data_path / 'demo.json'} for its runs), in {TOOLS_MAX_TOKENS} tokens a sample (both turns and the "
+                           f"calculator's answer), e.g.\n"
                            f"  python3 -m orchestrator run --data-path {data_path} --log-path LOG_PATH --rl-phase both --eval-interval 3 "
-                           "--max-iterations 10 rl.environment=orchestrator.demo.calculator:Calculator rl.reward=orchestrator.rewards:math "
-                           f"rl.max_tokens={TOOLS_MAX_TOKENS} rl.max_turns=3", markup=False)
+                           f"--max-iterations 10 rl.max_tokens={TOOLS_MAX_TOKENS} rl.max_turns=3", markup=False)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
 
 from orchestrator import preflight, terminal
 from orchestrator.cli.run_options import RANK_OPTIONS, RUN_OPTIONS, ConfigError, apply, build_config
+from orchestrator.data import run_keys
 from orchestrator.errors import EXIT_BAD_INPUT, BadInput
 from orchestrator.node import identity, rank_lock
 from orchestrator.protocol import faults
@@ -32,6 +34,10 @@ def run(**params) -> None:
         terminal.abort(str(e), EXIT_BAD_INPUT)
     with held:  # for the rank's life; the kernel drops it if the process is killed
         terminal.setup_logging(config.rank, identity.host())
+        if config.keys_from_data:
+            logging.getLogger(__name__).info("%s: taken from %s (the command line does not set %s)", " ".join(config.keys_from_data),
+                                             run_keys.path(config.data_path),
+                                             "it" if len(config.keys_from_data) == 1 else "them")
         from orchestrator import workloads
         from orchestrator.runtime.runner import Rank
 

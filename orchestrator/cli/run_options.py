@@ -9,6 +9,7 @@ import click
 from orchestrator import preflight
 from orchestrator.cli.rank import parse_weights, resolve_num_nodes, resolve_rank
 from orchestrator.config import ENGINES, RolloutSplit, RunConfig, WorkloadKind, build_sections, parse_overrides
+from orchestrator.data import run_keys
 from orchestrator.errors import ConfigError
 from orchestrator.phase_table import RLPhase
 
@@ -67,6 +68,9 @@ def build_config(params: dict, rank: int | None = None) -> RunConfig:
         if given is not None and given != engine:
             raise ConfigError(f"--engine {engine} contradicts rollout.engine={given}: give one of them")
         overrides["sections"]["rollout"]["engine"] = engine
+    # Only RL tasks are graded; a rehearsal simulates its rewards.
+    data_path = Path(params["data_path"])
+    taken = () if params["rehearsal"] or not data_path.is_absolute() else run_keys.apply(overrides["sections"], data_path)
     sections = build_sections(overrides)
     config = RunConfig(
         data_path=Path(params["data_path"]),
@@ -80,6 +84,7 @@ def build_config(params: dict, rank: int | None = None) -> RunConfig:
         max_iterations=params["max_iterations"],
         workload=WorkloadKind.REHEARSAL if params["rehearsal"] else WorkloadKind.RL,
         debug_mode=params["debug_mode"],
+        keys_from_data=taken,
         **sections,
     )
     preflight.check(config)

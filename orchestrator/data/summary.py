@@ -1,4 +1,5 @@
-"""The per-iteration summary ``status`` shows; only the master writes it."""
+"""The per-iteration summary ``status`` shows; only the master writes it. And the master's
+closing line of a completed run, from the same records (:func:`closing`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,28 @@ def update(layout: RunLayout, iteration: int, **fields) -> dict:
     body.update(fields)
     fsio.write_record(layout.iteration(iteration).summary, body)
     return body
+
+
+def closing(layout: RunLayout, *, seconds: float, resumed_at: int | None = None, simulated: bool = False) -> str:
+    """What the master logs once a run has completed: its iterations, the eval curve's first and
+    last values (``metrics.jsonl``, as ``status`` and the report read it), ``seconds`` (this
+    start's wall time; ``resumed_at``: the iteration it started at, when not the first), and
+    where the report command and the checkpoints are. ``simulated``: a rehearsal's eval, said so."""
+    last = (fsio.read_record(layout.progress) or {}).get("iteration", 0)
+    parts = [f"{last} iteration{'s' if last != 1 else ''} in {seconds:.0f} s"
+             + (f" (this start, from iteration {resumed_at})" if resumed_at and resumed_at > 1 else "")]
+    evals = read_metrics(layout)
+    metric = next((k for k in ("accuracy", "mean_reward") if evals and k in evals[0]), None)
+    if metric is not None:
+        first, final = evals[0], evals[-1]
+        curve = f"{first[metric]:.3g} at iteration {first['iteration']}" + (
+            f", {final[metric]:.3g} at iteration {final['iteration']}" if final is not first else "")
+        parts.append(f"{'simulated ' if simulated else ''}eval {metric} {curve}")
+    checkpoint = (read(layout, last) or {}).get("checkpoint") if last else None
+    if checkpoint:
+        parts.append(f"its last checkpoint is {layout.root / checkpoint}")
+    parts.append(f"see it with `orchestrator report --log-path {layout.root}`")
+    return "run complete: " + "; ".join(parts)
 
 
 def _metrics_records(lines: list[bytes]) -> list[dict]:

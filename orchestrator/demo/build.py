@@ -2,7 +2,8 @@
 
     <data-path>/tasks/train.jsonl, tasks/test.jsonl     the task files (format: demo/tasks.py)
     <data-path>/model/                                   the base model, Hugging Face format
-    <data-path>/demo.json                                what was made: seed, steps, accuracy
+    <data-path>/demo.json                                what was made: seed, steps, accuracy; and
+                                                         run_keys, the reward and environment a run takes
 
 With ``chat``: the chat demo, the same tasks as chat messages answered ``\\boxed{42}``, a
 Qwen2-style model and its BPE tokenizer with a chat template (docs/demo.md). With ``tools``:
@@ -22,6 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
+from orchestrator.data import run_keys
 from orchestrator.demo import DEFAULT_SEED, VALIDATION_TASKS, chat_tokenizer, defaults, warm_start
 from orchestrator.demo import model as demo_model
 from orchestrator.demo import tasks as demo_tasks
@@ -31,7 +33,15 @@ log = logging.getLogger(__name__)
 
 
 def manifest_path(data_path: Path) -> Path:
-    return data_path / "demo.json"
+    return run_keys.path(data_path)
+
+
+def run_keys_of(*, chat: bool = False, tools: bool = False) -> dict[str, str]:
+    """The reward (and environment) the demo's tasks need, which a run of its folder takes
+    unless its command line sets them (data/run_keys.py)."""
+    if tools:
+        return {"rl.reward": "orchestrator.rewards:math", "rl.environment": "orchestrator.demo.calculator:Calculator"}
+    return {"rl.reward": "orchestrator.rewards:math" if chat else "orchestrator.rewards:exact_match"}
 
 
 def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | None = None, max_warm_steps: int | None = None,
@@ -52,9 +62,13 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
     settings = {"seed": seed, "warm_steps_fixed": warm_steps} | (
         {"accuracy_band": [band.low, band.high], "max_warm_steps": max_warm_steps} if warm_steps is None else {}) | (
         {"chat": True} if chat else {}) | ({"tools": True} if tools else {})  # the default demo's settings predate the others
+    keys = run_keys_of(chat=chat, tools=tools)
     existing = _read_manifest(data_path)
     if existing is not None and existing.get("settings") == settings:
         log.info("demo data under %s is already there (%s)", data_path, json.dumps(settings))
+        if existing.get(run_keys.FIELD) != keys:  # made before demo.json named them
+            existing[run_keys.FIELD] = keys
+            fsio.atomic_write_bytes(manifest_path(data_path), (json.dumps(existing, indent=2) + "\n").encode())
         return existing
     started = time.monotonic()
     splits = demo_tasks.make_tool_tasks(seed) if tools else demo_tasks.make_tasks(seed, chat=chat)
@@ -106,6 +120,7 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
         "test_accuracy": test_accuracy,
         "tasks": {split: len(tasks) for split, tasks in splits.items()},
         "seconds": round(time.monotonic() - started, 1),
+        run_keys.FIELD: keys,
     }
     fsio.atomic_write_bytes(manifest_path(data_path), (json.dumps(manifest, indent=2) + "\n").encode())
     log.info("demo data ready under %s: %d warm-start steps, %s %.3f on validation, %.3f on test",

@@ -15,7 +15,7 @@ import signal
 import time
 from typing import Callable
 
-from orchestrator.config import RunConfig
+from orchestrator.config import RunConfig, WorkloadKind
 from orchestrator.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -32,7 +32,7 @@ from orchestrator.errors import (
     RunFinished,
     StopRequested,
 )
-from orchestrator.data import claims, resample
+from orchestrator.data import claims, resample, summary
 from orchestrator.node import placement
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Barrier, Phase
@@ -69,6 +69,8 @@ class Rank:
         """rl.max_staleness >= 1: this node's training of phase 10, running on while the rank
         walks a later iteration's rollout (protocol/schedule.py)."""
         self._noted = False  # the workload's notes are logged once, however many attempts follow
+        self._began = time.monotonic()
+        self._first_iteration: int | None = None  # where this start began, for the closing line
         self.decided: Decisions | None = None
         """The released decisions this rank holds (runtime/decisions.py), made anew at each attempt's start."""
         self.tracker = tracker
@@ -121,6 +123,8 @@ class Rank:
                 try:
                     start = self.coordinator.join(self._resume_point, self._adopt_absent)
                     log.info("attempt %s starts at iteration %d, phase %s", start.attempt, start.iteration, start.phase.label)
+                    if self._first_iteration is None:
+                        self._first_iteration = start.iteration
                     self.decided = Decisions.entering(self.layout, self.config.model_path, start.training)
                     self.training.entered(rejoined=start.rejoined)
                     self._publish_notes()
@@ -140,7 +144,11 @@ class Rank:
                     else:
                         raise
             state = HeartbeatState.DONE
-            log.info("run complete")
+            if self.config.is_master:
+                log.info("%s", summary.closing(self.layout, seconds=time.monotonic() - self._began, resumed_at=self._first_iteration,
+                                               simulated=self.config.workload is WorkloadKind.REHEARSAL))
+            else:
+                log.info("run complete")
             return EXIT_OK
         except BaseException as e:  # noqa: BLE001 - every ending is classified, recorded and reported
             cause = self._root_cause(e)

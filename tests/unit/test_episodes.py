@@ -13,7 +13,7 @@ import pytest
 from orchestrator.engine.client import Completion
 from orchestrator.environments import Step
 from orchestrator.data import turns
-from orchestrator.workloads.rl.episodes import Episodes, EnvThreads
+from orchestrator.workloads.rl.episodes import ROOM_WARNING_MIN_SAMPLES, Episodes, EnvThreads, RoomWatch
 from orchestrator.workloads.rl.engine_requests import Answer
 
 
@@ -57,10 +57,11 @@ class Tool:
         return Step(observation=[{"role": "tool", "content": "42"}], reward=0.25)
 
 
-def run(tokenizer, env, engine=None, *, n=2, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, task_id="t1", threads=4):
+def run(tokenizer, env, engine=None, *, n=2, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, task_id="t1", threads=4,
+        room=None):
     engine = engine or Engine(tokenizer)
     episodes = Episodes(env, "my:Env", tokenizer, max_turns=max_turns, max_tokens=max_tokens, context=context, timeout_s=timeout_s,
-                        threads=EnvThreads(threads))
+                        threads=EnvThreads(threads), room=room or RoomWatch())
     try:
         prompt, prompt_ids, samples, _ = asyncio.run(episodes.run(engine, {"id": task_id, "prompt": "1+1?"}, n=n, seed="s"))
     finally:
@@ -104,6 +105,33 @@ def test_a_sample_out_of_room_ends_cut_and_the_observation_that_would_not_fit_is
     # the model's context bounds a turn too
     _, _, engine = run(tokenizer, Tool, n=1, context=40)
     assert all(len(r.prompts[0]) + r.max_tokens == 40 for r in engine.requests)
+
+
+def test_most_samples_cut_for_room_while_the_environment_wanted_a_turn_warn_once_naming_the_two_keys(tokenizer, caplog):
+    reply = len(tokenizer("<calc>1</calc>", add_special_tokens=False)["input_ids"]) + 1
+    room = RoomWatch()  # the workload's, kept across the run's rollouts
+    with caplog.at_level("WARNING", logger="orchestrator.workloads.rl.episodes"):
+        for task_id in ("t1", "t2"):  # the observation never fits: every sample ends after its first turn
+            _, samples, _ = run(tokenizer, Tool, n=ROOM_WARNING_MIN_SAMPLES, max_tokens=reply + 5, room=room, task_id=task_id)
+            assert all(len(s["turns"]) == 1 and s["finish_reason"] == "length" for s in samples)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "rl.max_tokens=" + str(reply + 5) in warnings[0] and "rl.max_turns=3" in warnings[0]
+    assert f"{ROOM_WARNING_MIN_SAMPLES} of {ROOM_WARNING_MIN_SAMPLES} samples" in warnings[0]
+
+
+def test_samples_that_end_done_at_max_turns_or_cut_in_few_cases_warn_of_nothing(tokenizer, caplog):
+    class Done(Tool):
+        done_at = 1
+
+    reply = len(tokenizer("<calc>1</calc>", add_special_tokens=False)["input_ids"]) + 1
+    room = RoomWatch()
+    with caplog.at_level("WARNING", logger="orchestrator.workloads.rl.episodes"):
+        run(tokenizer, Done, n=ROOM_WARNING_MIN_SAMPLES, max_tokens=reply + 5, room=room)  # done before room matters
+        run(tokenizer, Tool, n=ROOM_WARNING_MIN_SAMPLES, max_turns=3, room=room)  # all three turns fit
+        run(tokenizer, Tool, n=ROOM_WARNING_MIN_SAMPLES, max_tokens=reply + 5, room=room)  # cut, but a third of all
+    assert (room.ended, room.cut_for_room) == (3 * ROOM_WARNING_MIN_SAMPLES, ROOM_WARNING_MIN_SAMPLES)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_an_environment_that_raises_or_hangs_ends_its_sample_with_reward_0_and_the_error(tokenizer):

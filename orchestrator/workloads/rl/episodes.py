@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import queue
 import random
 import threading
@@ -33,6 +34,8 @@ from orchestrator.plugins.environments import OneTurn, Step
 from orchestrator.workloads.rl.engine_requests import Inflight, Request
 from orchestrator.workloads.rl.scoring import ERROR_CHARS
 from orchestrator.data.turns import Conversation, render
+
+log = logging.getLogger(__name__)
 
 ENV_THREADS = 32
 """Threads running environments' code at once on a rank (one more for each call that timed out)."""
@@ -80,6 +83,42 @@ class EnvThreads:
             self._calls.put(None)
 
 
+@dataclass(slots=True)
+class RoomWatch:
+    """Counts the samples that ended and those cut for room while their environment wanted
+    another turn; warns once (a run's whole life when the workload keeps one) when most were.
+
+    ``rl.max_tokens`` bounds all of a sample's turns and the observations between them: an
+    observation longer than what is left ends every sample at its first turn, which nothing
+    else in the run would say."""
+
+    ended: int = 0
+    cut_for_room: int = 0
+    warned: bool = False
+
+    def count(self, episodes: list[Episode], *, spec: str, max_tokens: int, max_turns: int) -> None:
+        self.ended += len(episodes)
+        self.cut_for_room += sum(e.cut_for_room for e in episodes)
+        message = room_warning(self.ended, self.cut_for_room, spec=spec, max_tokens=max_tokens, max_turns=max_turns)
+        if message is not None and not self.warned:
+            self.warned = True
+            log.warning("%s", message)
+
+
+ROOM_WARNING_MIN_SAMPLES = 16
+"""Samples ended before :func:`room_warning` judges: a group or two, not one unlucky sample."""
+
+
+def room_warning(ended: int, cut_for_room: int, *, spec: str, max_tokens: int, max_turns: int) -> str | None:
+    """The warning when most of ``ended`` samples were cut for room with their environment
+    wanting another turn; None otherwise."""
+    if ended < ROOM_WARNING_MIN_SAMPLES or 2 * cut_for_room <= ended:
+        return None
+    return (f"{cut_for_room} of {ended} samples of rl.environment={spec} ended for want of room while the environment wanted "
+            f"another turn: rl.max_tokens={max_tokens} bounds all of a sample's turns and the observations between them, "
+            f"and rl.max_turns={max_turns} turns rarely fit; raise rl.max_tokens (or lower rl.max_turns) for the turns to happen")
+
+
 class EnvironmentFailed(Exception):
     """An environment's call raised or timed out; the message says which and where."""
 
@@ -93,6 +132,8 @@ class Episode:
     reward: float = 0.0
     finish_reason: str = "stop"
     error: str | None = None
+    cut_for_room: bool = False
+    """Ended because the next turn had no room, the environment wanting one."""
 
     def sample(self, decode) -> dict:
         c = self.conversation
@@ -119,6 +160,8 @@ class Episodes:
     """The model's context length (None: unknown)."""
     timeout_s: float
     threads: EnvThreads = field(default_factory=EnvThreads)
+    room: RoomWatch = field(default_factory=RoomWatch)
+    """Samples cut for room: the workload keeps one across the run's rollouts, to warn once."""
 
     async def run(self, inflight: Inflight, task: dict, *, n: int, seed: str) -> tuple[str, list[int], list[dict], float]:
         """``n`` samples of ``task``: (the prompt's text and ids, the samples as records hold
@@ -146,6 +189,7 @@ class Episodes:
                 episodes[i].conversation = Conversation(list(prompt))
             await asyncio.gather(*(self._turns(inflight, task, episodes[i], completion, f"{seed}:{i}")
                                    for i, completion in zip(together, first)))
+        self.room.count(episodes, spec=self.spec, max_tokens=self.max_tokens, max_turns=self.max_turns)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         return decode(prompt), prompt, [e.sample(decode) for e in episodes], sent_at
 
@@ -184,7 +228,7 @@ class Episodes:
                 return
             room = self._room(c.context + ids, c.token_ids + ids)
             if room <= 0:  # the next turn would have no room: the sample ends here, cut
-                episode.finish_reason = "length"
+                episode.finish_reason, episode.cut_for_room = "length", True
                 return
             c.observed(step.observation, ids)
             request = Request([task["id"]], [c.context], _seed(f"{seed}:{turn + 1}"), n=1, max_tokens=room)

@@ -30,7 +30,7 @@ from orchestrator.protocol.schema import TrainingPlan
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
 from orchestrator.workloads.rl.engine_requests import Inflight
-from orchestrator.workloads.rl.episodes import Episodes
+from orchestrator.workloads.rl.episodes import Episodes, RoomWatch
 from orchestrator.workloads.rl.rollout_pipe import MultiTurnPipe, RLRolloutPipe
 from orchestrator.workloads.rl.scoring import Scorer
 from orchestrator.train import launch
@@ -92,6 +92,7 @@ class RLWorkload:
         self._verified = checkpoints.Verified()
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
         self._tokenizer = None  # the model's, for multi-turn rollouts (rl.environment)
+        self._room = RoomWatch()  # across the run's multi-turn rollouts: their samples cut for room, warned of once
         self.trainers = launch.NodeTrainers(children, keep_alive=config.train.keep_alive)
 
     # -- tasks -------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ class RLWorkload:
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
         return Episodes(environments.load(self.rl.environment), self.rl.environment, self._tokenizer, max_turns=self.rl.max_turns,
                         max_tokens=self.rl.max_tokens, context=prompts.context_length(self.config.model_path),
-                        timeout_s=self.rl.env_timeout_s)
+                        timeout_s=self.rl.env_timeout_s, room=self._room)
 
     def prompts_per_request(self, samples: int) -> int:
         """Prompts in one engine request at ``samples`` a prompt: ``rollout.prompts_per_request``,
