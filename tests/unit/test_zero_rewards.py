@@ -40,7 +40,7 @@ def test_every_sample_of_the_first_iteration_scored_zero_warns_naming_the_reward
     warning = zero_rewards_warning(_config(), 1, extra)
     assert warning is not None and warning.startswith(
         "every one of the 32 train samples of iteration 1 scored 0 under rl.reward=orchestrator.rewards:exact_match: ")
-    assert "orchestrator.rewards:math" in warning
+    assert "orchestrator.rewards:math" in warning and warning.endswith(f"within rl.max_tokens={RLConfig().max_tokens}")
     with_env = zero_rewards_warning(_config(environment=CALCULATOR), 1, extra)
     assert f"under rl.environment={CALCULATOR}: " in with_env and "Check that rl.environment grades" in with_env
 

@@ -171,7 +171,8 @@ def zero_rewards_warning(config: RunConfig, iteration: int, extra: dict) -> str 
     key = "rl.environment" if config.rl.environment else "rl.reward"
     return (f"every one of the {samples} train samples of iteration 1 scored 0 under {key}={getattr(config.rl, key[3:])}: the "
             f"update has nothing to learn from. Check that {key} grades these tasks' answers (orchestrator.rewards:math takes "
-            f"an answer in \\boxed{{}} or after ####; docs/rl.md, \"Rewards\") and that the model gives answers in that form")
+            f"an answer in \\boxed{{}} or after ####; docs/rl.md, \"Rewards\") and that the model gives its answers in that form "
+            f"within rl.max_tokens={config.rl.max_tokens}")
 
 
 def merge_train_shards(ctx: PhaseContext) -> None:
