@@ -29,6 +29,9 @@ from orchestrator.protocol.layout import RunLayout
 _TASK_KEYS = {"seed": ("seed",), "workload": ("workload",), "rehearsal.tasks": ("rehearsal", "tasks"),
               "rehearsal.eval_tasks": ("rehearsal", "eval_tasks"), "rl.train_tasks": ("rl", "train_tasks"),
               "rl.eval_tasks": ("rl", "eval_tasks"), "data.train_file": ("data", "train_file"), "data.test_file": ("data", "test_file")}
+_GRADING_KEYS = {"rl.reward": ("rl", "reward"), "rl.environment": ("rl", "environment")}
+"""What scores an iteration's samples: a rollout resumed under another would grade its samples
+two ways (the value may come from the data folder's demo.json, data/run_keys.py)."""
 
 
 def check(config: RunConfig) -> None:
@@ -122,8 +125,8 @@ def check_environment(config: RunConfig) -> None:
 def check_resume(config: RunConfig) -> None:
     """A run stopped inside an iteration's rollout or eval (phases 1-6) resumes only with
     what that iteration was planned with: its rollout walked (``--rl-phase``; unless its train
-    aggregate is there, salvaged by `recover`) and the same tasks (``_TASK_KEYS``). Elsewhere
-    anything may change."""
+    aggregate is there, salvaged by `recover`), the same tasks (``_TASK_KEYS``) and the same
+    reward and environment (``_GRADING_KEYS``). Elsewhere anything may change."""
     layout = RunLayout(config.log_path)
     progress = fsio.read_record(layout.progress)
     if progress is None or progress["phase"] == Phase.SYNC_END:
@@ -142,12 +145,13 @@ def check_resume(config: RunConfig) -> None:
     before, now = start.get("fingerprint"), config.fingerprint()
     if not before:
         return
-    for key, path in _TASK_KEYS.items():
+    for key, path in (_TASK_KEYS | _GRADING_KEYS).items():
         old, new = before, now
         for part in path:
             old, new = (old or {}).get(part), (new or {}).get(part)
         if old != new:
-            raise ConfigError(f"{where}; {key}={new!r} would change that iteration's tasks (it was planned with {key}={old!r}): "
+            change = "change that iteration's tasks" if key in _TASK_KEYS else "grade the rest of that iteration's samples otherwise"
+            raise ConfigError(f"{where}; {key}={new!r} would {change} (it was planned with {key}={old!r}): "
                               f"resume with {key}={old!r} and change it after the iteration, or start a new --log-path")
 
 

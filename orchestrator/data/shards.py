@@ -226,7 +226,7 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict, 
     seen: set[str] = set()
     counts: dict[str, int] = {}
     total, trajectories, h, size, dropped = 0, 0, hashlib.sha256(), 0, 0
-    reward_errors, first_error = 0, None
+    reward_errors, first_error, rewarded = 0, None, 0
     policies: set[int] = set()
     try:
         with open(tmp, "wb") as out:
@@ -243,6 +243,8 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict, 
                     if isinstance(record.get("policy_iteration"), int):
                         policies.add(record["policy_iteration"])
                     for sample in record.get("samples") or []:
+                        if isinstance(sample, dict) and sample.get("reward") not in (None, 0):
+                            rewarded += 1
                         if isinstance(sample, dict) and sample.get("reward_error"):
                             reward_errors += 1
                             first_error = first_error or {"task_id": record["task_id"], "error": sample["reward_error"]}
@@ -265,10 +267,12 @@ def _merge(sources: Iterable[tuple[str, Path]], dest: Path, lines, extra: dict, 
         tmp.unlink(missing_ok=True)
         raise
     # A record is one task; its trajectories are its samples (a record without samples is one).
-    # Samples whose reward failed (scored 0) are counted, with the first one's error; the
+    # Samples whose reward failed (scored 0) are counted, with the first one's error, and those
+    # whose reward is not 0 (``rewarded``: none at all says the reward may not fit the tasks); the
     # checkpoints the records came from as [oldest, newest] (data/staleness.py).
     manifest = Manifest(total, size, digest, {"per_source": counts, "trajectories": trajectories, "dropped": dropped,
                                                      "reward_errors": reward_errors, "first_reward_error": first_error,
+                                                     "rewarded": rewarded,
                                                      "policy_iterations": [min(policies), max(policies)] if policies else None,
                                                      **extra})
     fsio.write_record(manifest_path(dest), manifest.to_json())

@@ -127,8 +127,8 @@ class NodeTrainers:
         elif not self.running:
             self.running = self._start(step, serve=True)
         else:
-            log.info("iteration %d trains on the trainer processes of the last one (pids %s, kept by train.keep_alive)",
-                     step.iteration, ",".join(str(t.proc.pid) for t in self.running))
+            log.info("iteration %d trains on the trainer processes kept from the last training (pids %s, train.keep_alive): "
+                     "each takes this iteration's request", step.iteration, ",".join(str(t.proc.pid) for t in self.running))
             mine = {w.rank: w for w in step.workers}
             for t in self.running:
                 t.worker = mine[t.worker.rank]  # the same group: the same workers, this iteration's requests

@@ -12,7 +12,10 @@ from orchestrator import preflight
 from orchestrator.cli import run_options
 from orchestrator.data import run_keys
 from orchestrator.errors import ConfigError
+from orchestrator.phase_table import Phase
+from orchestrator.protocol import fsio
 from orchestrator.protocol.join import config_mismatch
+from orchestrator.protocol.layout import RunLayout
 
 MATH = "orchestrator.rewards:math"
 CALCULATOR = "orchestrator.demo.calculator:Calculator"
@@ -84,3 +87,26 @@ def test_demo_data_names_what_each_demo_needs_even_in_a_folder_made_before(tmp_p
     (data / "demo.json").write_text(json.dumps({"seed": 0, "settings": {"seed": 0, "warm_steps_fixed": 0, "chat": True}}))
     assert build.build(data, warm_steps=0, chat=True)[run_keys.FIELD] == {"rl.reward": MATH}
     assert run_keys.read(data) == {"rl.reward": MATH}
+
+
+def _stopped_at(config, phase: int) -> None:
+    """The run of ``config`` as if stopped in iteration 1 past ``phase`` (0: before its rollout)."""
+    layout = RunLayout(config.log_path)
+    fsio.write_record(layout.progress, {"attempt": "a000001-x", "iteration": 1, "phase": phase, "training": []})
+    fsio.write_record(layout.attempt("a000001-x").start, {"fingerprint": config.fingerprint()})
+
+
+def test_a_run_resumed_inside_its_rollout_keeps_the_reward_it_started_it_with_whichever_the_folder_names_now(tmp_path):
+    data = _folder(tmp_path, {})
+    started = run_options.build_config(_params(data), rank=0)  # a folder made before demo.json named its reward
+    _stopped_at(started, Phase.SYNC_START)
+    (data / "demo.json").write_text(json.dumps({"seed": 0, run_keys.FIELD: {"rl.reward": MATH}}))  # demo-data completed it
+    with pytest.raises(ConfigError, match=r"stopped inside iteration 1, before phase 1:rollout; rl.reward='orchestrator.rewards:math' "
+                                          r"would grade the rest of that iteration's samples otherwise .* resume with "
+                                          r"rl.reward='orchestrator.rewards:exact_match'"):
+        preflight.check_resume(run_options.build_config(_params(data), rank=0))
+    preflight.check_resume(run_options.build_config(_params(data, "rl.reward=orchestrator.rewards:exact_match"), rank=0))
+    _stopped_at(started, Phase.SYNC_END)  # between iterations: the next one takes the folder's
+    resumed = run_options.build_config(_params(data), rank=0)
+    preflight.check_resume(resumed)
+    assert resumed.rl.reward == MATH and resumed.keys_from_data == (f"rl.reward={MATH}",)

@@ -4,6 +4,7 @@ there exactly once: a chunk's records count from the rank that owns its claim (d
 
 from __future__ import annotations
 
+from orchestrator.config import RunConfig, WorkloadKind
 from orchestrator.data import claims, resample, shards, staleness, summary
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
@@ -159,6 +160,21 @@ def note_reward_errors(ctx: PhaseContext, split: str, m: shards.Manifest) -> Non
                     "iteration's summary.json)", count, m.extra.get("trajectories"), split, ctx.iteration, first.get("task_id"))
 
 
+def zero_rewards_warning(config: RunConfig, iteration: int, extra: dict) -> str | None:
+    """The warning when every train sample of a run's first iteration scored 0 (``extra``: the
+    train aggregate's manifest's): the update learns nothing from it, and a reward that does not
+    fit the tasks' answers (exact_match on answers in ``\\boxed{}``) looks just like this while
+    the run goes on. None otherwise, or where the aggregate predates the count."""
+    samples, rewarded = extra.get("trajectories"), extra.get("rewarded")
+    if iteration != 1 or config.workload is not WorkloadKind.RL or rewarded != 0 or not samples:
+        return None
+    key = "rl.environment" if config.rl.environment else "rl.reward"
+    return (f"every one of the {samples} train samples of iteration 1 scored 0 under {key}={getattr(config.rl, key[3:])}: the "
+            f"update has nothing to learn from. Check that {key} grades these tasks' answers (orchestrator.rewards:math takes "
+            f"an answer in \\boxed{{}} or after ####; docs/rl.md, \"Rewards\") and that the model gives its answers in that form "
+            f"within rl.max_tokens={config.rl.max_tokens}")
+
+
 def merge_train_shards(ctx: PhaseContext) -> None:
     if not ctx.plan["train"]["enabled"]:
         return
@@ -173,6 +189,8 @@ def merge_train_shards(ctx: PhaseContext) -> None:
     if m.extra.get("dropped"):
         ctx.log.warning("left out %d train records of chunks done twice (a void claim whose rank went on)", m.extra["dropped"])
     note_reward_errors(ctx, "train", m)
+    if (warning := zero_rewards_warning(ctx.config, ctx.iteration, m.extra)) is not None:
+        ctx.log.warning("%s", warning)
     ctx.log.info("aggregated %d train trajectories (%d tasks) of iteration %d", trajectories, m.count, ctx.iteration)
     if len(resample.planned(ctx.plan)) > 1:
         note_resampling(ctx, rounds)
