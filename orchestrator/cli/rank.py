@@ -32,6 +32,8 @@ def slurm_tasks(environ: typing.Mapping[str, str] = os.environ) -> int | None:
 def resolve_num_nodes(given: int | None, environ: typing.Mapping[str, str] = os.environ) -> int:
     """``--num-nodes``, else Slurm's task count (one task per node), else 1."""
     if given is not None:
+        if given < 1:
+            raise ConfigError(f"--num-nodes must be at least 1, got {given}")
         return given
     tasks = slurm_tasks(environ)
     return 1 if tasks is None else tasks

@@ -52,6 +52,8 @@ CASES = {
     "heartbeat too slow for the timeout": ({}, ["--master", "coordination.node_timeout_s=10", "coordination.heartbeat_interval_s=5"], "at most a quarter"),
     "bad rl-phase": ({"--rl-phase": "train"}, ["--master"], "'train' is not one of 'rollout', 'update', 'both'"),
     "no rank on a multi-node run": ({}, [], "no rank given"),
+    "no nodes, without --master": ({"--num-nodes": "0", "--rank-weights": None}, [], "--num-nodes must be at least 1, got 0"),
+    "negative nodes, with --master": ({"--num-nodes": "-1", "--rank-weights": None}, ["--master"], "--num-nodes must be at least 1, got -1"),
     "staleness on nodes that both train and roll out": ({}, ["--master", "rl.max_staleness=1"],
                                                         "node(s) 0,1,2 would do both: set train.nodes and rollout.nodes apart"),
     "staleness in update mode": ({"--rl-phase": "update", "--eval-interval": None, "--rank-weights": "0,1,1"},
@@ -75,10 +77,13 @@ def test_rank_is_taken_from_the_environment(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_local_validates_before_starting_any_rank(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "orchestrator", "local", *_base(tmp_path, **{"--rank-weights": "1,1"})],
+@pytest.mark.parametrize("over, message", [({"--rank-weights": "1,1"}, "--rank-weights has 2 value(s)"),
+                                           ({"--num-nodes": "0", "--rank-weights": None}, "--num-nodes must be at least 1, got 0")])
+def test_local_validates_before_starting_any_rank(tmp_path, over, message):
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "local", *_base(tmp_path, **over)],
                             capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2 and "--rank-weights has 2 value(s)" in result.stderr
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
