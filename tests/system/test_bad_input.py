@@ -98,6 +98,10 @@ ENVIRONMENT_CASES = {
     "reward module does not import": (["rl.reward=no_such_module:score"], "rl.reward='no_such_module:score': cannot import no_such_module",
                                       None),
     "reward not module:function": (["rl.reward=score"], "is not of the form module:function", None),
+    "reward misspelt": (["rl.reward=orchestrator.rewards:exact"], "orchestrator.rewards has no function exact: did you mean exact_match?",
+                        None),
+    "reward unlike any": (["rl.reward=orchestrator.rewards:nothing_like_it"], "(it has exact_match, final_answer, math)", None),
+
     "vllm not installed": (["--engine=vllm"], "rollout.engine=vllm but vLLM is not installed in this Python", "scripts/setup-vllm.sh"),
 }
 
