@@ -65,10 +65,7 @@ def _check(config: RunConfig) -> None:
     else:
         base_model.check(model, config.model.path)
     if missing:
-        raise ConfigError(
-            f"--data-path {config.data_path} lacks {', '.join(map(str, missing))}: make the demo data with "
-            f"`orchestrator demo-data --data-path {config.data_path}`, or add --rehearsal for simulated work"
-        )
+        raise ConfigError(_missing_data(config, missing))
     task_lists = [tasks.read(tasks.for_split(config, split)) for split in ("train", "eval")]
     if tasks.needs_chat_template(task_lists, config.data.system_prompt) and not has_chat_template(model):
         why = "data.system_prompt is set" if config.data.system_prompt else "the prompts are chat messages"
@@ -98,6 +95,22 @@ def check_lora_targets(model: Path, targets: list[str]) -> None:
         linear = sorted({n for n in names if n.endswith("_proj")})
         raise ConfigError(f"train.lora_target_modules names {', '.join(unknown)}, which the model {model} has no module of"
                           + (f"; its projections are {', '.join(linear)}" if linear else "") + " (or all-linear)")
+
+
+def _missing_data(config: RunConfig, missing: list[Path]) -> str:
+    """What to do about missing task files or model: in an empty or absent --data-path, make the
+    demo data there; in a folder of the user's own, the key that names each file (the demo data
+    would be written among their files)."""
+    data = Path(config.data_path)
+    if not data.is_dir() or not any(data.iterdir()):
+        return (f"--data-path {data} lacks {', '.join(map(str, missing))}: make the demo data with "
+                f"`orchestrator demo-data --data-path {data}`, or add --rehearsal for simulated work")
+    key_of = {config.task_file("train"): f"data.train_file={config.data.train_file}",
+              config.task_file("eval"): f"data.test_file={config.data.test_file}",
+              config.model_path / "config.json": "model.path (unset: <data-path>/model)"}
+    named = "; ".join(f"{p} (from {key_of[p]})" for p in missing)
+    return (f"--data-path {data} lacks {named}: set the key to your file (data.train_file and data.test_file: a path under "
+            f"--data-path, or absolute; model.path: a model directory or a Hugging Face id; docs/data.md)")
 
 
 def check_environment(config: RunConfig) -> None:

@@ -1,5 +1,6 @@
 """Bad input exits 2 with a message naming what is wrong, and writes nothing (done-when 7)."""
 
+import json
 import subprocess
 import sys
 
@@ -115,6 +116,24 @@ def test_what_this_node_lacks_for_the_real_loop_exits_2_and_writes_nothing(tmp_p
     text = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and message in text and (hint is None or hint in text), text
     assert list(tmp_path.iterdir()) == [], "nothing may be created"
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["data.test_file=tasks/tst.jsonl"], "tasks/tst.jsonl (from data.test_file=tasks/tst.jsonl)"),
+    ([], "model/config.json (from model.path (unset: <data-path>/model))"),
+])
+def test_the_users_own_data_folder_is_told_the_key_that_names_a_missing_file_never_to_make_demo_data(tmp_path, extra, says):
+    """A folder of the user's own (it holds their tasks) lacking a file: the key that names the
+    file, not `demo-data`, which would write demo tasks among theirs."""
+    tasks = tmp_path / "data" / "tasks"
+    tasks.mkdir(parents=True)
+    for name in ("train.jsonl", "test.jsonl"):
+        (tasks / name).write_text(json.dumps({"id": "t1", "prompt": "1+1=", "answer": "2"}) + "\n")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    result = _run([f for f in _base(tmp_path) if f != "--rehearsal"] + ["--master", *extra])
+    text = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and says in text and "demo-data" not in text, text
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "nothing may be created"
 
 
 GOOD = {"id": "t1", "prompt": "1+1=", "answer": "2"}
