@@ -74,6 +74,19 @@ def config_mismatch(mine: dict, joins: dict[int, dict]) -> tuple[int, str] | Non
     return None
 
 
+def changed_keys(before: dict, now: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(key, value before, value now) of every setting two fingerprints differ in, nested
+    sections as ``section.key``."""
+    out = []
+    for k in sorted(set(before) | set(now)):
+        old, new = before.get(k), now.get(k)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += changed_keys(old, new, f"{prefix}{k}.")
+        elif old != new:
+            out.append((f"{prefix}{k}", old, new))
+    return out
+
+
 # -- worker ------------------------------------------------------------------------------------
 
 

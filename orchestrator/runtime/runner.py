@@ -36,7 +36,7 @@ from orchestrator.data import claims, resample, summary
 from orchestrator.node import placement
 from orchestrator.node.procs import Children
 from orchestrator.phase_table import Barrier, Phase
-from orchestrator.protocol import fsio, schema
+from orchestrator.protocol import fsio, join, lease, schema
 from orchestrator.protocol.wire import HeartbeatState
 from orchestrator.coordination.coordinator import Coordinator
 from orchestrator.protocol.layout import RunLayout
@@ -194,8 +194,24 @@ class Rank:
                            f"with rl.max_staleness={walked.max_staleness}, or start a new run under another --log-path")
         progress = self.coordinator.finished()
         if progress is not None:
+            changed = self._changed_settings()
+            unapplied = (f"; {', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not applied: nothing is left to train. "
+                         f"Raise --max-iterations to go on (the iterations after {progress.iteration} take the new "
+                         f"{'value' if len(changed) == 1 else 'values'}), or start a new run under another --log-path") if changed else \
+                "; raise --max-iterations to go on"
             raise RunFinished(f"the run under {self.layout.root} is complete (iteration {progress.iteration}, phase "
-                              f"{progress.phase.label} released): nothing is left to do; raise --max-iterations to go on")
+                              f"{progress.phase.label} released): nothing is left to do{unapplied}")
+
+    def _changed_settings(self) -> list[str]:
+        """The settings this command gives otherwise than the run's last attempt started with
+        (``key=new (the run used old)``), --max-iterations aside."""
+        held = lease.read_lease(self.layout)
+        start = fsio.read_record(self.layout.attempt(held.attempt).start) if held is not None else None
+        before = (start or {}).get("fingerprint")
+        if not isinstance(before, dict):
+            return []
+        return [f"{key}={new!r} (the run used {old!r})" for key, old, new in join.changed_keys(before, self.config.fingerprint())
+                if key != "max_iterations"]
 
     def _abandoned(self, e: PeerFailed) -> bool:
         """The master's monitor found its workers gave up on it: it was frozen or paused past
