@@ -145,7 +145,8 @@ def check_resume(config: RunConfig) -> None:
     if progress is None or progress["phase"] == Phase.SYNC_END:
         return
     iteration, phase = progress["iteration"], Phase(progress["phase"] + 1)
-    where = f"--log-path {config.log_path} stopped inside iteration {iteration}, before phase {phase.label}"
+    where = (f"--log-path {config.log_path} is inside iteration {iteration}, before phase {phase.label} (stopped there, or "
+             f"still walked by its master: `orchestrator status --log-path {config.log_path}` tells)")
     if phase > Phase.EVAL:
         return  # what is left of the iteration trains on its aggregate: the tasks are decided
     if not config.rl_phase.includes(phase):
@@ -164,6 +165,10 @@ def check_resume(config: RunConfig) -> None:
             old, new = (old or {}).get(part), (new or {}).get(part)
         if old != new:
             change = "change that iteration's tasks" if key in _TASK_KEYS else "grade the rest of that iteration's samples otherwise"
+            if key == "workload":  # a flag, not a key
+                given, planned = ("--rehearsal", "the real loop") if new == WorkloadKind.REHEARSAL.value else ("the real loop", "--rehearsal")
+                raise ConfigError(f"{where}; {given} would {change} (it was planned with {planned}): resume it "
+                                  f"{'with' if planned == '--rehearsal' else 'without'} --rehearsal, or start a new --log-path")
             raise ConfigError(f"{where}; {key}={new!r} would {change} (it was planned with {key}={old!r}): "
                               f"resume with {key}={old!r} and change it after the iteration, or start a new --log-path")
 
