@@ -16,7 +16,7 @@ from pathlib import Path
 
 from orchestrator.plugins import environments, rewards
 from orchestrator.config import RunConfig, WorkloadKind
-from orchestrator.data import prompts, shards, tasks
+from orchestrator.data import prompts, run_keys, shards, tasks
 from orchestrator.errors import ConfigError
 from orchestrator.node import base_model
 from orchestrator.phase_table import Phase
@@ -98,11 +98,11 @@ def check_lora_targets(model: Path, targets: list[str]) -> None:
 
 
 def _missing_data(config: RunConfig, missing: list[Path]) -> str:
-    """What to do about missing task files or model: in an empty or absent --data-path, make the
-    demo data there; in a folder of the user's own, the key that names each file (the demo data
-    would be written among their files)."""
+    """What to do about missing task files or model: in an empty or absent --data-path, or a
+    demo's folder (its demo.json), make the demo data there; in a folder of the user's own, the
+    key that names each file (the demo data would be written among their files)."""
     data = Path(config.data_path)
-    if not data.is_dir() or not any(data.iterdir()):
+    if not data.is_dir() or not any(data.iterdir()) or run_keys.path(data).is_file():
         return (f"--data-path {data} lacks {', '.join(map(str, missing))}: make the demo data with "
                 f"`orchestrator demo-data --data-path {data}`, or add --rehearsal for simulated work")
     key_of = {config.task_file("train"): f"data.train_file={config.data.train_file}",

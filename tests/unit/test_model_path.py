@@ -178,10 +178,18 @@ def test_the_preflight_names_a_missing_model_directory_and_writes_nothing(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def test_the_preflight_keeps_the_demo_hint_when_the_default_model_is_absent(tmp_path):
+def test_the_preflight_keeps_the_demo_hint_when_a_demo_folder_lacks_its_model(tmp_path):
     _tasks(tmp_path / "data")
+    (tmp_path / "data" / "demo.json").write_text("{}")  # what demo-data writes: a demo's folder
     with pytest.raises(ConfigError, match=r"lacks .*data/model/config.json: make the demo data with `orchestrator demo-data"):
         preflight.check(_run(tmp_path / "data"))
+
+
+def test_the_users_own_tasks_without_a_model_are_told_model_path_not_the_demo(tmp_path):
+    _tasks(tmp_path / "data")
+    with pytest.raises(ConfigError, match=r"model/config.json \(from model.path \(unset: <data-path>/model\)\)") as caught:
+        preflight.check(_run(tmp_path / "data"))
+    assert "demo-data" not in str(caught.value)
 
 
 def test_the_preflight_names_what_the_default_model_directory_lacks_past_its_config(tmp_path):
