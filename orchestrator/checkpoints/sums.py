@@ -150,9 +150,11 @@ def _header(tensors: dict, metadata: dict[str, str] | None) -> tuple[bytes, list
 
 def _bytes_of(tensor):
     """A CPU tensor's bytes without a copy (as uint8; numpy has no bfloat16)."""
+    import torch
+
     t = tensor.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.to("cpu").contiguous()
     if t.numel() == 0:
         return b""
-    return t.reshape(-1).view(__import__("torch").uint8).numpy()
+    return t.reshape(-1).view(torch.uint8).numpy()

@@ -49,22 +49,19 @@ def iteration_timing(logs: list[RankLog]) -> dict[int, dict]:
     the same phase a later attempt's figure replaces an earlier one's.
     """
     by_key: dict[tuple[int, int, str, object, object, int], float] = {}
-    moved: dict[tuple[int, int, str, object, object, int], int] = {}
-    state: dict[tuple[int, int, str, object, object, int], int] = {}
+    moved: dict[tuple[int, int, str, object, object, int], tuple[int, int]] = {}
     for log in logs:
         for (iteration, phase, part, worker, engine), seconds in log.parts.items():
             by_key[(iteration, phase, part, worker, engine, log.rank)] = seconds
-        for (iteration, phase, part, worker, engine), n in log.part_bytes.items():
-            moved[(iteration, phase, part, worker, engine, log.rank)] = n  # a later attempt's replaces an earlier one's
-            state[(iteration, phase, part, worker, engine, log.rank)] = log.part_state_bytes.get((iteration, phase, part, worker, engine), 0)
+        for key, n in log.part_bytes.items():  # a later attempt's replaces an earlier one's
+            moved[(*key, log.rank)] = (n, log.part_state_bytes.get(key, 0))
     bytes_: dict[int, dict] = {}
-    for key, n in moved.items():
-        iteration, part, rank = key[0], key[2], key[5]
+    for (iteration, _, part, _, _, rank), (n, state) in moved.items():
         totals = bytes_.setdefault(iteration, {"written": 0, "read": 0, "written_weights": 0, "written_state": 0, "read_per_node": {}})
         if part.startswith("train."):
             totals["written"] += n
-            totals["written_state"] += state[key]
-            totals["written_weights"] += n - state[key]
+            totals["written_state"] += state
+            totals["written_weights"] += n - state
         else:
             totals["read"] += n
             totals["read_per_node"][str(rank)] = totals["read_per_node"].get(str(rank), 0) + n
