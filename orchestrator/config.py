@@ -424,6 +424,10 @@ class RolloutConfig:
     weight_update: Annotated[str, _one_of(WEIGHT_UPDATES, "values")] = "auto"
     """How a running engine moves to a new checkpoint: "auto" reloads the weights in place
     (vLLM's reload_weights) and restarts when that fails; "restart" always restarts."""
+    local_cache: str = ""
+    """With publish.delta: the node-local directory where each node rebuilds the version its
+    engines serve (from the one they hold plus the delta) before moving them to it; local
+    disk or tmpfs, cleaned as versions retire (empty: a directory in the node's temp dir)."""
     memory_release_timeout_s: _Timeout = 120.0
     """Colocated GPUs: how long training waits for the engines' GPU memory to be released."""
     memory_released_mib: int = 2048
@@ -468,6 +472,13 @@ class PublishConfig:
     """The dtype of the weights the engines read: auto (the dtype they serve: rollout.dtype
     with vLLM when it names one, else the base model's), bf16, fp16 or fp32. Other than fp32,
     the checkpoint keeps the fp32 master weights apart (master/), for the trainer alone."""
+    delta: bool = False
+    """Publish each version's weights as the XOR of their bits against the version before,
+    compressed with zstd, where that is smaller than the weights (a few percent at RL's
+    learning rates); each node rebuilds the version in rollout.local_cache."""
+    full_every: Annotated[int, _limit("{key} must be at least 1 (1: every version whole), got {value}", ge=1)] = 10
+    """With publish.delta: iterations divisible by it publish their weights whole, which
+    bounds the chain a node rebuilds from after a restart."""
 
     def __post_init__(self) -> None:
         _check_fields(self, "publish")

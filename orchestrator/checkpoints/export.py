@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import checkpoints
+from orchestrator.checkpoints import deltas, node_copy, store
 from orchestrator.errors import BadInput
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout, checkpoint_iteration
 
-_RUN_ONLY = {checkpoints.MANIFEST, "train_stats.json"}
+_RUN_ONLY = {checkpoints.MANIFEST, "train_stats.json", deltas.INDEX}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,9 @@ class Exported:
     """The base the adapter was merged into (LoRA), else None."""
     master: bool
     """The fp32 master weights were written in place of the published 16-bit ones."""
+    rebuilt: bool
+    """Only the published weights exist (a delta, without the training state): they were
+    rebuilt from their chain, in the published dtype."""
     bytes: int
 
 
@@ -74,11 +78,14 @@ def export(log_path: Path, iteration: int | None, out: Path, base: Path | None =
                            f"here: give the base model with --base-model")
     master = not adapter and checkpoints.master_dir(source) is not None
     checkpoints.verify(source, checkpoints.ALL if master else checkpoints.WEIGHTS)  # what an export reads
+    rebuilt = not master and deltas.is_delta(source)  # only the published weights, as a delta: rebuilt from its chain
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:
         if adapter:
             _merge(source, base, staging)
+        elif rebuilt:
+            _rebuild(log_path, iteration, staging)
         else:
             _copy(source, staging)
         if out.exists():
@@ -87,7 +94,18 @@ def export(log_path: Path, iteration: int | None, out: Path, base: Path | None =
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return Exported(iteration, source, out, base if adapter else None, master, size)
+    return Exported(iteration, source, out, base if adapter else None, master, rebuilt, size)
+
+
+def _rebuild(log_path: Path, iteration: int, into: Path) -> None:
+    """The published weights of ``iteration`` rebuilt from the chain of deltas they end
+    (checkpoints/node_copy.py), in the published dtype."""
+    scratch = into.parent / f"{into.name}.chain"
+    try:
+        built = node_copy.NodeCopies(RunLayout(log_path), scratch).get(store.Checkpoint(RunLayout(log_path).checkpoint(iteration), iteration))
+        shutil.copytree(built, into)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _merge(adapter: Path, base: Path, into: Path) -> None:

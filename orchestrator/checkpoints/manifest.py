@@ -15,7 +15,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from orchestrator.checkpoints import sums
+from orchestrator.checkpoints import deltas, sums
 from orchestrator.data import shards
 from orchestrator.errors import OrchestratorError
 from orchestrator.protocol import fsio
@@ -54,6 +54,8 @@ def seal(directory: Path) -> dict:
                                         f"a write was cut short or the file was changed since")
             files[rel.as_posix()] = entry
     body = {"files": files}
+    if deltas.INDEX in files:  # the weights are a delta: the version they apply to (deltas.py)
+        body["delta_base"] = deltas.base_of(directory)
     fsio.write_record(directory / MANIFEST, body)
     shutil.rmtree(directory / sums.DIRECTORY, ignore_errors=True)  # gathered into the manifest
     return body

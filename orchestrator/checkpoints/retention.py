@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
+from orchestrator.checkpoints import deltas
 from orchestrator.checkpoints.store import Checkpoint
 from orchestrator.node import identity
 from orchestrator.protocol import fsio
@@ -52,10 +53,12 @@ class Decision:
 
 
 def decide(present: Iterable[int], current: int, keep_last: int, keep_every: int,
-           consumers: Mapping[int, list[str]]) -> Decision:
+           consumers: Mapping[int, list[str]], bases: Mapping[int, int] | None = None) -> Decision:
     """Which of the checkpoints ``present`` (their iterations) to keep, and why, and which to
     remove: the newest ``keep_last`` up to ``current`` (it among them), every one divisible
-    by ``keep_every`` (if not 0), any newer than ``current``, and those ``consumers`` name."""
+    by ``keep_every`` (if not 0), any newer than ``current``, those ``consumers`` name, and
+    the chain each kept one's weights are rebuilt from (``bases``: iteration -> the version
+    its weights are a delta against, publish.delta)."""
     why: dict[int, list[str]] = {i: [] for i in sorted(set(present))}
     newest = [i for i in why if i <= current][-keep_last:]
     for i, reasons in why.items():
@@ -68,6 +71,11 @@ def decide(present: Iterable[int], current: int, keep_last: int, keep_every: int
         if keep_every and i % keep_every == 0:
             reasons.append(f"keep_every={keep_every}")
         reasons.extend(f"consumer {name}" for name in consumers.get(i, ()))
+    for i in [i for i, r in why.items() if r]:
+        j = (bases or {}).get(i)
+        while j is not None and j in why and f"chain of {i}" not in why[j]:
+            why[j].append(f"chain of {i}")
+            j = bases.get(j)
     return Decision(keep={i: r for i, r in why.items() if r}, remove=[i for i, r in why.items() if not r])
 
 
@@ -96,8 +104,13 @@ def prune(layout: RunLayout, current: Checkpoint, keep_last: int, keep_every: in
     if consumers is None:
         return []
     present = [i for i in map(checkpoint_iteration, names) if i is not None]
+    try:
+        bases = {i: b for i in present if (b := deltas.base_of(layout.checkpoint(i))) is not None}
+    except deltas.DeltaError as e:
+        log.warning("%s: no checkpoint is removed this time (the chain it belongs to is not known)", e)
+        return []
     named = _iteration(layout, _name(layout, current.path))
-    decision = decide(present, current.iteration if named is None else named, keep_last, keep_every, consumers)
+    decision = decide(present, current.iteration if named is None else named, keep_last, keep_every, consumers, bases)
     if not decision.remove:
         return []
     log.info("removing the checkpoints of iteration(s) %s; keeping %s", ", ".join(map(str, decision.remove)),

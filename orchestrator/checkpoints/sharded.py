@@ -20,8 +20,11 @@ Index format, as Hugging Face's ``model.safetensors.index.json``:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from orchestrator.checkpoints.files import MASTER_DIR
 from orchestrator.checkpoints.sums import Sums
 
 
@@ -97,37 +100,105 @@ def model_tensors(model) -> list[tuple[str, object]]:
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-def save_model(model, output: Path, *, rank: int, world_size: int, barrier, written: Sums, parallel: bool = True,
-               dtype=None, master: Path | None = None) -> None:
-    """The weights of a sharded ``model`` into ``output`` as ``model-0000i-of-0000n.safetensors``
-    and, from worker 0 after every worker's file is in place, the index; in ``dtype`` (None:
-    their own), and with ``master`` the same files in their own dtype there too (each tensor
-    gathered once). ``barrier()`` waits for every worker. The config, generation config and
-    tokenizer are the caller's."""
+@dataclass(frozen=True, slots=True)
+class DeltaBase:
+    """What a version's weights can be written as a delta against (deltas.py): the tensors
+    of the version before that this worker writes, in the published dtype, and its iteration.
+    ``smaller(delta_bytes, full_bytes)`` says whether the delta is worth writing: every
+    writer's bytes added up (with fsdp a collective, so every worker calls it alike)."""
+
+    tensors: dict
+    iteration: int
+    smaller: Callable[[int, int], bool]
+
+
+def owned(model, *, rank: int, world_size: int, parallel: bool, dtype=None) -> dict:
+    """The whole tensors this worker writes (as :func:`save_model` shares them out), copied to
+    the CPU in ``dtype`` (None: their own). Every worker calls it (a sharded tensor's gather
+    is collective)."""
     named = model_tensors(model)
     owner_of = owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
-    files = file_names(owner_of, "model")
+    return _cast(gather(named, owner_of, rank), dtype)
+
+
+def save_model(model, output: Path, *, rank: int, world_size: int, barrier, written: Sums, parallel: bool = True,
+               dtype=None, delta: DeltaBase | None = None) -> bool:
+    """The weights of a sharded ``model`` into ``output``: whole as ``model-0000i-of-0000n.safetensors``
+    and, from worker 0 after every worker's file is in place, the index; or, given ``delta``
+    and when it is smaller, as deltas against it (``delta-0000i-of-0000n.safetensors`` and
+    ``delta.json``). In ``dtype`` (None: their own); the weights in their own dtype go to
+    ``master/`` too whenever the published ones are not they (each tensor gathered once).
+    ``barrier()`` waits for every worker. The config, generation config and tokenizer are the
+    caller's. Returns whether a delta was written."""
+    named = model_tensors(model)
+    owner_of = owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
     mine = gather(named, owner_of, rank)
-    if mine:
-        write_file(_cast(mine, dtype), output / files[rank], {"format": "pt"}, written)
-        if master is not None:
-            write_file(mine, master / files[rank], {"format": "pt"}, written)
+    as_delta, master = _write(mine, output, owner_of, rank, written, dtype, delta)
     del mine
     barrier()
     if rank == 0:
-        for directory, cast in ((output, dtype), *(((master, None),) if master is not None else ())):
-            total = sum(t.numel() * (cast.itemsize if cast is not None else t.element_size()) for _, t in named)
-            write_index(directory / WEIGHTS_INDEX, owner_of, files, total, written)
+        total = sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for _, t in named)
+        _indexes(output, owner_of, total, written, dtype, delta if as_delta else None,
+                 master_total=sum(t.numel() * t.element_size() for _, t in named) if master else 0)
+    return as_delta
 
 
-def save_whole(model, output: Path, written: Sums, *, dtype=None, master: Path | None = None) -> None:
+def save_whole(model, output: Path, written: Sums, *, dtype=None, delta: DeltaBase | None = None) -> bool:
     """The weights of an unsharded ``model`` as one ``model.safetensors`` (what
-    ``save_pretrained`` writes, tied parameters once) in ``dtype`` (None: their own), and
-    with ``master`` in their own dtype there too; streamed and summed by one writer."""
+    ``save_pretrained`` writes, tied parameters once) in ``dtype`` (None: their own), or given
+    ``delta`` and when smaller as a delta against it; the weights in their own dtype in
+    ``master/`` whenever the published ones are not they. One writer. Returns whether a delta
+    was written."""
     tensors = {name: t.detach() for name, t in model_tensors(model)}
-    written.save_safetensors(output / "model.safetensors", _cast(tensors, dtype), {"format": "pt"})
-    if master is not None:
-        written.save_safetensors(master / "model.safetensors", tensors, {"format": "pt"})
+    owner_of = dict.fromkeys(tensors, 0)
+    as_delta, _ = _write(tensors, output, owner_of, 0, written, dtype, delta, whole=True)
+    if as_delta:
+        total = sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for t in tensors.values())
+        _indexes(output, owner_of, total, written, dtype, delta, master_total=None)
+    return as_delta
+
+
+def _write(mine: dict, output: Path, owner_of: dict[str, int], rank: int, written: Sums, dtype, delta: DeltaBase | None,
+           whole: bool = False) -> tuple[bool, bool]:
+    """This worker's tensors written: published (whole, or as a delta when that is smaller)
+    and, where the published ones are not the master, the master. Returns (delta written,
+    master written)."""
+    from orchestrator.checkpoints import deltas
+
+    published = _cast(mine, dtype)
+    as_delta = False
+    if delta is not None:
+        encoded = deltas.encode(published, delta.tensors) if published else deltas.Encoded()
+        as_delta = delta.smaller(encoded.size, sum(full_size(t) for t in published.values()))
+    if as_delta:
+        if encoded.frames:
+            deltas.write_file(output / file_names(owner_of, deltas.PREFIX)[rank], encoded, delta.iteration, written)
+    elif published:
+        write_file(published, output / ("model.safetensors" if whole else file_names(owner_of, "model")[rank]), {"format": "pt"}, written)
+    master = dtype is not None or as_delta
+    if master and mine:
+        (output / MASTER_DIR).mkdir(exist_ok=True)
+        write_file(mine, output / MASTER_DIR / ("model.safetensors" if whole else file_names(owner_of, "model")[rank]),
+                   {"format": "pt"}, written)
+    return as_delta, master
+
+
+def _indexes(output: Path, owner_of: dict[str, int], total: int, written: Sums, dtype, delta: DeltaBase | None, *,
+             master_total: int | None) -> None:
+    """Worker 0, once every worker's file is in place: the published weights' index (the
+    delta's, or the shards' when ``master_total`` is given: a sharded model), and the
+    master's shards' index when it was written (``master_total`` bytes)."""
+    from orchestrator.checkpoints import deltas
+
+    if delta is not None:
+        names = file_names(owner_of, deltas.PREFIX)
+        deltas.write_index(output, {n: names[w] for n, w in owner_of.items()}, base=delta.iteration,
+                           dtype=str(dtype or "float32").removeprefix("torch."), total_size=total, written=written)
+    elif master_total is not None:
+        write_index(output / WEIGHTS_INDEX, owner_of, file_names(owner_of, "model"), total, written)
+    if master_total:
+        (output / MASTER_DIR).mkdir(exist_ok=True)
+        write_index(output / MASTER_DIR / WEIGHTS_INDEX, owner_of, file_names(owner_of, "model"), master_total, written)
 
 
 def read_all(directory: Path, prefix: str = "model") -> dict:

@@ -66,13 +66,7 @@ class Sums:
     def save_safetensors(self, path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
         """``tensors`` (name -> a CPU tensor) as a safetensors file at ``path``, streamed and
         summed; ``path`` is absent or complete."""
-        header, order = _header(tensors, metadata)
-        with _Writing(path) as out:
-            out.write(struct.pack("<Q", len(header)))
-            out.write(header)
-            for name in order:
-                out.write(_bytes_of(tensors[name]))
-        self._add(path, out)
+        self._add(path, write_safetensors(path, tensors, metadata))
 
     def record(self) -> None:
         """Leave this writer's sums for the manifest (a small JSON file, atomic)."""
@@ -81,6 +75,27 @@ class Sums:
 
     def _add(self, path: Path, out: "_Writing") -> None:
         self.files[Path(path).relative_to(self.directory).as_posix()] = {"bytes": out.size, ALGORITHM: out.digest}
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None, *, durable: bool = True) -> "_Writing":
+    """``tensors`` as a safetensors file at ``path`` (temp file, then rename), streamed and
+    summed; fsynced unless not ``durable`` (a node-local copy a crash discards anyway)."""
+    header, order = _header(tensors, metadata)
+    with _Writing(path, durable=durable) as out:
+        out.write(struct.pack("<Q", len(header)))
+        out.write(header)
+        for name in order:
+            out.write(_bytes_of(tensors[name]))
+    return out
+
+
+def copy_file(source: Path, target: Path, *, durable: bool = False) -> "_Writing":
+    """``source``'s bytes into ``target`` (temp file, then rename), summed as they pass: one
+    read of ``source``. Returns the writing, whose ``digest`` and ``size`` say what was copied."""
+    with open(source, "rb") as f, _Writing(target, durable=durable) as out:
+        while chunk := f.read(CHUNK):
+            out.write(chunk)
+    return out
 
 
 def gathered(directory: Path) -> dict[str, dict]:
@@ -99,8 +114,9 @@ def gathered(directory: Path) -> dict[str, dict]:
 class _Writing:
     """A file written through a temp name, hashed as it is written, fsynced, then renamed."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, durable: bool = True):
         self.path = Path(path)
+        self.durable = durable
         self.temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self.hash = hasher()
         self.size = 0
@@ -118,7 +134,7 @@ class _Writing:
 
     def __exit__(self, kind, value, tb) -> None:
         try:
-            if kind is None:
+            if kind is None and self.durable:
                 self.file.flush()
                 os.fsync(self.file.fileno())
         finally:

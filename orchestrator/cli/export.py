@@ -35,6 +35,8 @@ def export(log_path: Path, iteration: int | None, out: Path, base_model: Path | 
     except OSError as e:
         terminal.abort(f"could not export: {e}", EXIT_ERROR)
     how = (f"the LoRA adapter merged into {done.merged_from}" if done.merged_from else
-           "copied, with its fp32 master weights in place of the 16-bit ones the engines read" if done.master else "copied")
+           "copied, with its fp32 master weights in place of the 16-bit ones the engines read" if done.master else
+           "rebuilt from its chain of deltas, in the dtype the engines read: its training state (the fp32 master) was not kept"
+           if done.rebuilt else "copied")
     terminal.out.print(f"exported iteration {done.iteration} ({done.source}, {how}) to {done.out}: {done.bytes / 1e6:.1f} MB",
                        markup=False)

@@ -17,7 +17,7 @@ import logging
 import time
 
 from orchestrator.protocol import fsio
-from orchestrator.checkpoints import optimizer_state, sharded, sums
+from orchestrator.checkpoints import deltas, optimizer_state, sharded, sums
 from orchestrator.checkpoints.files import MASTER_DIR
 from orchestrator.train import lora, precision
 from orchestrator.train.errors import TrainerError
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 STATS_FILE = "train_stats.json"
 
 
-def write(policy: Policy, config: TrainRequest, stats: dict, started: float) -> None:
+def write(policy: Policy, config: TrainRequest, stats: dict, started: float, base: sharded.DeltaBase | None = None) -> None:
     """Worker 0 writes the whole checkpoint (ddp), or every worker its shards (fsdp); then
     every worker passes the final barrier. ``train_stats.json`` comes last, from worker 0."""
     rank, world_size, output, device = policy.rdv.rank, policy.rdv.world_size, config.output, policy.device
@@ -55,21 +55,15 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float) -> 
         def barrier() -> None:
             _barrier(device, "checkpoint shard")
 
-        dtype, master = _published(policy, config, output)
-        if rank == 0 and master is not None:
-            master.mkdir(exist_ok=True)
-        barrier()  # worker 0 made the directories
-        sharded.save_model(model, output, rank=rank, world_size=world_size, barrier=barrier, written=written,
-                           parallel=config.parallel_write, dtype=dtype, master=master)
+        barrier()  # worker 0 made the directory
+        stats["published"] = _as(sharded.save_model(model, output, rank=rank, world_size=world_size, barrier=barrier, written=written,
+                                                     parallel=config.parallel_write, dtype=_published(policy, config), delta=base))
         optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
                                      written=written, parallel=config.parallel_write)
         if rank == 0:
             _save_configs(model, output, policy.served_dtype)
     elif rank == 0:
-        dtype, master = _published(policy, config, output)
-        if master is not None:
-            master.mkdir(exist_ok=True)
-        sharded.save_whole(model, output, written, dtype=dtype, master=master)
+        stats["published"] = _as(sharded.save_whole(model, output, written, dtype=_published(policy, config), delta=base))
         _save_configs(model, output, policy.served_dtype)
         optimizer_state.save(optimizer, model, output, written)
     written.record()
@@ -80,21 +74,65 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float) -> 
         stats["checkpoint_bytes"] = sum(p.stat().st_size for p in files)
         # the training state (the optimizer's, the fp32 master kept apart): what no engine reads
         stats["state_bytes"] = sum(p.stat().st_size for p in files if p.relative_to(output).parts[0] in (optimizer_state.DIRECTORY, MASTER_DIR))
+        if stats.get("published") == "delta":
+            stats["delta_base"] = base.iteration
+            stats["delta_bytes"] = sum(p.stat().st_size for p in files if p.parent == output and p.name.startswith(f"{deltas.PREFIX}-"))
         stats["seconds"] = round(time.monotonic() - started, 3)
         fsio.atomic_write_bytes(output / STATS_FILE, json.dumps(stats, indent=1).encode())
-        log.info("wrote checkpoint to %s (%.1fs)", output, stats["seconds"])
+        log.info("wrote checkpoint to %s (%.1fs%s)", output, stats["seconds"],
+                 f"; its weights as a delta against iteration {base.iteration}: {stats['delta_bytes']} bytes" if "delta_base" in stats else "")
     _barrier(device)
 
 
-def _published(policy: Policy, config: TrainRequest, output):
-    """The torch dtype of the weights the engines read (None: the master's own, fp32) and, when
-    it is not the master's, the directory the fp32 master weights go to."""
+def _published(policy: Policy, config: TrainRequest):
+    """The torch dtype of the weights the engines read (None: the master's own, fp32)."""
     import torch
 
     name = precision.published_dtype(policy.served_dtype, config.publish_dtype, adapter=False)
-    if name == precision.MASTER:
-        return None, None
-    return getattr(torch, name), output / MASTER_DIR
+    return None if name == precision.MASTER else getattr(torch, name)
+
+
+def _as(delta: bool) -> str:
+    return "delta" if delta else "full"
+
+
+def delta_base(policy: Policy, config: TrainRequest) -> sharded.DeltaBase | None:
+    """Before the update: the published weights of the version it starts from (the init
+    checkpoint's, exactly: the master weights it holds, cast as they were published), which
+    this version's may be written as a delta against (``publish.delta``); None when it is
+    written whole: the first version, every ``publish.full_every`` iterations, with LoRA (an
+    adapter is megabytes), or after a version published in another dtype. Every worker calls
+    it (fsdp gathers)."""
+    if not config.publish_delta or policy.setup.lora or config.init_iteration is None or config.iteration % config.publish_full_every == 0:
+        return None
+    try:
+        before = json.loads((config.init_checkpoint / STATS_FILE).read_bytes())
+    except (OSError, ValueError):
+        before = None
+    if not isinstance(before, dict) or before.get("published_dtype") != precision.published_dtype(policy.served_dtype, config.publish_dtype,
+                                                                                                 adapter=False):
+        return None
+    dtype = _published(policy, config)
+    rank, world_size = policy.rdv.rank, policy.rdv.world_size
+    if not policy.setup.sharded and rank != 0:
+        return sharded.DeltaBase({}, config.init_iteration, lambda *_: False)  # ddp: worker 0 writes it all
+    tensors = sharded.owned(policy.model, rank=rank, world_size=world_size, parallel=config.parallel_write and policy.setup.sharded,
+                            dtype=dtype)
+    return sharded.DeltaBase(tensors, config.init_iteration, _smaller(policy) if policy.setup.sharded else lambda d, f: d < f)
+
+
+def _smaller(policy: Policy):
+    """Whether every writer's deltas add up to fewer bytes than their whole weights (fsdp: a
+    collective: every worker calls it once)."""
+    def smaller(delta_bytes: int, full_bytes: int) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        both = torch.tensor([delta_bytes, full_bytes], dtype=torch.float64, device=policy.device)
+        dist.all_reduce(both)
+        return bool(both[0] < both[1])
+
+    return smaller
 
 
 def _save_configs(model, output, served_dtype) -> None:

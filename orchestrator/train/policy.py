@@ -42,14 +42,23 @@ def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: Tr
     """The Hugging Face model at ``path`` in fp32 whatever its saved dtype (a frozen LoRA base
     may keep its own: precision.py), with LoRA adapters when ``lora_from`` is given (new, or
     those of its init checkpoint: lora.attach), prepared for ``setup``'s strategy (parallel.py)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     dtype = precision.load_dtype(path, frozen=lora_from is not None, mixed_precision=setup.mixed_precision)
+    master = checkpoints.master_dir(path) if lora_from is None else None
     # Eval mode throughout: no dropout, so the first step's ratio is exactly what the
     # precomputed old log-probs say it is. Gradients (and their reduction) do not depend on it.
-    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=dtype).eval()
-    if lora_from is None and (master := checkpoints.master_dir(path)) is not None:
-        _load_master(model, master)  # the published weights are rounded (publish.dtype): the fp32 master goes on
+    if master is not None:  # the published weights are rounded (publish.dtype) or a delta: the fp32 master goes on
+        config = AutoConfig.from_pretrained(path)
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # a model without generation_config.json: what transformers makes of its config
+            generation = GenerationConfig.from_model_config(config)
+        model = AutoModelForCausalLM.from_pretrained(master, config=config, generation_config=generation, use_safetensors=True,
+                                                     dtype=dtype).eval()
+        _check_master(model, master)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=dtype).eval()
     if lora_from is not None:
         model = lora.attach(model, lora_from).eval()
         precision.to_master(model)
@@ -62,15 +71,20 @@ def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: Tr
         raise BadTrainInput(f"{path}: {e}") from None
 
 
-def _load_master(model, master: Path) -> None:
-    """The fp32 master weights a checkpoint keeps apart from the 16-bit ones it publishes, in
-    place of those in ``model``; every tensor the checkpoint has must be there."""
-    tensors = sharded.read_all(master)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    tied = {n for n, _ in sharded.model_tensors(model)}
-    if unexpected or [n for n in missing if n in tied]:
-        raise BadTrainInput(f"{master}: its master weights do not fit the model (missing {sorted(n for n in missing if n in tied)[:3]}, "
-                            f"unexpected {sorted(unexpected)[:3]})")
+def _check_master(model, master: Path) -> None:
+    """Every tensor the model holds was in the master weights (from_pretrained would have
+    left a missing one at its random initial value, with a warning nobody reads)."""
+    from safetensors import safe_open
+
+    index = master / sharded.WEIGHTS_INDEX
+    files = sorted(set(sharded.read_index(index).values())) if index.is_file() else ["model.safetensors"]
+    saved = set()
+    for name in files:
+        with safe_open(master / name, framework="pt") as f:
+            saved.update(f.keys())
+    missing = sorted(n for n, _ in sharded.model_tensors(model) if n not in saved)
+    if missing:
+        raise BadTrainInput(f"{master}: its master weights do not fit the model (missing {missing[:3]})")
 
 
 class Policy:

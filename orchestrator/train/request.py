@@ -47,6 +47,11 @@ class TrainRequest:
     publish_dtype: Annotated[str, msgspec.Meta(pattern=r"\A(?:auto|bfloat16|float16|float32)\Z")] = "auto"
     """The dtype of the weights written for the engines (auto: the dtype they serve, the init
     checkpoint's); other than the master's, the fp32 master goes to ``master/`` beside them."""
+    publish_delta: bool = False
+    """Write the weights as a delta against the init checkpoint's where that is smaller
+    (checkpoints/deltas.py); whole every ``publish_full_every`` iterations."""
+    publish_full_every: Annotated[int, msgspec.Meta(ge=1)] = 10
+    """Iterations divisible by it publish their weights whole."""
     parallel_write: bool = True
     """With fsdp: every worker writes its shard of the checkpoint (false: worker 0 writes it all)."""
     offload: bool = False

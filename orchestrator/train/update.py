@@ -45,6 +45,7 @@ def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, 
     policy.holds = None  # from here until the update is complete, memory holds no known iteration
     for group in policy.optimizer.param_groups:
         group["lr"] = config.rl.lr
+    base = checkpoint_writer.delta_base(policy, config)  # the version this one may be published as a delta against
     lap("load")
     if kept:
         batches, lengths = prepare(policy, config, kept)
@@ -78,7 +79,8 @@ def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, 
     if config.correction != "none":
         stats |= {"is_correction": config.correction, "is_cap": config.rl.is_cap,
                   **{k: round(v, 6) for k, v in (batches.is_stats if batches else {}).items()}}
-    checkpoint_writer.write(policy, config, stats, started)
+    checkpoint_writer.write(policy, config, stats, started, base)
+    del base
     lap("checkpoint")
     policy.holds = config.iteration
     if config.offload:

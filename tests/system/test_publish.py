@@ -4,6 +4,8 @@ trainer that loads each checkpoint (train.keep_alive=false) continues from that 
 reaches the weights of one that continued in memory, tensor for tensor."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from orchestrator import checkpoints
+from orchestrator.checkpoints import sharded, sums
 from orchestrator.protocol.layout import RunLayout
 from tests.harness import rl_flags, run_local, status_json
 
@@ -70,3 +73,65 @@ def test_a_bf16_base_publishes_bf16_weights_and_continues_from_the_fp32_master(d
     exported = load_file(out / "model.safetensors")
     assert all(exported[n].dtype == torch.float32 and exported[n].equal(a[n]) for n in a), "export is in full precision"
     assert not (out / "master").exists() and (out / "tokenizer.json").is_file()
+
+
+def _served_sums(layout: RunLayout, rank: int) -> dict[int, str]:
+    """Iteration -> the sum of the weights rank ``rank``'s engine reported loading for it."""
+    out = {}
+    for line in next(layout.engine_dir(rank).glob("engine*.log")).read_text().splitlines():
+        found = re.search(r"reloaded \S+/iter-(\d+) in place .* xxh3_128 ([0-9a-f]+)\)", line)
+        if found:
+            out[int(found[1])] = found[2]
+    return out
+
+
+def _expected_sum(layout: RunLayout, iteration: int, tmp_path) -> str:
+    """The sum of the file a node writes for ``iteration``: its master weights cast to bf16."""
+    master = sharded.read_all(layout.checkpoint(iteration) / "master")
+    return sums.write_safetensors(tmp_path / f"expected-{iteration}.safetensors", {n: t.to(torch.bfloat16) for n, t in master.items()},
+                                  {"format": "pt"}, durable=False).digest
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_weights_published_as_deltas_reach_every_engine_bit_for_bit(demo_data, bf16_model, tmp_path, strategy):
+    """publish.delta: versions 2 and 4 as deltas, 1 and 3 whole (publish.full_every=3); every
+    engine serves each version's master cast to bf16, bit for bit; a move reads the delta
+    alone; export gives the master, or, its state gone, the version rebuilt from its chain."""
+    nodes = 1 if strategy == "ddp" else 2
+    result = run_local(rl_flags(demo_data, tmp_path / "run", num_nodes=nodes, weights=",".join(["1"] * nodes), max_iterations=4,
+                                extra=[f"model.path={bf16_model}", "rl.lr=1e-5", "publish.delta=true", "publish.full_every=3",
+                                       f"train.strategy={strategy}", f"train.keep_alive={str(strategy == 'ddp').lower()}",
+                                       f"rollout.local_cache={tmp_path / 'cache'}"]), timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    layout = RunLayout(tmp_path / "run")
+    for i, published in ((1, "full"), (2, "delta"), (3, "full"), (4, "delta")):
+        stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+        assert stats["published"] == published and stats.get("delta_base") == (i - 1 if published == "delta" else None), stats
+        files = sorted(p.name for p in layout.checkpoint(i).glob("*.safetensors"))
+        assert all(f.startswith("delta-" if published == "delta" else "model") for f in files) and len(files) == nodes, files
+        assert json.loads((layout.checkpoint(i) / checkpoints.MANIFEST).read_text())["body"].get("delta_base") == stats.get("delta_base")
+    for rank in range(nodes):
+        served = _served_sums(layout, rank)
+        assert served == {i: _expected_sum(layout, i, tmp_path) for i in (1, 2, 3)}, "every engine served each master, cast, exactly"
+    moved = status_json(tmp_path / "run")["iterations"][1]["timing"]["bytes"]
+    small = sum(p.stat().st_size for p in layout.checkpoint(2).iterdir() if p.suffix == ".json" and p.name not in
+                ("orchestrator.manifest.json", "train_stats.json"))
+    delta = sum(p.stat().st_size for p in layout.checkpoint(2).glob("delta-*"))
+    assert moved["read_per_node"] == {str(r): delta + small for r in range(nodes)}, (moved, delta, small)
+    assert not any((tmp_path / "cache").iterdir()), "the node-local copies go with the run"
+    if strategy == "fsdp":
+        assert json.loads((layout.checkpoint(4) / "train_stats.json").read_text())["policy_from"] == "checkpoint"
+        return
+
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "export", f"--log-path={tmp_path / 'run'}", f"--out={out}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "fp32 master weights" in done.stdout, done.stdout + done.stderr
+    master = sharded.read_all(layout.checkpoint(4) / "master")
+    assert not (out / "delta.json").exists() and load_file(out / "model.safetensors").keys() == master.keys()
+    shutil.rmtree(layout.checkpoint(4) / "master")
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "export", f"--log-path={tmp_path / 'run'}", f"--out={tmp_path / 'bf16'}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "rebuilt from its chain of deltas" in done.stdout, done.stdout + done.stderr
+    exported = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert all(exported[n].equal(t.to(torch.bfloat16)) for n, t in master.items())

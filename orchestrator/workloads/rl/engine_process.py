@@ -282,9 +282,10 @@ class NodeEngines:
     """The engines the placement puts on this node."""
 
     def __init__(self, children: Children, specs: list[Engine], rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0,
-                 base: Path | None = None, lora_rank: int = 0):
+                 base: Path | None = None, lora_rank: int = 0, local: Path | None = None):
         self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed, base=base, lora_rank=lora_rank) for s in specs]
         self.base = base
+        self.local = local  # the node-local copies (publish.delta): what the engines read there is not the shared filesystem's
         self.rollout = rollout
 
     def ensure(self, checkpoint: Path, cancel: CancelToken, timing=None) -> list[EngineClient]:
@@ -314,6 +315,8 @@ class NodeEngines:
         """The weights an engine reads to serve ``checkpoint``: a reload the checkpoint's (with
         LoRA the adapter alone), a start the base's too under an adapter. Looked up only when an
         engine moves: a rollout that finds its engines current reads no directory."""
+        if self.local is not None and Path(checkpoint).is_relative_to(self.local):
+            return 0  # rebuilt on the node: its bytes from the shared filesystem are counted as engine.rebuild
         adapter = start and self.base is not None and checkpoints.is_adapter(checkpoint)
         return checkpoints.weight_bytes(checkpoint) + (checkpoints.weight_bytes(self.base) if adapter else 0)
 

@@ -21,7 +21,7 @@ from orchestrator.phase_table import Phase
 from orchestrator.plugins import environments, rewards
 from orchestrator.config import RunConfig
 from orchestrator import checkpoints
-from orchestrator.checkpoints import retention, store
+from orchestrator.checkpoints import node_copy, retention, store
 from orchestrator.data import prompts, resample
 from orchestrator.engine.client import EngineClient
 from orchestrator.node.procs import Children
@@ -90,6 +90,7 @@ class RLWorkload:
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
         self._verified = checkpoints.Verified()
+        self.copies: node_copy.NodeCopies | None = None  # publish.delta: the versions this node rebuilt, made at the first
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
         self._tokenizer = None  # the model's, for multi-turn rollouts (rl.environment)
         self._room = RoomWatch()  # across the run's multi-turn rollouts: their samples cut for room, warned of once
@@ -134,11 +135,31 @@ class RLWorkload:
 
     # -- engine ------------------------------------------------------------------------------
 
-    def verified(self, policy: store.Checkpoint) -> Path:
-        """``policy``'s directory, its weights (what the engines read) checked against its
-        manifest (the base model has none), with this rank's consumer marker naming it first:
-        retention never removes a checkpoint a marker names."""
-        return self._consumed(policy, checkpoints.WEIGHTS)
+    def verified(self, policy: store.Checkpoint, timing=None) -> Path:
+        """The directory the engines load ``policy`` from: with ``publish.delta`` the node-local
+        copy, rebuilt and checked (checkpoints/node_copy.py); otherwise the checkpoint itself,
+        its weights checked against its manifest (the base model has none). This rank's
+        consumer marker names the checkpoint first: retention never removes a checkpoint a
+        marker names (nor the chain it is rebuilt from)."""
+        if not self._rebuilds(policy):
+            return self._consumed(policy, checkpoints.WEIGHTS)
+        self._consumed(policy, None)
+        copies = self._node_copies()
+        before = copies.last
+        path = copies.get(policy)
+        if timing is not None and copies.last is not before:
+            timing("engine.rebuild", copies.last.seconds, bytes=copies.last.bytes_read)
+        return path
+
+    def _rebuilds(self, policy: store.Checkpoint) -> bool:
+        """Whether the engines serve ``policy`` from a node-local copy (publish.delta: a
+        version of the run, not an adapter)."""
+        return self.config.publish.delta and not policy.is_base and not self.config.train.lora_rank
+
+    def _node_copies(self) -> node_copy.NodeCopies:
+        if self.copies is None:
+            self.copies = node_copy.NodeCopies(self.layout, local_cache(self.config))
+        return self.copies
 
     def _consumed(self, policy: store.Checkpoint, part: str | None) -> Path:
         """``policy``'s directory, named by this rank's consumer marker, and ``part`` of it
@@ -153,7 +174,7 @@ class RLWorkload:
             specs = ctx.run.placement.engines_on(ctx.rank)
             self.engines = NodeEngines(self.children, specs, self.config.rollout, self.layout, ctx.rank, seed=self.config.seed,
                                        base=self.config.model_path if self.config.train.lora_rank else None,
-                                       lora_rank=self.config.train.lora_rank)
+                                       lora_rank=self.config.train.lora_rank, local=local_cache(self.config))
         return self.engines
 
     def engine_start(self, ctx: PhaseContext) -> None:
@@ -164,7 +185,7 @@ class RLWorkload:
         shared = sorted(self.trainers.gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
         if shared:  # kept-alive trainers offloaded their state after training: check that the memory is back
             wait_memory_released(shared, self.config.rollout, ctx.cancel)
-        self.clients = engines.ensure(self.verified(ctx.policy), ctx.cancel, timing=ctx.run.timing)
+        self.clients = engines.ensure(self.verified(ctx.policy, ctx.run.timing), ctx.cancel, timing=ctx.run.timing)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
         """Phase 7: free the GPUs training shares with the engines (colocated); disaggregated
@@ -188,6 +209,8 @@ class RLWorkload:
         self.trainers.stop()
         if self.engines is not None:
             self.engines.stop()
+        if self.copies is not None:
+            self.copies.close()
         self.clients = []
 
     # -- rollout and eval ----------------------------------------------------------------------
@@ -363,9 +386,22 @@ class RLWorkload:
             "seed": self.config.seed + ctx.iteration,
             "base_model": str(self.config.model_path) if self.config.train.lora_rank else None,
             "publish_dtype": self._publish_dtype(),
+            "publish_delta": self.config.publish.delta,
+            "publish_full_every": self.config.publish.full_every,
             "rl": {**_section(self.rl, UpdateSettings), "is_correction": self.rl.correction},
             "train": _section(self.config.train, TrainerSettings),
         }
+
+
+def local_cache(config: RunConfig) -> Path:
+    """This rank's node-local directory of rebuilt versions: under ``rollout.local_cache``,
+    or the node's temp dir, named by the run and the rank (ranks share a machine in tests)."""
+    import hashlib
+    import tempfile
+
+    root = Path(config.rollout.local_cache) if config.rollout.local_cache else Path(tempfile.gettempdir()) / "orchestrator-cache"
+    run = hashlib.sha256(str(Path(config.log_path).resolve()).encode()).hexdigest()[:12]
+    return root / f"{run}-r{config.rank:05d}"
 
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",

@@ -1,0 +1,256 @@
+"""The version a node's engines serve, rebuilt on the node (``publish.delta``): read from the
+shared filesystem once per node, checked, written into a node-local directory
+(``rollout.local_cache``), and only then handed to the engines, which read it there.
+
+A version is rebuilt, in this order of preference:
+
+1. from the version the node holds plus the deltas after it (the usual move: only the new
+   delta is read);
+2. from the last full copy plus the chain of deltas after it (a node that is behind, or was
+   restarted: its local directory starts empty);
+3. from the version's own master weights (``master/``, fp32, where its training state was
+   written), cast to the published dtype and checked against the delta's sums.
+
+Every file read is checked against its checkpoint's manifest as it is read, and every tensor
+a delta rebuilds against the sum of its values: a damaged or missing file makes the next way
+be tried (with a warning naming it), and when none is left the error names it. A version is
+handed out only whole: it is built beside the others and renamed into place. The versions the
+engines no longer serve are removed as soon as the new one is in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.checkpoints import deltas, manifest, sharded, sums
+from orchestrator.checkpoints.files import MASTER_DIR
+from orchestrator.checkpoints.manifest import CheckpointCorrupt
+from orchestrator.checkpoints.store import Checkpoint
+from orchestrator.protocol import fsio
+from orchestrator.protocol.layout import RunLayout
+
+log = logging.getLogger(__name__)
+
+_RUN_ONLY = {manifest.MANIFEST, "train_stats.json", deltas.INDEX}
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """How a version came to be on the node: its directory, the way taken, the bytes read
+    from the shared filesystem and the seconds it took."""
+
+    path: Path
+    how: str
+    bytes_read: int
+    seconds: float
+
+
+class NodeCopies:
+    """One node's rebuilt versions under ``root`` (emptied at the start: a copy a crash left
+    cannot be trusted, and it is rebuilt from the shared checkpoints)."""
+
+    def __init__(self, layout: RunLayout, root: Path):
+        self.layout = layout
+        self.root = Path(root)
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True)
+        self.held: tuple[int, Path] | None = None
+        self.last: Built | None = None
+        self._read = 0
+
+    def get(self, checkpoint: Checkpoint) -> Path:
+        """The node-local directory of ``checkpoint`` (a version the run published), rebuilt
+        when the node does not hold it. Raises CheckpointCorrupt naming the file at fault."""
+        if self.held is not None and self.held[0] == checkpoint.iteration:
+            return self.held[1]
+        began, target = time.monotonic(), checkpoint.iteration
+        failures = []
+        for how, build in self._ways(target):
+            self._read = 0
+            staging = self.root / f".building-{target}"
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            try:
+                build(staging)
+            except (CheckpointCorrupt, deltas.DeltaError, FileNotFoundError) as e:
+                shutil.rmtree(staging, ignore_errors=True)
+                failures.append(f"{how}: {e}")
+                log.warning("could not rebuild iteration %d's weights %s (%s); trying the next way", target, how, e)
+                continue
+            final = self.root / f"iter-{target}"
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+            self._retire(keep=final)
+            self.held = (target, final)
+            self.last = Built(final, how, self._read, round(time.monotonic() - began, 4))
+            log.info("iteration %d's weights rebuilt in %s %s: %d bytes read from %s in %.2f s", target, final, how, self._read,
+                     self.layout.checkpoints, self.last.seconds)
+            return final
+        raise CheckpointCorrupt(f"the weights of iteration {target} cannot be rebuilt on this node: " + "; ".join(failures)
+                                + ". Restore the file named from a copy, or see docs/reliability.md, \"corrupted checkpoint\"")
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.held = None
+
+    # -- the ways ---------------------------------------------------------------------------------
+
+    def _ways(self, target: int):
+        """(how, build) in the order they are tried; ``build(staging)`` writes the version there."""
+        chain = self._chain(target)
+        if self.held is not None and self.held[0] in chain[:-1]:
+            held, path = self.held
+            after = chain[chain.index(held) + 1:]
+            yield (f"from iteration {held}, which it held, and {len(after)} delta(s)",
+                   lambda staging: self._apply(staging, sharded.read_all(path), after))
+        if not deltas.is_delta(self.layout.checkpoint(chain[0])):
+            yield (f"from the full copy of iteration {chain[0]}" + (f" and {len(chain) - 1} delta(s)" if len(chain) > 1 else ""),
+                   lambda staging: self._from_full(staging, chain))
+        if len(chain) > 1 and (self.layout.checkpoint(target) / MASTER_DIR).is_dir():
+            yield f"from iteration {target}'s master weights", lambda staging: self._from_master(staging, target)
+
+    def _chain(self, target: int) -> list[int]:
+        """The versions from the last full copy up to ``target``, oldest first (as far back as
+        they can be found: a missing one ends the chain, and the full-copy way then fails)."""
+        chain = [target]
+        while True:
+            directory = self.layout.checkpoint(chain[0])
+            if not deltas.is_delta(directory):
+                return chain
+            try:
+                base = deltas.read_index(directory, self._read_checked(directory, deltas.INDEX))["base"]
+            except (CheckpointCorrupt, deltas.DeltaError) as e:
+                log.warning("%s", e)
+                return chain
+            if base in chain or not self.layout.checkpoint(base).is_dir():
+                return chain
+            chain.insert(0, base)
+
+    def _from_full(self, staging: Path, chain: list[int]) -> None:
+        full = self.layout.checkpoint(chain[0])
+        scratch = self.root / f".full-{chain[0]}"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
+        try:
+            self._copy_weights(full, scratch)
+            tensors = sharded.read_all(scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._apply(staging, tensors, chain)
+
+    def _apply(self, staging: Path, tensors: dict, versions: list[int]) -> None:
+        """``tensors`` (of the version before ``versions``, or of its first when that is a
+        full copy) moved through the deltas of ``versions`` (each checked), written as the last
+        one (one file, whatever the shards it came from), with its small files."""
+        for version in versions:
+            if deltas.is_delta(self.layout.checkpoint(version)):
+                tensors = self._delta(self.layout.checkpoint(version), tensors)
+        self._write(staging, tensors, self.layout.checkpoint(versions[-1]))
+
+    def _delta(self, directory: Path, tensors: dict) -> dict:
+        index = deltas.read_index(directory, self._read_checked(directory, deltas.INDEX))
+        out = {}
+        for name in sorted(set(index["weight_map"].values())):
+            out.update(deltas.decode_file(directory / name, self._read_checked(directory, name), tensors))
+        missing = sorted(set(index["weight_map"]) - set(out))
+        if missing:
+            raise deltas.DeltaError(f"delta of {directory} does not rebuild {missing[:3]}")
+        return out
+
+    def _from_master(self, staging: Path, target: int) -> None:
+        """The fp32 master weights of ``target``, checked against the manifest as they are
+        read, cast to the published dtype (a cast is exact: the trainer published the same)."""
+        import torch
+
+        directory = self.layout.checkpoint(target)
+        index = deltas.read_index(directory, self._read_checked(directory, deltas.INDEX))
+        master, tensors = directory / MASTER_DIR, {}
+        for p in sorted(master.iterdir()):
+            if p.name.endswith(".safetensors"):
+                tensors.update(_load(self._read_checked(directory, f"{MASTER_DIR}/{p.name}")))
+        dtype = getattr(torch, index["dtype"])
+        missing = sorted(set(index["weight_map"]) - set(tensors))
+        if missing:
+            raise CheckpointCorrupt(f"{master} lacks {missing[:3]}")
+        self._write(staging, {n: tensors[n].to(dtype) for n in index["weight_map"]}, directory)
+
+    # -- files ------------------------------------------------------------------------------------
+
+    def _write(self, staging: Path, tensors: dict, source: Path) -> None:
+        sums.write_safetensors(staging / "model.safetensors", tensors, {"format": "pt"}, durable=False)
+        self._copy_small(source, staging)
+
+    def _copy_weights(self, directory: Path, into: Path) -> None:
+        """A full copy's weights (one file, or shards and their index), each checked against
+        the manifest as it is copied."""
+        for p in sorted(directory.iterdir()):
+            if p.is_file() and (p.name.endswith(".safetensors") or p.name == sharded.WEIGHTS_INDEX):
+                self._copy_checked(directory, p.name, into / p.name)
+
+    def _copy_small(self, directory: Path, into: Path) -> None:
+        """The config, generation config and tokenizer files, checked."""
+        for p in sorted(directory.iterdir()):
+            weights = p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")
+            if p.is_file() and not weights and p.name not in _RUN_ONLY and not p.name.startswith("."):
+                (into / p.name).write_bytes(self._read_checked(directory, p.name))
+
+    def _expected(self, directory: Path, name: str) -> dict:
+        body = fsio.read_record(directory / manifest.MANIFEST)
+        if body is None:
+            raise CheckpointCorrupt(f"checkpoint {directory} has no valid {manifest.MANIFEST} (missing or damaged)")
+        want = body["files"].get(name)
+        if want is None:
+            raise CheckpointCorrupt(f"checkpoint {directory}: its manifest does not list {name}")
+        return want
+
+    def _read_checked(self, directory: Path, name: str) -> bytes:
+        """``name``'s bytes, checked against ``directory``'s manifest (one read)."""
+        want, path = self._expected(directory, name), directory / name
+        data = path.read_bytes()  # FileNotFoundError: a missing file, which the caller names
+        self._read += len(data)
+        _check(path, len(data), want, lambda: _sum(data, want))
+        return data
+
+    def _copy_checked(self, directory: Path, name: str, target: Path) -> None:
+        want, path = self._expected(directory, name), directory / name
+        copied = sums.copy_file(path, target)
+        self._read += copied.size
+        _check(path, copied.size, want, lambda: copied.digest if sums.ALGORITHM in want else _sum(target.read_bytes(), want))
+
+    def _retire(self, keep: Path) -> None:
+        for p in self.root.iterdir():
+            if p != keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _load(data: bytes) -> dict:
+    from safetensors.torch import load
+
+    return load(data)
+
+
+def _check(path: Path, size: int, want: dict, got) -> None:
+    """Raise CheckpointCorrupt naming ``path`` when its size or sum (``got()``) is not what
+    its manifest says."""
+    if size != want["bytes"]:
+        raise CheckpointCorrupt(f"checkpoint file {path} is damaged: {size} bytes, its manifest says {want['bytes']}")
+    if got() != _want(want):
+        raise CheckpointCorrupt(f"checkpoint file {path} is damaged: its checksum is not the one its manifest records")
+
+
+def _want(entry: dict) -> str:
+    return entry[sums.ALGORITHM] if sums.ALGORITHM in entry else entry["sha256"]
+
+
+def _sum(data: bytes, entry: dict) -> str:
+    if sums.ALGORITHM in entry:
+        h = sums.hasher()
+        h.update(data)
+        return h.hexdigest()
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
