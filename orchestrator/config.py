@@ -455,6 +455,12 @@ class CheckpointConfig:
     """The newest checkpoints kept, the current one among them; at least 1."""
     keep_every: Annotated[int, _limit("{key} must be >= 0 (0: none kept for that reason), got {value}", ge=0)] = 0
     """Also keep the checkpoint of every iteration divisible by this (0: none kept for that reason)."""
+    state_every: Annotated[int, _limit("{key} must be at least 1 (1: every checkpoint holds it), got {value}", ge=1)] = 1
+    """Write the training state (fp32 master weights, optimizer state) into the checkpoints of
+    iterations divisible by this, of the last iteration and of one a stop was asked in; the
+    others hold only the published weights. A trainer that must start from a checkpoint
+    without it trains the iterations since the last state again from their aggregates
+    (docs/training.md, "The training state: written when it pays, replayed exactly")."""
 
     def __post_init__(self) -> None:
         _check_fields(self, "checkpoint")

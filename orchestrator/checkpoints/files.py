@@ -25,6 +25,13 @@ def master_dir(directory: Path) -> Path | None:
     return master if master.is_dir() else None
 
 
+def has_state(directory: Path) -> bool:
+    """Whether a checkpoint holds the training state a trainer continues from: the optimizer's
+    (``optimizer/``), written with the fp32 master weights wherever the published ones are
+    not they (``checkpoint.state_every`` leaves it out of the others)."""
+    return (Path(directory) / "optimizer").is_dir()
+
+
 def is_adapter(directory: Path) -> bool:
     """Whether the checkpoint at ``directory`` is a LoRA adapter of the base model rather than a whole model."""
     return (Path(directory) / ADAPTER_CONFIG).is_file()

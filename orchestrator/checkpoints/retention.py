@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from orchestrator.checkpoints import deltas
+from orchestrator.checkpoints.files import has_state
 from orchestrator.checkpoints.store import Checkpoint
 from orchestrator.node import identity
 from orchestrator.protocol import fsio
@@ -53,12 +54,14 @@ class Decision:
 
 
 def decide(present: Iterable[int], current: int, keep_last: int, keep_every: int,
-           consumers: Mapping[int, list[str]], bases: Mapping[int, int] | None = None) -> Decision:
+           consumers: Mapping[int, list[str]], bases: Mapping[int, int] | None = None, states: Iterable[int] | None = None) -> Decision:
     """Which of the checkpoints ``present`` (their iterations) to keep, and why, and which to
     remove: the newest ``keep_last`` up to ``current`` (it among them), every one divisible
     by ``keep_every`` (if not 0), any newer than ``current``, those ``consumers`` name, and
     the chain each kept one's weights are rebuilt from (``bases``: iteration -> the version
-    its weights are a delta against, publish.delta)."""
+    its weights are a delta against, publish.delta), and, when ``states`` (the iterations
+    whose checkpoint holds the training state) is given, the newest of them up to
+    ``current``: a trainer replays from it (checkpoint.state_every)."""
     why: dict[int, list[str]] = {i: [] for i in sorted(set(present))}
     newest = [i for i in why if i <= current][-keep_last:]
     for i, reasons in why.items():
@@ -71,6 +74,9 @@ def decide(present: Iterable[int], current: int, keep_last: int, keep_every: int
         if keep_every and i % keep_every == 0:
             reasons.append(f"keep_every={keep_every}")
         reasons.extend(f"consumer {name}" for name in consumers.get(i, ()))
+    if states is not None and (replay_from := max((i for i in states if i <= current and i in why), default=None)) is not None:
+        if not why[replay_from]:
+            why[replay_from].append("state to replay from")
     for i in [i for i, r in why.items() if r]:
         j = (bases or {}).get(i)
         while j is not None and j in why and f"chain of {i}" not in why[j]:
@@ -110,7 +116,8 @@ def prune(layout: RunLayout, current: Checkpoint, keep_last: int, keep_every: in
         log.warning("%s: no checkpoint is removed this time (the chain it belongs to is not known)", e)
         return []
     named = _iteration(layout, _name(layout, current.path))
-    decision = decide(present, current.iteration if named is None else named, keep_last, keep_every, consumers, bases)
+    states = [i for i in present if has_state(layout.checkpoint(i))]
+    decision = decide(present, current.iteration if named is None else named, keep_last, keep_every, consumers, bases, states)
     if not decision.remove:
         return []
     log.info("removing the checkpoints of iteration(s) %s; keeping %s", ", ".join(map(str, decision.remove)),

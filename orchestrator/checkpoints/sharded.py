@@ -122,18 +122,18 @@ def owned(model, *, rank: int, world_size: int, parallel: bool, dtype=None) -> d
 
 
 def save_model(model, output: Path, *, rank: int, world_size: int, barrier, written: Sums, parallel: bool = True,
-               dtype=None, delta: DeltaBase | None = None) -> bool:
+               dtype=None, delta: DeltaBase | None = None, state: bool = True) -> bool:
     """The weights of a sharded ``model`` into ``output``: whole as ``model-0000i-of-0000n.safetensors``
     and, from worker 0 after every worker's file is in place, the index; or, given ``delta``
     and when it is smaller, as deltas against it (``delta-0000i-of-0000n.safetensors`` and
     ``delta.json``). In ``dtype`` (None: their own); the weights in their own dtype go to
-    ``master/`` too whenever the published ones are not they (each tensor gathered once).
-    ``barrier()`` waits for every worker. The config, generation config and tokenizer are the
+    ``master/`` too whenever the published ones are not they (each tensor gathered once),
+    unless not ``state`` (checkpoint.state_every). ``barrier()`` waits for every worker. The config, generation config and tokenizer are the
     caller's. Returns whether a delta was written."""
     named = model_tensors(model)
     owner_of = owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
     mine = gather(named, owner_of, rank)
-    as_delta, master = _write(mine, output, owner_of, rank, written, dtype, delta)
+    as_delta, master = _write(mine, output, owner_of, rank, written, dtype, delta, state=state)
     del mine
     barrier()
     if rank == 0:
@@ -143,15 +143,15 @@ def save_model(model, output: Path, *, rank: int, world_size: int, barrier, writ
     return as_delta
 
 
-def save_whole(model, output: Path, written: Sums, *, dtype=None, delta: DeltaBase | None = None) -> bool:
+def save_whole(model, output: Path, written: Sums, *, dtype=None, delta: DeltaBase | None = None, state: bool = True) -> bool:
     """The weights of an unsharded ``model`` as one ``model.safetensors`` (what
     ``save_pretrained`` writes, tied parameters once) in ``dtype`` (None: their own), or given
     ``delta`` and when smaller as a delta against it; the weights in their own dtype in
-    ``master/`` whenever the published ones are not they. One writer. Returns whether a delta
+    ``master/`` whenever the published ones are not they (unless not ``state``). One writer. Returns whether a delta
     was written."""
     tensors = {name: t.detach() for name, t in model_tensors(model)}
     owner_of = dict.fromkeys(tensors, 0)
-    as_delta, _ = _write(tensors, output, owner_of, 0, written, dtype, delta, whole=True)
+    as_delta, _ = _write(tensors, output, owner_of, 0, written, dtype, delta, whole=True, state=state)
     if as_delta:
         total = sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for t in tensors.values())
         _indexes(output, owner_of, total, written, dtype, delta, master_total=None)
@@ -159,7 +159,7 @@ def save_whole(model, output: Path, written: Sums, *, dtype=None, delta: DeltaBa
 
 
 def _write(mine: dict, output: Path, owner_of: dict[str, int], rank: int, written: Sums, dtype, delta: DeltaBase | None,
-           whole: bool = False) -> tuple[bool, bool]:
+           whole: bool = False, state: bool = True) -> tuple[bool, bool]:
     """This worker's tensors written: published (whole, or as a delta when that is smaller)
     and, where the published ones are not the master, the master. Returns (delta written,
     master written)."""
@@ -175,7 +175,7 @@ def _write(mine: dict, output: Path, owner_of: dict[str, int], rank: int, writte
             deltas.write_file(output / file_names(owner_of, deltas.PREFIX)[rank], encoded, delta.iteration, written)
     elif published:
         write_file(published, output / ("model.safetensors" if whole else file_names(owner_of, "model")[rank]), {"format": "pt"}, written)
-    master = dtype is not None or as_delta
+    master = (dtype is not None or as_delta) and state
     if master and mine:
         (output / MASTER_DIR).mkdir(exist_ok=True)
         write_file(mine, output / MASTER_DIR / ("model.safetensors" if whole else file_names(owner_of, "model")[rank]),

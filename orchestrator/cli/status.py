@@ -152,6 +152,10 @@ def view(snap: dict) -> Group:
             row[-1:-1] = [f"{update['filtered_groups']}/{update['records']}{rounds}" if update.get("filtered_groups") is not None else ""]
     if its:
         parts.append(terminal.FittedTable(columns, its, optional, elsewhere=ELSEWHERE))
+    replays = [(it["iteration"], it["update"]["replayed"]) for it in snap["iterations"] if (it.get("update") or {}).get("replayed")]
+    if replays:
+        parts.append(line("; ".join(f"iteration {i}'s trainer replayed iterations {a}..{b} from their aggregates" for i, (a, b) in replays[-3:])
+                          + " (their checkpoints hold no training state: checkpoint.state_every)"))
     timed = [it for it in snap["iterations"] if it.get("complete") and it.get("timing") and it["timing"]["phases"]]
     if timed:
         parts.append(line(time_line(timed[-1]["iteration"], timed[-1]["timing"])))

@@ -277,10 +277,10 @@ def barrier_wait_png(data: dict) -> bytes:
 # (the train phase's colour), engines in blues (apart from the reds at a glance), darker as
 # they come later.
 TRAIN_PARTS = (
-    ("train.startup", "#fcbba1"), ("train.load", "#fc9272"), ("train.prepare", "#fb6a4a"),
+    ("train.startup", "#fcbba1"), ("train.load", "#fc9272"), ("train.replay", "#fc8d59"), ("train.prepare", "#fb6a4a"),
     ("train.steps", "#de2d26"), ("train.checkpoint", "#a50f15"),
 )
-ENGINE_PARTS = (("engine.start", "#c6dbef"), ("engine.restart", "#6baed6"), ("engine.reload", "#2171b5"), ("engine.release", "#08306b"))
+ENGINE_PARTS = (("engine.rebuild", "#deebf7"), ("engine.start", "#c6dbef"), ("engine.restart", "#6baed6"), ("engine.reload", "#2171b5"), ("engine.release", "#08306b"))
 TRAIN_REST = "train.total, rest"
 
 

@@ -17,8 +17,8 @@ from orchestrator.ops.event_fold import MASTER, RankLog, phase_label
 # The parts in the order they are listed: training's in the order they happen, then the
 # engines'; a part not listed here sorts after them, by name.
 PART_ORDER = (
-    "train.startup", "train.load", "train.prepare", "train.steps", "train.checkpoint", "train.total",
-    "engine.start", "engine.restart", "engine.reload", "engine.release",
+    "train.startup", "train.load", "train.replay", "train.prepare", "train.steps", "train.checkpoint", "train.total",
+    "engine.rebuild", "engine.start", "engine.restart", "engine.reload", "engine.release",
 )
 
 

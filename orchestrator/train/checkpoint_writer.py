@@ -46,10 +46,10 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
         if policy.setup.sharded:
             barrier()  # worker 0 made the directory
         lora.save(model, output, rank=rank, written=written)
-        if policy.setup.sharded:
+        if policy.setup.sharded and config.write_state:
             optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
                                          written=written, parallel=config.parallel_write)
-        elif rank == 0:
+        elif rank == 0 and config.write_state:
             optimizer_state.save(optimizer, model, output, written)
     elif policy.setup.sharded:
         def barrier() -> None:
@@ -57,15 +57,19 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
 
         barrier()  # worker 0 made the directory
         stats["published"] = _as(sharded.save_model(model, output, rank=rank, world_size=world_size, barrier=barrier, written=written,
-                                                     parallel=config.parallel_write, dtype=_published(policy, config), delta=base))
-        optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
-                                     written=written, parallel=config.parallel_write)
+                                                     parallel=config.parallel_write, dtype=_published(policy, config), delta=base,
+                                                     state=config.write_state))
+        if config.write_state:
+            optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
+                                         written=written, parallel=config.parallel_write)
         if rank == 0:
             _save_configs(model, output, policy.served_dtype)
     elif rank == 0:
-        stats["published"] = _as(sharded.save_whole(model, output, written, dtype=_published(policy, config), delta=base))
+        stats["published"] = _as(sharded.save_whole(model, output, written, dtype=_published(policy, config), delta=base,
+                                                    state=config.write_state))
         _save_configs(model, output, policy.served_dtype)
-        optimizer_state.save(optimizer, model, output, written)
+        if config.write_state:
+            optimizer_state.save(optimizer, model, output, written)
     written.record()
     if rank == 0:
         if not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)
@@ -74,6 +78,7 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
         stats["checkpoint_bytes"] = sum(p.stat().st_size for p in files)
         # the training state (the optimizer's, the fp32 master kept apart): what no engine reads
         stats["state_bytes"] = sum(p.stat().st_size for p in files if p.relative_to(output).parts[0] in (optimizer_state.DIRECTORY, MASTER_DIR))
+        stats["state"] = config.write_state
         if stats.get("published") == "delta":
             stats["delta_base"] = base.iteration
             stats["delta_bytes"] = sum(p.stat().st_size for p in files if p.parent == output and p.name.startswith(f"{deltas.PREFIX}-"))

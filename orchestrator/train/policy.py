@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import checkpoints
-from orchestrator.checkpoints import manifest, optimizer_state, sharded
+from orchestrator.checkpoints import deltas, manifest, optimizer_state, sharded
 from orchestrator.train import lora, parallel, precision
 from orchestrator.train.errors import BadTrainInput, TrainerError
 from orchestrator.train.rendezvous import Rendezvous
@@ -58,6 +58,9 @@ def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: Tr
                                                      dtype=dtype).eval()
         _check_master(model, master)
     else:
+        if deltas.is_delta(path):
+            raise BadTrainInput(f"{path} holds no training state (checkpoint.state_every): its weights are a delta for the engines; "
+                                f"a trainer starts from a checkpoint with its state and trains the iterations after it again")
         model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=dtype).eval()
     if lora_from is not None:
         model = lora.attach(model, lora_from).eval()
@@ -107,7 +110,12 @@ class Policy:
         self.offloaded = False
 
     def load(self, config: TrainRequest) -> str:
-        """Make the model and optimizer those of ``config.init_checkpoint``; returns how."""
+        """Make the model and optimizer those of ``config.init_checkpoint``; returns how:
+        ``memory``, ``checkpoint``, or ``state`` when the init checkpoint holds no training
+        state and the one the replay starts from was loaded instead (``config.replay``: the
+        caller trains those iterations again)."""
+        import dataclasses
+
         import torch
 
         setup = Setup.of(config)
@@ -116,6 +124,12 @@ class Policy:
             self.continued_from = int(max((s["step"].item() for s in self.optimizer.state.values()), default=0)) or None
             return "memory"
         from transformers import AutoTokenizer
+
+        how = "checkpoint"
+        if config.replay:  # the state of the iteration before the first replayed, then the replay makes init's
+            config = dataclasses.replace(config, init_checkpoint=config.replay_from, init_iteration=config.replay_from_iteration,
+                                         seed=config.replay[0].seed, replay=())
+            how = "state"
 
         self.model = self.optimizer = None
         if config.init_iteration is not None:  # a checkpoint of the run, read whole here: checked first (the base has no manifest)
@@ -140,7 +154,7 @@ class Policy:
         except ValueError as e:
             raise BadTrainInput(str(e)) from None
         self.offloaded = False
-        return "checkpoint"
+        return how
 
     def reference(self, config: TrainRequest):
         """The KL reference model, loaded once per path, sharded as the policy is (no gradients,

@@ -25,6 +25,15 @@ log = logging.getLogger(__name__)
 SECTIONS = {"rl": UpdateSettings, "train": TrainerSettings}
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayStep:
+    """An iteration trained again from its durable aggregate, as it was trained the first time."""
+
+    iteration: Annotated[int, msgspec.Meta(ge=1)]
+    data: Path
+    seed: int
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainRequest:
     """Built by ``from_json`` or ``read``, which check every field's type and bounds (msgspec)."""
@@ -47,6 +56,18 @@ class TrainRequest:
     publish_dtype: Annotated[str, msgspec.Meta(pattern=r"\A(?:auto|bfloat16|float16|float32)\Z")] = "auto"
     """The dtype of the weights written for the engines (auto: the dtype they serve, the init
     checkpoint's); other than the master's, the fp32 master goes to ``master/`` beside them."""
+    write_state: bool = True
+    """Write the training state (the fp32 master weights, when the published ones are not
+    they, and the optimizer state) into the checkpoint; without it the checkpoint holds the
+    published weights only (checkpoint.state_every)."""
+    replay: tuple[ReplayStep, ...] = ()
+    """When ``init_checkpoint`` holds no training state: the iterations after ``replay_from``
+    up to ``init_iteration``, trained again (in order) by a trainer that does not hold
+    ``init_iteration`` in memory, to reach the state the init checkpoint would have held."""
+    replay_from: Path | None = None
+    """The checkpoint with the state the replay starts from (or the base model's directory)."""
+    replay_from_iteration: int | None = None
+    """Its iteration (None: the base model)."""
     publish_delta: bool = False
     """Write the weights as a delta against the init checkpoint's where that is smaller
     (checkpoints/deltas.py); whole every ``publish_full_every`` iterations."""

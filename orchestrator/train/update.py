@@ -5,6 +5,7 @@ the ``done`` answer carries: the stats, the seconds of each part and the memory 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -34,47 +35,31 @@ def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, 
     worker 0, or by every worker's shard with FSDP). Returns (stats, seconds per part,
     memory); the stats are complete on worker 0. ``started``: when this update began
     (monotonic)."""
-    import torch
-
-    rdv = policy.rdv
     lap = _Laps()
     records = read_records(config.data)
     kept = trained_records(records, config)
     source = policy.load(config)
-    torch.manual_seed(config.seed)  # after loading, which may draw from it: memory and checkpoint alike
-    policy.holds = None  # from here until the update is complete, memory holds no known iteration
-    for group in policy.optimizer.param_groups:
-        group["lr"] = config.rl.lr
+    lap("load")
+    replayed = None
+    if source == "state":  # the init checkpoint holds no training state: train the iterations since the last one again
+        first, last = config.replay[0].iteration, config.replay[-1].iteration
+        log.info("rank %d: replaying iterations %d..%d from their aggregates (the state of %s) to reach iteration %d's state",
+                 policy.rdv.rank, first, last, f"iteration {config.replay_from_iteration}" if config.replay_from_iteration else "the base model",
+                 config.init_iteration)
+        for step in config.replay:
+            again = dataclasses.replace(config, iteration=step.iteration, data=step.data, seed=step.seed, init_iteration=step.iteration - 1,
+                                        replay=())
+            again_records = read_records(again.data)
+            _train(policy, again, again_records, trained_records(again_records, again), "memory")
+            policy.holds = step.iteration
+        source, replayed = f"replayed {first}..{last}", [first, last]
+        lap("replay")
     base = checkpoint_writer.delta_base(policy, config)  # the version this one may be published as a delta against
     lap("load")
-    if kept:
-        batches, lengths = prepare(policy, config, kept)
-        steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.rl.micro_batch,
-                                 budget=config.train.micro_batch_tokens, seed=config.seed, epochs=config.rl.epochs)
-        lap("prepare")
-        sync = parallel.Sync(policy.model, strategy=config.train.strategy, device=policy.device)
-        log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if policy.continued_from is None else
-                 f"optimizer continued from step {policy.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
-        log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s compute, %s master weights and optimizer state%s "
-                 "(served in %s)%s", rdv.rank, len(kept), config.rl.epochs, len(steps[0]), config.rl.micro_batch, config.train.strategy,
-                 config.train.mixed_precision, precision.MASTER, _frozen(policy), policy.served_dtype,
-                 ", activation checkpointing" if config.train.activation_checkpointing else "")
-        if config.train.lora_dropout:
-            lora.dropout(policy.model, True)  # in the steps' forward passes only
-        try:
-            per_step, memory = _optimizer_steps(policy, config, batches, steps, sync)
-        finally:
-            if config.train.lora_dropout:
-                lora.dropout(policy.model, False)
-        del sync
-        lap("steps")
-    else:  # every worker reads the same records, so every worker takes this branch alike
-        log.warning("iteration %d: none of the %d groups has rewards that vary, and rl.filter_groups leaves them all out: "
-                    "the policy and optimizer stay as they are", config.iteration, len(records))
-        batches, lengths, steps, memory = None, None, [[]], {}
-        per_step = {key: [] for key in _PER_STEP}
-
+    batches, lengths, steps, per_step, memory = _train(policy, config, records, kept, source, lap)
     stats = _stats(policy, config, records, kept, lengths, steps, source, per_step)
+    if replayed:
+        stats["replayed"] = replayed
     stats |= _options(config)
     if config.correction != "none":
         stats |= {"is_correction": config.correction, "is_cap": config.rl.is_cap,
@@ -88,6 +73,45 @@ def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, 
         lap("offload")
     memory["peak_rss_bytes"] = _peak_rss_bytes()
     return stats, lap.seconds, memory
+
+
+def _train(policy: Policy, config: TrainRequest, records: list[grpo.Record], kept: list[grpo.Record], source: str,
+           lap=lambda part: None):
+    """The update of ``config.iteration`` on the policy in memory (loaded): seeded, the
+    log-probs computed, the optimizer steps made. Returns (batches, lengths, steps, each
+    step's figures, memory); an update with nothing to train leaves the policy as it is."""
+    import torch
+
+    rdv = policy.rdv
+    torch.manual_seed(config.seed)  # after loading, which may draw from it: memory and checkpoint alike
+    policy.holds = None  # from here until the update is complete, memory holds no known iteration
+    for group in policy.optimizer.param_groups:
+        group["lr"] = config.rl.lr
+    if not kept:  # every worker reads the same records, so every worker takes this branch alike
+        log.warning("iteration %d: none of the %d groups has rewards that vary, and rl.filter_groups leaves them all out: "
+                    "the policy and optimizer stay as they are", config.iteration, len(records))
+        return None, None, [[]], {key: [] for key in _PER_STEP}, {}
+    batches, lengths = prepare(policy, config, kept)
+    steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.rl.micro_batch,
+                             budget=config.train.micro_batch_tokens, seed=config.seed, epochs=config.rl.epochs)
+    lap("prepare")
+    sync = parallel.Sync(policy.model, strategy=config.train.strategy, device=policy.device)
+    log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if policy.continued_from is None else
+             f"optimizer continued from step {policy.continued_from}", "in memory" if source == "memory" else f"loaded from {config.init_checkpoint}")
+    log.info("rank %d: %d records, %d epochs x %d steps of %d records; %s, %s compute, %s master weights and optimizer state%s "
+             "(served in %s)%s", rdv.rank, len(kept), config.rl.epochs, len(steps[0]), config.rl.micro_batch, config.train.strategy,
+             config.train.mixed_precision, precision.MASTER, _frozen(policy), policy.served_dtype,
+             ", activation checkpointing" if config.train.activation_checkpointing else "")
+    if config.train.lora_dropout:
+        lora.dropout(policy.model, True)  # in the steps' forward passes only
+    try:
+        per_step, memory = _optimizer_steps(policy, config, batches, steps, sync)
+    finally:
+        if config.train.lora_dropout:
+            lora.dropout(policy.model, False)
+    del sync
+    lap("steps")
+    return batches, lengths, steps, per_step, memory
 
 
 _PER_STEP = ("loss", "kl", "clip_fraction", "entropy", "grad_norm", "tokens", "micro_batches")

@@ -148,3 +148,12 @@ def test_retention_keeps_the_chain_a_kept_version_is_rebuilt_from():
     assert decision.keep[4] == ["chain of 5", "chain of 6"] and decision.keep[5] == ["keep_last=2", "chain of 6"]
     everything = retention.decide([1, 2, 3], current=3, keep_last=1, keep_every=0, consumers={}, bases={2: 1, 3: 2})
     assert everything.remove == [] and everything.keep[1] == ["chain of 3"]
+
+
+def test_retention_keeps_the_newest_state_a_trainer_replays_from():
+    decision = retention.decide([3, 4, 5, 6, 7], current=7, keep_last=2, keep_every=0, consumers={}, states=[3, 6])
+    assert decision.remove == [3, 4, 5] and decision.keep[6] == ["keep_last=2"]
+    decision = retention.decide([3, 4, 5, 6, 7, 8], current=8, keep_last=2, keep_every=0, consumers={}, states=[3, 6, 8])
+    assert decision.remove == [3, 4, 5, 6]
+    decision = retention.decide([3, 4, 5, 6, 7, 8], current=8, keep_last=1, keep_every=0, consumers={}, states=[3, 6])
+    assert decision.remove == [3, 4, 5, 7] and decision.keep[6] == ["state to replay from"]

@@ -22,7 +22,7 @@ from orchestrator.plugins import environments, rewards
 from orchestrator.config import RunConfig
 from orchestrator import checkpoints
 from orchestrator.checkpoints import node_copy, retention, store
-from orchestrator.data import prompts, resample
+from orchestrator.data import prompts, resample, shards
 from orchestrator.engine.client import EngineClient
 from orchestrator.node.procs import Children
 from orchestrator.protocol.layout import RunLayout
@@ -331,6 +331,9 @@ class RLWorkload:
         done = self.trainers.update(step)
         for worker, record in sorted(done.items()):
             stats = record.get("stats") or {}
+            if stats.get("replayed"):
+                ctx.log.info("train worker %d replayed iterations %d..%d from their aggregates before iteration %d's update",
+                             worker, *stats["replayed"], ctx.iteration)
             written = stats.get("checkpoint_bytes")  # worker 0's: the whole checkpoint
             for part, seconds in record["timing"].items():
                 extra = {"bytes": written, "bytes_state": stats.get("state_bytes") or 0} if part == "checkpoint" and written else {}
@@ -363,6 +366,39 @@ class RLWorkload:
             rendezvous=lambda: trainer_address.publish_or_read(ctx), cancel=ctx.cancel, timeout_s=self.rl.train_timeout_s,
             peer_verdict_s=run.verdict_s, training=lambda: run.position()[1] is Phase.TRAIN)
 
+    def _writes_state(self, ctx: PhaseContext) -> bool:
+        """Whether this iteration's checkpoint holds the training state: every
+        ``checkpoint.state_every`` iterations, at the last, when a stop was asked for, and
+        always when no trainer is kept between iterations (each would replay otherwise)."""
+        cfg = self.config
+        last = cfg.max_iterations is not None and ctx.iteration >= cfg.max_iterations
+        return (ctx.iteration % cfg.checkpoint.state_every == 0 or last or not cfg.train.keep_alive
+                or ctx.run.attempt.stop.exists())
+
+    def _replay(self, ctx: PhaseContext, plan: TrainingPlan) -> dict:
+        """The request's replay, when the checkpoint the update starts from holds no training
+        state (checkpoint.state_every): the last checkpoint before it that does (or the base
+        model) and the iterations after it, each trained again from its durable aggregate by
+        a trainer that does not hold the init in memory. Nothing when there is no need."""
+        if not plan.init or checkpoints.has_state(self.layout.root / plan.init):
+            return {}
+        start = plan.init_iteration - 1
+        while start > 0 and not checkpoints.has_state(self.layout.checkpoint(start)):
+            start -= 1
+        steps = []
+        for j in range(start + 1, plan.init_iteration + 1):
+            data = self.layout.iteration(j).aggregate("train")
+            if shards.sealed(data) is None:
+                raise checkpoints.CheckpointCorrupt(
+                    f"iteration {plan.init_iteration}'s checkpoint holds no training state and iteration {j}'s train aggregate "
+                    f"{data} is not there to train it again: restore it, or start a new --log-path")
+            steps.append({"iteration": j, "data": str(data), "seed": self.config.seed + j})
+        source = store.Checkpoint(self.layout.checkpoint(start), start) if start else store.Checkpoint(self.config.model_path, 0)
+        ctx.log.info("iteration %d's update starts from iteration %d, whose checkpoint holds no training state: a trainer that does "
+                     "not hold it in memory replays iterations %d..%d from their aggregates, from %s", ctx.iteration,
+                     plan.init_iteration, start + 1, plan.init_iteration, f"iteration {start}'s state" if start else "the base model")
+        return {"replay": steps, "replay_from": str(source.path), "replay_from_iteration": start or None}
+
     def _publish_dtype(self) -> str:
         """publish.dtype as the trainer takes it: a torch dtype's name, or auto (the dtype the
         engines serve: vLLM's rollout.dtype when it names one, else the checkpoint's own, which
@@ -386,6 +422,8 @@ class RLWorkload:
             "seed": self.config.seed + ctx.iteration,
             "base_model": str(self.config.model_path) if self.config.train.lora_rank else None,
             "publish_dtype": self._publish_dtype(),
+            "write_state": self._writes_state(ctx),
+            **self._replay(ctx, plan),
             "publish_delta": self.config.publish.delta,
             "publish_full_every": self.config.publish.full_every,
             "rl": {**_section(self.rl, UpdateSettings), "is_correction": self.rl.correction},
