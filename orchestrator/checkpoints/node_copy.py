@@ -62,9 +62,11 @@ class NodeCopies:
         self.last: Built | None = None
         self._read = 0
 
-    def get(self, checkpoint: Checkpoint) -> Path:
+    def get(self, checkpoint: Checkpoint, before_place=None) -> Path:
         """The node-local directory of ``checkpoint`` (a version the run published), rebuilt
-        when the node does not hold it. Raises CheckpointCorrupt naming the file at fault."""
+        when the node does not hold it. Raises CheckpointCorrupt naming the file at fault.
+        ``before_place()`` runs once it is built, before it is renamed into place (a test's
+        fault point)."""
         if self.held is not None and self.held[0] == checkpoint.iteration:
             return self.held[1]
         began, target = time.monotonic(), checkpoint.iteration
@@ -81,6 +83,8 @@ class NodeCopies:
                 failures.append(f"{how}: {e}")
                 log.warning("could not rebuild iteration %d's weights %s (%s); trying the next way", target, how, e)
                 continue
+            if before_place is not None:
+                before_place()
             final = self.root / f"iter-{target}"
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)

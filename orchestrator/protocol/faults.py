@@ -17,6 +17,13 @@
   6) is durable, before the rest: a rank caught part-way through its rollout.
 - ``hold-after-round-batch``: the same, in a resample round of rl.filter_groups (phase 1): once
   the rank's first batch of that round's records is durable.
+- ``hold-in-rebuild``: the same, inside a rank's rebuild of a version for its engines
+  (publish.delta, checkpoints/node_copy.py) in that phase: built, not yet renamed into place.
+- ``hold-in-delta`` (a train worker, phase 10): once the worker's part of the checkpoint is
+  written (its weights a delta), before the stats and the final barrier: the checkpoint is
+  still a staging directory.
+- ``hold-in-replay`` (a train worker, phase 10): once the first iteration it replays is
+  trained again (checkpoint.state_every), before the next.
 - ``raise``: raise an exception inside that phase's work.
 
 Each fires once per process: a rank that starts an attempt again (a master that takes its
@@ -32,7 +39,8 @@ from dataclasses import dataclass
 
 ENV = "ORCHESTRATOR_FAULT"
 HOLD_LIMIT_S = 300.0
-ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-before-steal", "hold-in-steal", "hold-after-steal", "hold-after-batch", "hold-after-round-batch", "raise")
+ACTIONS = ("hold", "hold-after-arrive", "hold-in-removal", "hold-before-steal", "hold-in-steal", "hold-after-steal", "hold-after-batch",
+           "hold-after-round-batch", "hold-in-rebuild", "hold-in-delta", "hold-in-replay", "raise")
 
 
 class InjectedFault(RuntimeError):
@@ -47,6 +55,17 @@ class Fault:
 
     def at(self, action: str, iteration: int, phase: int) -> bool:
         return (self.action, self.iteration, self.phase) == (action, iteration, phase)
+
+
+def hold_in_child(action: str, iteration: int, phase: int, log) -> None:
+    """In a process a rank started (a train worker): hold here, at most ``HOLD_LIMIT_S``, when
+    ``ORCHESTRATOR_FAULT`` (inherited) names this point, saying so in its log."""
+    fault = from_env()
+    if fault is not None and fault.at(action, iteration, phase):
+        import time
+
+        log.warning("fault injection: holding at %s of iteration %d", action, iteration)
+        time.sleep(HOLD_LIMIT_S)
 
 
 def from_env(environ=os.environ) -> Fault | None:

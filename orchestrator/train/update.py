@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import time
 
+from orchestrator.protocol import faults
 from orchestrator.train import checkpoint_writer, grpo, lora, parallel, plan, precision
 from orchestrator.train.batches import Batches, prepare, read_records, trained_records
 from orchestrator.train.policy import Policy
@@ -52,6 +53,7 @@ def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, 
             again_records = read_records(again.data)
             _train(policy, again, again_records, trained_records(again_records, again), "memory")
             policy.holds = step.iteration
+            faults.hold_in_child("hold-in-replay", config.iteration, checkpoint_writer.TRAIN_PHASE, log)
         source, replayed = f"replayed {first}..{last}", [first, last]
         lap("replay")
     base = checkpoint_writer.delta_base(policy, config)  # the version this one may be published as a delta against

@@ -135,7 +135,7 @@ class RLWorkload:
 
     # -- engine ------------------------------------------------------------------------------
 
-    def verified(self, policy: store.Checkpoint, timing=None) -> Path:
+    def verified(self, policy: store.Checkpoint, timing=None, fault=None) -> Path:
         """The directory the engines load ``policy`` from: with ``publish.delta`` the node-local
         copy, rebuilt and checked (checkpoints/node_copy.py); otherwise the checkpoint itself,
         its weights checked against its manifest (the base model has none). This rank's
@@ -146,7 +146,7 @@ class RLWorkload:
         self._consumed(policy, None)
         copies = self._node_copies()
         before = copies.last
-        path = copies.get(policy)
+        path = copies.get(policy, fault)
         if timing is not None and copies.last is not before:
             timing("engine.rebuild", copies.last.seconds, bytes=copies.last.bytes_read)
         return path
@@ -185,7 +185,8 @@ class RLWorkload:
         shared = sorted(self.trainers.gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
         if shared:  # kept-alive trainers offloaded their state after training: check that the memory is back
             wait_memory_released(shared, self.config.rollout, ctx.cancel)
-        self.clients = engines.ensure(self.verified(ctx.policy, ctx.run.timing), ctx.cancel, timing=ctx.run.timing)
+        fault = functools.partial(ctx.run.fault_point, "hold-in-rebuild", ctx.iteration, ctx.phase)
+        self.clients = engines.ensure(self.verified(ctx.policy, ctx.run.timing, fault), ctx.cancel, timing=ctx.run.timing)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
         """Phase 7: free the GPUs training shares with the engines (colocated); disaggregated
