@@ -16,9 +16,11 @@ In a checkpoint directory a delta replaces the weights at the top level (``model
 - ``delta.json`` (this module's ``INDEX``), written last by worker 0: the format, the base
   version's iteration, the dtype, the full weights' bytes, and which file holds each tensor.
 
-A version without ``delta.json`` holds its weights whole (a full copy: the first version,
-every ``publish.full_every`` iterations, and whenever a delta would not be smaller). The
-versions from the last full copy up to a version are its chain (:func:`chain`).
+A version without ``delta.json`` holds its weights whole; so does a version written whole on
+purpose (the first, every ``publish.full_every`` iterations), which holds the delta besides
+when one can be made, so that a node holding the version before still reads only the delta;
+and one whose delta would not be smaller holds only the full copy. The versions from the last
+full copy up to a version are its chain.
 """
 
 from __future__ import annotations
@@ -99,7 +101,18 @@ def write_index(directory: Path, weight_map: dict[str, str], *, base: int, dtype
 
 
 def is_delta(directory: Path) -> bool:
+    """Whether a checkpoint's weights are published as a delta (maybe besides a full copy)."""
     return (Path(directory) / INDEX).is_file()
+
+
+def is_whole(directory: Path) -> bool:
+    """Whether a checkpoint holds its published weights whole (``model*.safetensors``)."""
+    return any(Path(directory).glob("model*.safetensors"))
+
+
+def needs_base(directory: Path) -> bool:
+    """Whether a checkpoint's weights exist only as a delta: rebuilding them needs its chain."""
+    return is_delta(directory) and not is_whole(directory)
 
 
 class DeltaError(ValueError):

@@ -78,7 +78,7 @@ def export(log_path: Path, iteration: int | None, out: Path, base: Path | None =
                            f"here: give the base model with --base-model")
     master = not adapter and checkpoints.master_dir(source) is not None
     checkpoints.verify(source, checkpoints.ALL if master else checkpoints.WEIGHTS)  # what an export reads
-    rebuilt = not master and deltas.is_delta(source)  # only the published weights, as a delta: rebuilt from its chain
+    rebuilt = not master and deltas.needs_base(source)  # only the published weights, as a delta: rebuilt from its chain
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:

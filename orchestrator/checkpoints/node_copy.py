@@ -69,6 +69,8 @@ class NodeCopies:
         fault point)."""
         if self.held is not None and self.held[0] == checkpoint.iteration:
             return self.held[1]
+        if checkpoint.is_base:
+            return self._hold_base(checkpoint.path)
         began, target = time.monotonic(), checkpoint.iteration
         failures = []
         for how, build in self._ways(target):
@@ -105,55 +107,80 @@ class NodeCopies:
 
     def _ways(self, target: int):
         """(how, build) in the order they are tried; ``build(staging)`` writes the version there."""
-        chain = self._chain(target)
-        if self.held is not None and self.held[0] in chain[:-1]:
+        source = self.layout.checkpoint(target)
+        if self.held is not None:
             held, path = self.held
-            after = chain[chain.index(held) + 1:]
-            yield (f"from iteration {held}, which it held, and {len(after)} delta(s)",
-                   lambda staging: self._apply(staging, sharded.read_all(path), after))
-        if not deltas.is_delta(self.layout.checkpoint(chain[0])):
-            yield (f"from the full copy of iteration {chain[0]}" + (f" and {len(chain) - 1} delta(s)" if len(chain) > 1 else ""),
-                   lambda staging: self._from_full(staging, chain))
-        if len(chain) > 1 and (self.layout.checkpoint(target) / MASTER_DIR).is_dir():
+            chain = self._chain(target, held)
+            if held in chain[:-1]:
+                after = chain[chain.index(held) + 1:]
+                yield (f"from iteration {held}, which it held, and {len(after)} delta(s)",
+                       lambda staging: self._apply(staging, sharded.read_all(path), after, source))
+        chain = self._chain(target, None)  # read only when the node held nothing to move from, or that failed
+        full = next((v for v in reversed(chain) if v and deltas.is_whole(self.layout.checkpoint(v))), None)
+        if full is not None:
+            after = chain[chain.index(full) + 1:]
+            yield (f"from the full copy of iteration {full}" + (f" and {len(after)} delta(s)" if after else ""),
+                   lambda staging: self._from_full(staging, full, after, source))
+        if full != target and (source / MASTER_DIR).is_dir():
             yield f"from iteration {target}'s master weights", lambda staging: self._from_master(staging, target)
 
-    def _chain(self, target: int) -> list[int]:
-        """The versions from the last full copy up to ``target``, oldest first (as far back as
-        they can be found: a missing one ends the chain, and the full-copy way then fails)."""
+    def _chain(self, target: int, held: int | None) -> list[int]:
+        """The versions ``target`` is rebuilt along, oldest first: back along each delta's base
+        to ``held`` (the version the node holds) or to the newest full copy, whichever comes
+        first (as far as they can be found: a missing one ends it, and the ways that need it
+        then fail). The base model (0) is followed only to a node that holds it."""
         chain = [target]
-        while True:
+        while chain[0] != held or len(chain) == 1:
             directory = self.layout.checkpoint(chain[0])
-            if not deltas.is_delta(directory):
+            whole = deltas.is_whole(directory)
+            if (whole and len(chain) > 1) or not deltas.is_delta(directory):
                 return chain
             try:
                 base = deltas.read_index(directory, self._read_checked(directory, deltas.INDEX))["base"]
             except (CheckpointCorrupt, deltas.DeltaError) as e:
                 log.warning("%s", e)
                 return chain
-            if base in chain or not self.layout.checkpoint(base).is_dir():
+            if base in chain or (whole and base != held) or (base == 0 and held != 0) or \
+                    (base and not self.layout.checkpoint(base).is_dir()):
                 return chain
             chain.insert(0, base)
+        return chain
 
-    def _from_full(self, staging: Path, chain: list[int]) -> None:
-        full = self.layout.checkpoint(chain[0])
-        scratch = self.root / f".full-{chain[0]}"
+    def _hold_base(self, base: Path) -> Path:
+        """The base model copied as it is into the node's directory (no manifest: the user's),
+        so that the first version's delta applies to the bits the engines serve."""
+        began, self._read = time.monotonic(), 0
+        staging = self.root / ".building-0"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        for p in sorted(Path(base).iterdir()):
+            if p.is_file() and not p.name.startswith("."):
+                self._read += sums.copy_file(p, staging / p.name).size
+        final = self.root / "iter-0"
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+        self._retire(keep=final)
+        self.held = (0, final)
+        self.last = Built(final, f"copied from the base model {base}", self._read, round(time.monotonic() - began, 4))
+        return final
+
+    def _from_full(self, staging: Path, full: int, after: list[int], source: Path) -> None:
+        scratch = self.root / f".full-{full}"
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir()
         try:
-            self._copy_weights(full, scratch)
+            self._copy_weights(self.layout.checkpoint(full), scratch)
             tensors = sharded.read_all(scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        self._apply(staging, tensors, chain)
+        self._apply(staging, tensors, after, source)
 
-    def _apply(self, staging: Path, tensors: dict, versions: list[int]) -> None:
-        """``tensors`` (of the version before ``versions``, or of its first when that is a
-        full copy) moved through the deltas of ``versions`` (each checked), written as the last
-        one (one file, whatever the shards it came from), with its small files."""
+    def _apply(self, staging: Path, tensors: dict, versions: list[int], source: Path) -> None:
+        """``tensors`` moved through the deltas of ``versions`` (each checked), written as
+        ``source``'s version (one file, whatever the shards it came from), with its small files."""
         for version in versions:
-            if deltas.is_delta(self.layout.checkpoint(version)):
-                tensors = self._delta(self.layout.checkpoint(version), tensors)
-        self._write(staging, tensors, self.layout.checkpoint(versions[-1]))
+            tensors = self._delta(self.layout.checkpoint(version), tensors)
+        self._write(staging, tensors, source)
 
     def _delta(self, directory: Path, tensors: dict) -> dict:
         index = deltas.read_index(directory, self._read_checked(directory, deltas.INDEX))
@@ -192,7 +219,7 @@ class NodeCopies:
         """A full copy's weights (one file, or shards and their index), each checked against
         the manifest as it is copied."""
         for p in sorted(directory.iterdir()):
-            if p.is_file() and (p.name.endswith(".safetensors") or p.name == sharded.WEIGHTS_INDEX):
+            if p.is_file() and ((p.name.startswith("model") and p.name.endswith(".safetensors")) or p.name == sharded.WEIGHTS_INDEX):
                 self._copy_checked(directory, p.name, into / p.name)
 
     def _copy_small(self, directory: Path, into: Path) -> None:

@@ -111,7 +111,7 @@ def prune(layout: RunLayout, current: Checkpoint, keep_last: int, keep_every: in
         return []
     present = [i for i in map(checkpoint_iteration, names) if i is not None]
     try:
-        bases = {i: b for i in present if (b := deltas.base_of(layout.checkpoint(i))) is not None}
+        bases = {i: deltas.base_of(layout.checkpoint(i)) for i in present if deltas.needs_base(layout.checkpoint(i))}
     except deltas.DeltaError as e:
         log.warning("%s: no checkpoint is removed this time (the chain it belongs to is not known)", e)
         return []

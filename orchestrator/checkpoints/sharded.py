@@ -110,6 +110,9 @@ class DeltaBase:
     tensors: dict
     iteration: int
     smaller: Callable[[int, int], bool]
+    also_full: bool = False
+    """Write the weights whole as well (the first version, every publish.full_every): a node
+    that holds the version before reads the delta, one that holds none the full copy."""
 
 
 def owned(model, *, rank: int, world_size: int, parallel: bool, dtype=None) -> dict:
@@ -133,12 +136,12 @@ def save_model(model, output: Path, *, rank: int, world_size: int, barrier, writ
     named = model_tensors(model)
     owner_of = owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
     mine = gather(named, owner_of, rank)
-    as_delta, master = _write(mine, output, owner_of, rank, written, dtype, delta, state=state)
+    as_delta, full, master = _write(mine, output, owner_of, rank, written, dtype, delta, state=state)
     del mine
     barrier()
     if rank == 0:
         total = sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for _, t in named)
-        _indexes(output, owner_of, total, written, dtype, delta if as_delta else None,
+        _indexes(output, owner_of, total, written, dtype, delta if as_delta else None, full=full,
                  master_total=sum(t.numel() * t.element_size() for _, t in named) if master else 0)
     return as_delta
 
@@ -151,18 +154,18 @@ def save_whole(model, output: Path, written: Sums, *, dtype=None, delta: DeltaBa
     was written."""
     tensors = {name: t.detach() for name, t in model_tensors(model)}
     owner_of = dict.fromkeys(tensors, 0)
-    as_delta, _ = _write(tensors, output, owner_of, 0, written, dtype, delta, whole=True, state=state)
+    as_delta, _, _ = _write(tensors, output, owner_of, 0, written, dtype, delta, whole=True, state=state)
     if as_delta:
         total = sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for t in tensors.values())
-        _indexes(output, owner_of, total, written, dtype, delta, master_total=None)
+        _indexes(output, owner_of, total, written, dtype, delta, full=False, master_total=None)
     return as_delta
 
 
 def _write(mine: dict, output: Path, owner_of: dict[str, int], rank: int, written: Sums, dtype, delta: DeltaBase | None,
-           whole: bool = False, state: bool = True) -> tuple[bool, bool]:
-    """This worker's tensors written: published (whole, or as a delta when that is smaller)
-    and, where the published ones are not the master, the master. Returns (delta written,
-    master written)."""
+           whole: bool = False, state: bool = True) -> tuple[bool, bool, bool]:
+    """This worker's tensors written: published (whole, or as a delta when that is smaller,
+    or both when ``delta.also_full``) and, where the published ones are not the master, the
+    master. Returns (delta written, whole written, master written)."""
     from orchestrator.checkpoints import deltas
 
     published = _cast(mine, dtype)
@@ -170,20 +173,20 @@ def _write(mine: dict, output: Path, owner_of: dict[str, int], rank: int, writte
     if delta is not None:
         encoded = deltas.encode(published, delta.tensors) if published else deltas.Encoded()
         as_delta = delta.smaller(encoded.size, sum(full_size(t) for t in published.values()))
-    if as_delta:
-        if encoded.frames:
-            deltas.write_file(output / file_names(owner_of, deltas.PREFIX)[rank], encoded, delta.iteration, written)
-    elif published:
+    full = not as_delta or delta.also_full
+    if as_delta and encoded.frames:
+        deltas.write_file(output / file_names(owner_of, deltas.PREFIX)[rank], encoded, delta.iteration, written)
+    if full and published:
         write_file(published, output / ("model.safetensors" if whole else file_names(owner_of, "model")[rank]), {"format": "pt"}, written)
-    master = (dtype is not None or as_delta) and state
+    master = (dtype is not None or not full) and state
     if master and mine:
         (output / MASTER_DIR).mkdir(exist_ok=True)
         write_file(mine, output / MASTER_DIR / ("model.safetensors" if whole else file_names(owner_of, "model")[rank]),
                    {"format": "pt"}, written)
-    return as_delta, master
+    return as_delta, full, master
 
 
-def _indexes(output: Path, owner_of: dict[str, int], total: int, written: Sums, dtype, delta: DeltaBase | None, *,
+def _indexes(output: Path, owner_of: dict[str, int], total: int, written: Sums, dtype, delta: DeltaBase | None, *, full: bool,
              master_total: int | None) -> None:
     """Worker 0, once every worker's file is in place: the published weights' index (the
     delta's, or the shards' when ``master_total`` is given: a sharded model), and the
@@ -194,7 +197,7 @@ def _indexes(output: Path, owner_of: dict[str, int], total: int, written: Sums, 
         names = file_names(owner_of, deltas.PREFIX)
         deltas.write_index(output, {n: names[w] for n, w in owner_of.items()}, base=delta.iteration,
                            dtype=str(dtype or "float32").removeprefix("torch."), total_size=total, written=written)
-    elif master_total is not None:
+    if full and master_total is not None:
         write_index(output / WEIGHTS_INDEX, owner_of, file_names(owner_of, "model"), total, written)
     if master_total:
         (output / MASTER_DIR).mkdir(exist_ok=True)

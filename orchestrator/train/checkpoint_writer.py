@@ -60,7 +60,7 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
         barrier()  # worker 0 made the directory
         stats["published"] = _as(sharded.save_model(model, output, rank=rank, world_size=world_size, barrier=barrier, written=written,
                                                      parallel=config.parallel_write, dtype=_published(policy, config), delta=base,
-                                                     state=config.write_state))
+                                                     state=config.write_state), base)
         if config.write_state:
             optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
                                          written=written, parallel=config.parallel_write)
@@ -68,12 +68,12 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
             _save_configs(model, output, policy.served_dtype)
     elif rank == 0:
         stats["published"] = _as(sharded.save_whole(model, output, written, dtype=_published(policy, config), delta=base,
-                                                    state=config.write_state))
+                                                    state=config.write_state), base)
         _save_configs(model, output, policy.served_dtype)
         if config.write_state:
             optimizer_state.save(optimizer, model, output, written)
     written.record()
-    if stats.get("published") == "delta":
+    if "delta" in stats.get("published", ""):
         faults.hold_in_child("hold-in-delta", config.iteration, TRAIN_PHASE, log)
     if rank == 0:
         if not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)
@@ -83,7 +83,7 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
         # the training state (the optimizer's, the fp32 master kept apart): what no engine reads
         stats["state_bytes"] = sum(p.stat().st_size for p in files if p.relative_to(output).parts[0] in (optimizer_state.DIRECTORY, MASTER_DIR))
         stats["state"] = config.write_state
-        if stats.get("published") == "delta":
+        if "delta" in stats.get("published", ""):
             stats["delta_base"] = base.iteration
             stats["delta_bytes"] = sum(p.stat().st_size for p in files if p.parent == output and p.name.startswith(f"{deltas.PREFIX}-"))
         stats["seconds"] = round(time.monotonic() - started, 3)
@@ -101,33 +101,39 @@ def _published(policy: Policy, config: TrainRequest):
     return None if name == precision.MASTER else getattr(torch, name)
 
 
-def _as(delta: bool) -> str:
-    return "delta" if delta else "full"
+def _as(delta: bool, base: sharded.DeltaBase | None) -> str:
+    """What ``train_stats.json`` says was published: ``full``, ``delta``, or ``full+delta``."""
+    return ("full+delta" if base.also_full else "delta") if delta else "full"
 
 
 def delta_base(policy: Policy, config: TrainRequest) -> sharded.DeltaBase | None:
     """Before the update: the published weights of the version it starts from (the init
-    checkpoint's, exactly: the master weights it holds, cast as they were published), which
-    this version's may be written as a delta against (``publish.delta``); None when it is
-    written whole: the first version, every ``publish.full_every`` iterations, with LoRA (an
-    adapter is megabytes), or after a version published in another dtype. Every worker calls
-    it (fsdp gathers)."""
-    if not config.publish_delta or policy.setup.lora or config.init_iteration is None or config.iteration % config.publish_full_every == 0:
+    checkpoint's, exactly: the master weights it holds, cast as they were published; the base
+    model's own bits when it is saved in the published dtype), which this version's may be
+    written as a delta against (``publish.delta``). The first version and every
+    ``publish.full_every``-th are written whole as well. None when there is nothing to write a
+    delta against: LoRA (an adapter is megabytes), a base in another dtype, or a version
+    before published in another. Every worker calls it (fsdp gathers)."""
+    if not config.publish_delta or policy.setup.lora:
         return None
-    try:
-        before = json.loads((config.init_checkpoint / STATS_FILE).read_bytes())
-    except (OSError, ValueError):
-        before = None
-    if not isinstance(before, dict) or before.get("published_dtype") != precision.published_dtype(policy.served_dtype, config.publish_dtype,
-                                                                                                 adapter=False):
+    published = precision.published_dtype(policy.served_dtype, config.publish_dtype, adapter=False)
+    if config.init_iteration is None:
+        before = precision.checkpoint_dtype(config.init_checkpoint)
+    else:
+        try:
+            before = json.loads((config.init_checkpoint / STATS_FILE).read_bytes()).get("published_dtype")
+        except (OSError, ValueError, AttributeError):
+            before = None
+    if before != published:
         return None
-    dtype = _published(policy, config)
     rank, world_size = policy.rdv.rank, policy.rdv.world_size
+    iteration = config.init_iteration or 0
+    also_full = iteration == 0 or config.iteration % config.publish_full_every == 0
     if not policy.setup.sharded and rank != 0:
-        return sharded.DeltaBase({}, config.init_iteration, lambda *_: False)  # ddp: worker 0 writes it all
+        return sharded.DeltaBase({}, iteration, lambda *_: False, also_full)  # ddp: worker 0 writes it all
     tensors = sharded.owned(policy.model, rank=rank, world_size=world_size, parallel=config.parallel_write and policy.setup.sharded,
-                            dtype=dtype)
-    return sharded.DeltaBase(tensors, config.init_iteration, _smaller(policy) if policy.setup.sharded else lambda d, f: d < f)
+                            dtype=_published(policy, config))
+    return sharded.DeltaBase(tensors, iteration, _smaller(policy) if policy.setup.sharded else lambda d, f: d < f, also_full)
 
 
 def _smaller(policy: Policy):

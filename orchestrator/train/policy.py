@@ -58,7 +58,7 @@ def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: Tr
                                                      dtype=dtype).eval()
         _check_master(model, master)
     else:
-        if deltas.is_delta(path):
+        if deltas.needs_base(path):
             raise BadTrainInput(f"{path} holds no training state (checkpoint.state_every): its weights are a delta for the engines; "
                                 f"a trainer starts from a checkpoint with its state and trains the iterations after it again")
         model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=dtype).eval()

@@ -94,9 +94,10 @@ def _expected_sum(layout: RunLayout, iteration: int, tmp_path) -> str:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_weights_published_as_deltas_reach_every_engine_bit_for_bit(demo_data, bf16_model, tmp_path, strategy):
-    """publish.delta: versions 2 and 4 as deltas, 1 and 3 whole (publish.full_every=3); every
-    engine serves each version's master cast to bf16, bit for bit; a move reads the delta
-    alone; export gives the master, or, its state gone, the version rebuilt from its chain."""
+    """publish.delta: versions 2 and 4 as deltas, 1 and 3 whole and as deltas besides (the
+    first against the bf16 base; publish.full_every=3); every engine serves each version's
+    master cast to bf16, bit for bit; a move reads the delta alone; export gives the master,
+    or, its state gone, the version rebuilt from its chain."""
     nodes = 1 if strategy == "ddp" else 2
     result = run_local(rl_flags(demo_data, tmp_path / "run", num_nodes=nodes, weights=",".join(["1"] * nodes), max_iterations=4,
                                 extra=[f"model.path={bf16_model}", "rl.lr=1e-5", "publish.delta=true", "publish.full_every=3",
@@ -104,12 +105,13 @@ def test_weights_published_as_deltas_reach_every_engine_bit_for_bit(demo_data, b
                                        f"rollout.local_cache={tmp_path / 'cache'}"]), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     layout = RunLayout(tmp_path / "run")
-    for i, published in ((1, "full"), (2, "delta"), (3, "full"), (4, "delta")):
+    for i, published in ((1, "full+delta"), (2, "delta"), (3, "full+delta"), (4, "delta")):
         stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
-        assert stats["published"] == published and stats.get("delta_base") == (i - 1 if published == "delta" else None), stats
-        files = sorted(p.name for p in layout.checkpoint(i).glob("*.safetensors"))
-        assert all(f.startswith("delta-" if published == "delta" else "model") for f in files) and len(files) == nodes, files
-        assert json.loads((layout.checkpoint(i) / checkpoints.MANIFEST).read_text())["body"].get("delta_base") == stats.get("delta_base")
+        assert stats["published"] == published and stats["delta_base"] == i - 1, stats
+        names = [p.name for p in layout.checkpoint(i).glob("*.safetensors")]
+        assert len([n for n in names if n.startswith("delta-")]) == nodes, names
+        assert len([n for n in names if n.startswith("model")]) == (nodes if "full" in published else 0), names
+        assert json.loads((layout.checkpoint(i) / checkpoints.MANIFEST).read_text())["body"].get("delta_base") == i - 1
     for rank in range(nodes):
         served = _served_sums(layout, rank)
         assert served == {i: _expected_sum(layout, i, tmp_path) for i in (1, 2, 3)}, "every engine served each master, cast, exactly"

@@ -35,12 +35,12 @@ def _step(model, lr: float, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * lr)
 
 
-def _publish(layout: RunLayout, model, iteration: int, base: dict | None) -> bool:
+def _publish(layout: RunLayout, model, iteration: int, base: dict | None, also_full: bool = False) -> bool:
     """Iteration ``iteration``'s checkpoint as the trainer writes it (bf16 weights, a delta
-    against ``base`` where smaller), sealed and renamed into place."""
+    against ``base`` where smaller, and whole too when ``also_full``), sealed and renamed into place."""
     staging = store.new_staging(layout, iteration, "a1", 0)
     written = sums.Sums(staging, "worker-0")
-    delta = sharded.DeltaBase(base, iteration - 1, lambda d, f: d < f) if base is not None else None
+    delta = sharded.DeltaBase(base, iteration - 1, lambda d, f: d < f, also_full) if base is not None else None
     as_delta = sharded.save_whole(model, staging, written, dtype=torch.bfloat16, delta=delta)
     written.record()
     (staging / "config.json").write_text(json.dumps({"model_type": "toy", "dtype": "bfloat16"}))
@@ -54,13 +54,14 @@ def _published(model) -> dict:
 
 @pytest.fixture
 def run(tmp_path):
-    """Four versions: 1 whole, 2..4 deltas, each at a small step; and the bf16 values of each."""
+    """Four versions: 1 whole, 2..4 deltas (3 whole too: publish.full_every), each at a small
+    step; and the bf16 values of each."""
     layout = RunLayout(tmp_path / "run")
     layout.checkpoints.mkdir(parents=True)
     model, values, before = _Model(), {}, None
     for i in (1, 2, 3, 4):
         _step(model, 1e-3, i)
-        assert _publish(layout, model, i, before) == (before is not None)
+        assert _publish(layout, model, i, before, also_full=i == 3) == (before is not None)
         values[i] = before = _published(model)
     return layout, values
 
@@ -97,6 +98,7 @@ def test_a_delta_rebuilds_its_version_bit_for_bit_and_is_small_after_a_small_ste
 def test_a_node_moves_by_the_new_delta_alone_and_rebuilds_from_the_full_copy_after_a_restart(run, tmp_path):
     layout, values = run
     assert not deltas.is_delta(layout.checkpoint(1)) and all(deltas.is_delta(layout.checkpoint(i)) for i in (2, 3, 4))
+    assert [deltas.needs_base(layout.checkpoint(i)) for i in (1, 2, 3, 4)] == [False, True, False, True]
     assert json.loads((layout.checkpoint(3) / "orchestrator.manifest.json").read_text())["body"]["delta_base"] == 2
     copies = NodeCopies(layout, tmp_path / "cache")
     for i in (1, 2, 3):
@@ -105,19 +107,20 @@ def test_a_node_moves_by_the_new_delta_alone_and_rebuilds_from_the_full_copy_aft
         assert path.parent == tmp_path / "cache" and (path / "config.json").is_file()
     delta_3 = sum(p.stat().st_size for p in layout.checkpoint(3).glob("delta*"))
     assert copies.last.how.startswith("from iteration 2, which it held")
-    assert copies.last.bytes_read < delta_3 + 200, "the move read the new delta (and the config), nothing older"
+    assert copies.last.bytes_read < delta_3 + 200, "the move read the new delta (and the config): not the full copy beside it"
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["iter-3"], "the versions the engines left are removed"
 
     restarted = NodeCopies(layout, tmp_path / "cache")
     assert not (tmp_path / "cache" / "iter-3").exists(), "a copy a crash left is not trusted"
     path = restarted.get(store.Checkpoint(layout.checkpoint(4), 4))
-    assert _equal(_served(path), values[4]) and restarted.last.how.startswith("from the full copy of iteration 1 and 3 delta(s)")
+    assert _equal(_served(path), values[4]) and restarted.last.how == "from the full copy of iteration 3 and 1 delta(s)"
+    assert restarted.last.bytes_read < (layout.checkpoint(3) / "model.safetensors").stat().st_size + 2 * delta_3
 
 
 @pytest.mark.parametrize("fault", ["flipped", "deleted"])
 def test_a_damaged_or_missing_delta_is_named_and_the_next_way_taken_until_none_is_left(run, tmp_path, caplog, fault):
     layout, values = run
-    victim = next(layout.checkpoint(3).glob("delta-*.safetensors"))
+    victim = next(layout.checkpoint(2).glob("delta-*.safetensors"))
     if fault == "flipped":
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0x01
@@ -125,21 +128,21 @@ def test_a_damaged_or_missing_delta_is_named_and_the_next_way_taken_until_none_i
     else:
         victim.unlink()
     copies = NodeCopies(layout, tmp_path / "cache")
-    copies.get(store.Checkpoint(layout.checkpoint(2), 2))
+    copies.get(store.Checkpoint(layout.checkpoint(1), 1))
     with caplog.at_level(logging.WARNING):
-        path = copies.get(store.Checkpoint(layout.checkpoint(3), 3))
-    assert _equal(_served(path), values[3]) and copies.last.how == "from iteration 3's master weights"
+        path = copies.get(store.Checkpoint(layout.checkpoint(2), 2))
+    assert _equal(_served(path), values[2]) and copies.last.how == "from iteration 2's master weights"
     warned = "\n".join(r.getMessage() for r in caplog.records)
-    assert str(victim) in warned and "from iteration 2, which it held" in warned and "from the full copy of iteration 1" in warned
+    assert str(victim) in warned and "from iteration 1, which it held" in warned and "from the full copy of iteration 1" in warned
 
-    # Iteration 4 is a delta against 3: from the node's own copy of 3 the damage is never read.
-    assert _equal(_served(copies.get(store.Checkpoint(layout.checkpoint(4), 4))), values[4])
+    # Iteration 3 is a delta against 2: from the node's own copy of 2 the damage is never read.
+    assert _equal(_served(copies.get(store.Checkpoint(layout.checkpoint(3), 3))), values[3])
+    assert copies.last.how.startswith("from iteration 2, which it held")
 
-    for i in (3, 4):  # their training state gone too (checkpoint.state_every): nothing left to rebuild 4 from
-        for part in (layout.checkpoint(i) / "master").iterdir():
-            part.unlink()
+    for part in (layout.checkpoint(2) / "master").iterdir():  # its training state gone (checkpoint.state_every): nothing left
+        part.unlink()
     with pytest.raises(CheckpointCorrupt, match=str(victim)):
-        NodeCopies(layout, tmp_path / "cache2").get(store.Checkpoint(layout.checkpoint(4), 4))
+        NodeCopies(layout, tmp_path / "cache2").get(store.Checkpoint(layout.checkpoint(2), 2))
 
 
 def test_retention_keeps_the_chain_a_kept_version_is_rebuilt_from():

@@ -152,9 +152,9 @@ class RLWorkload:
         return path
 
     def _rebuilds(self, policy: store.Checkpoint) -> bool:
-        """Whether the engines serve ``policy`` from a node-local copy (publish.delta: a
-        version of the run, not an adapter)."""
-        return self.config.publish.delta and not policy.is_base and not self.config.train.lora_rank
+        """Whether the engines serve ``policy`` from a node-local copy (publish.delta, no
+        LoRA): the base model too, copied as it is, which the first version's delta applies to."""
+        return self.config.publish.delta and not self.config.train.lora_rank
 
     def _node_copies(self) -> node_copy.NodeCopies:
         if self.copies is None:
