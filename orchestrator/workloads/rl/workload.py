@@ -90,7 +90,7 @@ class RLWorkload:
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
         self._verified = checkpoints.Verified()
-        self.copies: node_copy.NodeCopies | None = None  # publish.delta: the versions this node rebuilt, made at the first
+        self.copies: node_copy.NodeCopies | None = None  # publish.delta: the versions this node rebuilt (made at the first start)
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
         self._tokenizer = None  # the model's, for multi-turn rollouts (rl.environment)
         self._room = RoomWatch()  # across the run's multi-turn rollouts: their samples cut for room, warned of once
