@@ -191,3 +191,35 @@ def test_a_multi_turn_rollout_runs_through_vllm_on_token_id_prompts(chat_demo_da
     worst = max(abs(a - b) for r, exp in zip(records, expected) for s, e in zip(r["samples"], exp)
                 for a, b, m in zip(s["logprobs"], e, s["loss_mask"]) if m)
     assert worst < 2e-3, worst
+
+
+def test_vllm_moved_by_deltas_serves_the_weights_the_trainer_published(demo_data, tmp_path):
+    """publish.delta: each node rebuilds the version in its local cache and vLLM reloads from
+    there in place; the logprobs vLLM reports for iterations 2 and 3 (served from iteration 1,
+    a full copy with its delta, and iteration 2, a delta alone) are those of the weights the
+    trainer published, rebuilt from the run's files."""
+    from orchestrator.checkpoints import store
+    from orchestrator.checkpoints.node_copy import NodeCopies
+
+    log_path = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", f"--data-path={demo_data}", f"--log-path={log_path}", "--rl-phase=both",
+         "--eval-interval=1", "--max-iterations=3", "--engine=vllm", *SETTINGS, "rl.lr=1e-4", "rollout.weight_update=auto",
+         "publish.delta=true", f"rollout.local_cache={tmp_path / 'cache'}"],
+        capture_output=True, text=True, timeout=840,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    layout = RunLayout(log_path)
+    assert json.loads((layout.checkpoint(2) / "train_stats.json").read_text())["published"] == "delta"
+    engine_log = layout.engine_log(0, 0).read_text(errors="replace")
+    starts = re.findall(r"^=== .* start on (\S+) as ", engine_log, flags=re.M)
+    assert len(starts) == 1 and "/iter-0" in starts[0], f"vLLM started once, on the node's copy of the base: {starts}"
+    assert re.search(r"engine 0 reloaded \S+/iter-2 in place", result.stderr), result.stderr[-3000:]
+    copies = NodeCopies(layout, tmp_path / "rebuilt")
+    for iteration in (2, 3):
+        served = layout.checkpoint(iteration - 1)
+        records = [json.loads(line) for line in layout.iteration(iteration).aggregate("eval").read_text().splitlines()]
+        assert {r["policy"] for r in records} == {str(served)}
+        rebuilt = copies.get(store.Checkpoint(served, iteration - 1))
+        error = _max_error(records, _forward_logprobs(rebuilt, records))
+        assert error < 2e-3, f"iteration {iteration}: vLLM's logprobs differ from the published weights by {error}"
