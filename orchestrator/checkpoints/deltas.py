@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.checkpoints.sums import Sums, hasher
+from orchestrator.checkpoints.sums import Sums, hasher, tensor_bytes
 
 FORMAT = "xor-zstd"
 INDEX = "delta.json"
@@ -42,17 +42,8 @@ LEVEL = 1
 def tensor_sum(tensor) -> str:
     """The sum of a CPU tensor's bytes (its values as they are stored)."""
     h = hasher()
-    h.update(_bytes(tensor))
+    h.update(tensor_bytes(tensor))
     return h.hexdigest()
-
-
-def _bytes(tensor):
-    import torch
-
-    t = tensor.detach()
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.to("cpu").contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 @dataclass(slots=True)
@@ -82,8 +73,8 @@ def encode(new: dict, base: dict) -> Encoded:
         if b is None or b.dtype != t.dtype or tuple(b.shape) != tuple(t.shape):
             raise ValueError(f"tensor {name} has no like base ({None if b is None else (b.dtype, tuple(b.shape))} "
                              f"against {(t.dtype, tuple(t.shape))})")
-        bits = _bytes(t)
-        xor = np.bitwise_xor(bits, _bytes(b))
+        bits = tensor_bytes(t)
+        xor = np.bitwise_xor(bits, tensor_bytes(b))
         out.frames[name] = torch.frombuffer(bytearray(compressor.compress(xor.tobytes())), dtype=torch.uint8)
         out.tensors[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sum": tensor_sum(t)}
     return out
@@ -161,7 +152,7 @@ def decode_file(path: Path, data: bytes, base: dict) -> dict:
             xor = np.frombuffer(decompressor.decompress(frames[name].numpy().tobytes()), dtype=np.uint8)
         except zstandard.ZstdError as e:
             raise DeltaError(f"delta {path} is damaged: tensor {name} does not decompress ({e})") from None
-        base_bits = _bytes(b)
+        base_bits = tensor_bytes(b)
         if xor.size != base_bits.size:
             raise DeltaError(f"delta {path} is damaged: tensor {name} has {xor.size} bytes, its base {base_bits.size}")
         t = torch.from_numpy(np.bitwise_xor(base_bits, xor)).view(dtype).reshape(meta["shape"])

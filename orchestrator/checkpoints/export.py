@@ -100,9 +100,9 @@ def export(log_path: Path, iteration: int | None, out: Path, base: Path | None =
 def _rebuild(log_path: Path, iteration: int, into: Path) -> None:
     """The published weights of ``iteration`` rebuilt from the chain of deltas they end
     (checkpoints/node_copy.py), in the published dtype."""
-    scratch = into.parent / f"{into.name}.chain"
+    layout, scratch = RunLayout(log_path), into.parent / f"{into.name}.chain"
     try:
-        built = node_copy.NodeCopies(RunLayout(log_path), scratch).get(store.Checkpoint(RunLayout(log_path).checkpoint(iteration), iteration))
+        built = node_copy.NodeCopies(layout, scratch).get(store.Checkpoint(layout.checkpoint(iteration), iteration))
         shutil.copytree(built, into)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -82,16 +82,49 @@ def _shards_present(directory: Path, wait_s: float = 30.0) -> None:
                                     f"worker's shard was not written or is not visible from this node") from None
 
 
-def verify(directory: Path, part: str = ALL) -> None:
-    """Raise CheckpointCorrupt naming the first file of ``part`` (``WEIGHTS`` or ``ALL``) that
-    does not match the manifest."""
+def listed(directory: Path) -> dict[str, dict]:
+    """The files ``directory``'s manifest lists (name -> its bytes and sum). Raises
+    CheckpointCorrupt when there is no valid manifest."""
     manifest = fsio.read_record(directory / MANIFEST)
     if manifest is None:
         raise CheckpointCorrupt(
             f"checkpoint {directory} has no valid {MANIFEST} (missing or damaged): it cannot be trusted. "
             f"Restore the directory from a copy, or see docs/reliability.md, \"corrupted checkpoint\""
         )
-    for name, want in manifest["files"].items():
+    return manifest["files"]
+
+
+def algorithm(want: dict) -> str:
+    """The checksum a manifest entry records: xxh3-128, or sha256 in an older run's."""
+    return sums.ALGORITHM if sums.ALGORITHM in want else "sha256"
+
+
+def check(path: Path, size: int, want: dict, digest) -> None:
+    """Raise CheckpointCorrupt naming ``path`` unless its ``size`` and its sum (``digest(algorithm)``,
+    asked for only when the size matches) are those of ``want``, its manifest entry."""
+    used = algorithm(want)
+    got = digest(used) if size == want["bytes"] else None
+    if got != want[used]:
+        what = f"{size} bytes, expected {want['bytes']}" if got is None else f"{used} {got[:12]}, expected {want[used][:12]}"
+        raise CheckpointCorrupt(f"checkpoint file {path} is damaged ({what}). Restore it from a copy, or see docs/reliability.md, "
+                                f"\"corrupted checkpoint\"")
+
+
+def digest_of(data: bytes, used: str) -> str:
+    """``data``'s sum by the manifest's ``used`` algorithm."""
+    if used == sums.ALGORITHM:
+        h = sums.hasher()
+        h.update(data)
+        return h.hexdigest()
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def verify(directory: Path, part: str = ALL) -> None:
+    """Raise CheckpointCorrupt naming the first file of ``part`` (``WEIGHTS`` or ``ALL``) that
+    does not match the manifest."""
+    for name, want in listed(directory).items():
         if part == WEIGHTS and "/" in name:
             continue  # the optimizer state: the trainer's, not the engine's
         path = directory / name
@@ -99,16 +132,7 @@ def verify(directory: Path, part: str = ALL) -> None:
             size = path.stat().st_size
         except FileNotFoundError:
             raise CheckpointCorrupt(f"checkpoint {directory} lacks {name}, which its manifest lists") from None
-        algorithm = sums.ALGORITHM if sums.ALGORITHM in want else "sha256"
-        got = None
-        if size == want["bytes"]:
-            got = sums.file_sum(path) if algorithm == sums.ALGORITHM else shards.sha256_file(path)
-        if got != want[algorithm]:
-            what = f"{size} bytes, expected {want['bytes']}" if got is None else f"{algorithm} {got[:12]}, expected {want[algorithm][:12]}"
-            raise CheckpointCorrupt(
-                f"checkpoint file {path} is damaged ({what}). Restore it from a copy, or see docs/reliability.md, "
-                f"\"corrupted checkpoint\""
-            )
+        check(path, size, want, lambda used: sums.file_sum(path) if used == sums.ALGORITHM else shards.sha256_file(path))
 
 
 class Verified:

@@ -30,7 +30,6 @@ from orchestrator.checkpoints import deltas, manifest, sharded, sums
 from orchestrator.checkpoints.files import MASTER_DIR
 from orchestrator.checkpoints.manifest import CheckpointCorrupt
 from orchestrator.checkpoints.store import Checkpoint
-from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -61,6 +60,7 @@ class NodeCopies:
         self.held: tuple[int, Path] | None = None
         self.last: Built | None = None
         self._read = 0
+        self._manifests: dict[Path, dict] = {}
 
     def get(self, checkpoint: Checkpoint, before_place=None) -> Path:
         """The node-local directory of ``checkpoint`` (a version the run published), rebuilt
@@ -69,11 +69,12 @@ class NodeCopies:
         fault point)."""
         if self.held is not None and self.held[0] == checkpoint.iteration:
             return self.held[1]
-        if checkpoint.is_base:
-            return self._hold_base(checkpoint.path)
         began, target = time.monotonic(), checkpoint.iteration
         failures = []
-        for how, build in self._ways(target):
+        self._manifests = {}  # read afresh for each rebuild, once per checkpoint
+        ways = [(f"copied from the base model {checkpoint.path}", lambda staging: self._copy_base(checkpoint.path, staging))] \
+            if checkpoint.is_base else self._ways(target)
+        for how, build in ways:
             self._read = 0
             staging = self.root / f".building-{target}"
             shutil.rmtree(staging, ignore_errors=True)
@@ -146,23 +147,12 @@ class NodeCopies:
             chain.insert(0, base)
         return chain
 
-    def _hold_base(self, base: Path) -> Path:
-        """The base model copied as it is into the node's directory (no manifest: the user's),
-        so that the first version's delta applies to the bits the engines serve."""
-        began, self._read = time.monotonic(), 0
-        staging = self.root / ".building-0"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+    def _copy_base(self, base: Path, staging: Path) -> None:
+        """The base model as it is (no manifest: the user's), so that the first version's
+        delta applies to the bits the engines serve."""
         for p in sorted(Path(base).iterdir()):
             if p.is_file() and not p.name.startswith("."):
                 self._read += sums.copy_file(p, staging / p.name).size
-        final = self.root / "iter-0"
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        self._retire(keep=final)
-        self.held = (0, final)
-        self.last = Built(final, f"copied from the base model {base}", self._read, round(time.monotonic() - began, 4))
-        return final
 
     def _from_full(self, staging: Path, full: int, after: list[int], source: Path) -> None:
         scratch = self.root / f".full-{full}"
@@ -230,10 +220,10 @@ class NodeCopies:
                 (into / p.name).write_bytes(self._read_checked(directory, p.name))
 
     def _expected(self, directory: Path, name: str) -> dict:
-        body = fsio.read_record(directory / manifest.MANIFEST)
-        if body is None:
-            raise CheckpointCorrupt(f"checkpoint {directory} has no valid {manifest.MANIFEST} (missing or damaged)")
-        want = body["files"].get(name)
+        """``name``'s manifest entry; each manifest is read once per rebuild."""
+        if directory not in self._manifests:
+            self._manifests[directory] = manifest.listed(directory)
+        want = self._manifests[directory].get(name)
         if want is None:
             raise CheckpointCorrupt(f"checkpoint {directory}: its manifest does not list {name}")
         return want
@@ -243,14 +233,15 @@ class NodeCopies:
         want, path = self._expected(directory, name), directory / name
         data = path.read_bytes()  # FileNotFoundError: a missing file, which the caller names
         self._read += len(data)
-        _check(path, len(data), want, lambda: _sum(data, want))
+        manifest.check(path, len(data), want, lambda used: manifest.digest_of(data, used))
         return data
 
     def _copy_checked(self, directory: Path, name: str, target: Path) -> None:
         want, path = self._expected(directory, name), directory / name
         copied = sums.copy_file(path, target)
         self._read += copied.size
-        _check(path, copied.size, want, lambda: copied.digest if sums.ALGORITHM in want else _sum(target.read_bytes(), want))
+        manifest.check(path, copied.size, want,
+                       lambda used: copied.digest if used == sums.ALGORITHM else manifest.digest_of(target.read_bytes(), used))
 
     def _retire(self, keep: Path) -> None:
         for p in self.root.iterdir():
@@ -262,26 +253,3 @@ def _load(data: bytes) -> dict:
     from safetensors.torch import load
 
     return load(data)
-
-
-def _check(path: Path, size: int, want: dict, got) -> None:
-    """Raise CheckpointCorrupt naming ``path`` when its size or sum (``got()``) is not what
-    its manifest says."""
-    if size != want["bytes"]:
-        raise CheckpointCorrupt(f"checkpoint file {path} is damaged: {size} bytes, its manifest says {want['bytes']}")
-    if got() != _want(want):
-        raise CheckpointCorrupt(f"checkpoint file {path} is damaged: its checksum is not the one its manifest records")
-
-
-def _want(entry: dict) -> str:
-    return entry[sums.ALGORITHM] if sums.ALGORITHM in entry else entry["sha256"]
-
-
-def _sum(data: bytes, entry: dict) -> str:
-    if sums.ALGORITHM in entry:
-        h = sums.hasher()
-        h.update(data)
-        return h.hexdigest()
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()

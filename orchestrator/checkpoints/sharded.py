@@ -119,9 +119,14 @@ def owned(model, *, rank: int, world_size: int, parallel: bool, dtype=None) -> d
     """The whole tensors this worker writes (as :func:`save_model` shares them out), copied to
     the CPU in ``dtype`` (None: their own). Every worker calls it (a sharded tensor's gather
     is collective)."""
-    named = model_tensors(model)
-    owner_of = owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
+    named, owner_of = _shared_out(model, world_size, parallel)
     return _cast(gather(named, owner_of, rank), dtype)
+
+
+def _shared_out(model, world_size: int, parallel: bool) -> tuple[list, dict[str, int]]:
+    """``model``'s tensors and the worker that writes each."""
+    named = model_tensors(model)
+    return named, owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
 
 
 def save_model(model, output: Path, *, rank: int, world_size: int, barrier, written: Sums, parallel: bool = True,
@@ -133,8 +138,7 @@ def save_model(model, output: Path, *, rank: int, world_size: int, barrier, writ
     ``master/`` too whenever the published ones are not they (each tensor gathered once),
     unless not ``state`` (checkpoint.state_every). ``barrier()`` waits for every worker. The config, generation config and tokenizer are the
     caller's. Returns whether a delta was written."""
-    named = model_tensors(model)
-    owner_of = owners({name: full_size(t) for name, t in named}, world_size, parallel=parallel)
+    named, owner_of = _shared_out(model, world_size, parallel)
     mine = gather(named, owner_of, rank)
     as_delta, full, master = _write(mine, output, owner_of, rank, written, dtype, delta, state=state)
     del mine

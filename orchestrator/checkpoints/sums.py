@@ -85,7 +85,7 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None
         out.write(struct.pack("<Q", len(header)))
         out.write(header)
         for name in order:
-            out.write(_bytes_of(tensors[name]))
+            out.write(tensor_bytes(tensors[name]))
     return out
 
 
@@ -164,13 +164,12 @@ def _header(tensors: dict, metadata: dict[str, str] | None) -> tuple[bytes, list
     return header + b" " * (-len(header) % 8), order
 
 
-def _bytes_of(tensor):
-    """A CPU tensor's bytes without a copy (as uint8; numpy has no bfloat16)."""
+def tensor_bytes(tensor):
+    """A tensor's bytes as a uint8 numpy array, without a copy when it is a contiguous CPU
+    tensor (as uint8: numpy has no bfloat16)."""
     import torch
 
     t = tensor.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.to("cpu").contiguous()
-    if t.numel() == 0:
-        return b""
     return t.reshape(-1).view(torch.uint8).numpy()

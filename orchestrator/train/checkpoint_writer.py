@@ -16,6 +16,7 @@ import json
 import logging
 import time
 
+from orchestrator.phase_table import Phase
 from orchestrator.protocol import faults, fsio
 from orchestrator.checkpoints import deltas, optimizer_state, sharded, sums
 from orchestrator.checkpoints.files import MASTER_DIR
@@ -27,8 +28,6 @@ from orchestrator.train.request import TrainRequest
 log = logging.getLogger(__name__)
 
 STATS_FILE = "train_stats.json"
-TRAIN_PHASE = 10
-"""The orchestrator's phase that runs the trainers (phase_table.Phase.TRAIN), for fault hooks."""
 
 
 def write(policy: Policy, config: TrainRequest, stats: dict, started: float, base: sharded.DeltaBase | None = None) -> None:
@@ -74,7 +73,7 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
             optimizer_state.save(optimizer, model, output, written)
     written.record()
     if "delta" in stats.get("published", ""):
-        faults.hold_in_child("hold-in-delta", config.iteration, TRAIN_PHASE, log)
+        faults.hold_in_child("hold-in-delta", config.iteration, Phase.TRAIN, log)
     if rank == 0:
         if not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)
             policy.tokenizer.save_pretrained(output)

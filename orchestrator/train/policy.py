@@ -54,9 +54,13 @@ def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: Tr
             generation = GenerationConfig.from_pretrained(path)
         except OSError:  # a model without generation_config.json: what transformers makes of its config
             generation = GenerationConfig.from_model_config(config)
-        model = AutoModelForCausalLM.from_pretrained(master, config=config, generation_config=generation, use_safetensors=True,
-                                                     dtype=dtype).eval()
-        _check_master(model, master)
+        model, loading = AutoModelForCausalLM.from_pretrained(master, config=config, generation_config=generation, use_safetensors=True,
+                                                              dtype=dtype, output_loading_info=True)
+        model.eval()
+        saved = {n for n, _ in sharded.model_tensors(model)}  # tied parameters once: a tied one is never "missing"
+        missing = sorted(n for n in loading["missing_keys"] if n in saved)
+        if missing:  # from_pretrained leaves a missing tensor at its random initial value
+            raise BadTrainInput(f"{master}: its master weights do not fit the model (missing {missing[:3]})")
     else:
         if deltas.needs_base(path):
             raise BadTrainInput(f"{path} holds no training state (checkpoint.state_every): its weights are a delta for the engines; "
@@ -72,22 +76,6 @@ def _load_model(path: Path, device, setup: Setup, world_size: int, lora_from: Tr
                                 mixed_precision=setup.mixed_precision, activation_checkpointing=setup.activation_checkpointing)
     except ValueError as e:
         raise BadTrainInput(f"{path}: {e}") from None
-
-
-def _check_master(model, master: Path) -> None:
-    """Every tensor the model holds was in the master weights (from_pretrained would have
-    left a missing one at its random initial value, with a warning nobody reads)."""
-    from safetensors import safe_open
-
-    index = master / sharded.WEIGHTS_INDEX
-    files = sorted(set(sharded.read_index(index).values())) if index.is_file() else ["model.safetensors"]
-    saved = set()
-    for name in files:
-        with safe_open(master / name, framework="pt") as f:
-            saved.update(f.keys())
-    missing = sorted(n for n, _ in sharded.model_tensors(model) if n not in saved)
-    if missing:
-        raise BadTrainInput(f"{master}: its master weights do not fit the model (missing {missing[:3]})")
 
 
 class Policy:

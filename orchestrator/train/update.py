@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import time
 
+from orchestrator.phase_table import Phase
 from orchestrator.protocol import faults
 from orchestrator.train import checkpoint_writer, grpo, lora, parallel, plan, precision
 from orchestrator.train.batches import Batches, prepare, read_records, trained_records
@@ -43,18 +44,8 @@ def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, 
     lap("load")
     replayed = None
     if source == "state":  # the init checkpoint holds no training state: train the iterations since the last one again
-        first, last = config.replay[0].iteration, config.replay[-1].iteration
-        log.info("rank %d: replaying iterations %d..%d from their aggregates (the state of %s) to reach iteration %d's state",
-                 policy.rdv.rank, first, last, f"iteration {config.replay_from_iteration}" if config.replay_from_iteration else "the base model",
-                 config.init_iteration)
-        for step in config.replay:
-            again = dataclasses.replace(config, iteration=step.iteration, data=step.data, seed=step.seed, init_iteration=step.iteration - 1,
-                                        replay=())
-            again_records = read_records(again.data)
-            _train(policy, again, again_records, trained_records(again_records, again), "memory")
-            policy.holds = step.iteration
-            faults.hold_in_child("hold-in-replay", config.iteration, checkpoint_writer.TRAIN_PHASE, log)
-        source, replayed = f"replayed {first}..{last}", [first, last]
+        replayed = _replay(policy, config)
+        source = f"replayed {replayed[0]}..{replayed[1]}"
         lap("replay")
     base = checkpoint_writer.delta_base(policy, config)  # the version this one may be published as a delta against
     lap("load")
@@ -75,6 +66,23 @@ def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, 
         lap("offload")
     memory["peak_rss_bytes"] = _peak_rss_bytes()
     return stats, lap.seconds, memory
+
+
+def _replay(policy: Policy, config: TrainRequest) -> list[int]:
+    """The updates of ``config.replay`` made again in order on the policy loaded from the
+    state before them, each as it was made (its records, its seed); returns [first, last]."""
+    first, last = config.replay[0].iteration, config.replay[-1].iteration
+    log.info("rank %d: replaying iterations %d..%d from their aggregates (the state of %s) to reach iteration %d's state",
+             policy.rdv.rank, first, last, f"iteration {config.replay_from_iteration}" if config.replay_from_iteration else "the base model",
+             config.init_iteration)
+    for step in config.replay:
+        again = dataclasses.replace(config, iteration=step.iteration, data=step.data, seed=step.seed, init_iteration=step.iteration - 1,
+                                    replay=())
+        records = read_records(again.data)
+        _train(policy, again, records, trained_records(records, again), "memory")
+        policy.holds = step.iteration
+        faults.hold_in_child("hold-in-replay", config.iteration, Phase.TRAIN, log)
+    return [first, last]
 
 
 def _train(policy: Policy, config: TrainRequest, records: list[grpo.Record], kept: list[grpo.Record], source: str,
