@@ -69,8 +69,10 @@ counting, a changed rule (e.g. a new ``"id"``) starts afresh.
     size: the kernel asks for it by path, not by handle). Defaults: 1
     read, fraction 0.5, per version, no total cap. ``true`` means the defaults.
 
-Statistics (counts, the wall time of the first and last injection per kind, and the latest
-injections as ``[time, kind, path]``, a hidden name only the first time) go to the stats
+Statistics (counts, the wall time of the first and last injection per kind, the latest
+injections as ``[time, kind, path]``, a hidden name only the first time, and the bytes read
+through the mount per path: ``read_bytes``, as the page cache does not hide them under
+``direct_io``) go to the stats
 file, rewritten atomically within ~50 ms of a change: see :meth:`FaultMount.stats`.
 
 The kernel retries an ``open()`` that fails with ESTALE once, with a fresh lookup
@@ -301,6 +303,7 @@ class FaultFS:
         self.first_at: dict[str, float] = {}
         self.last_at: dict[str, float] = {}
         self.loads = 0
+        self.read_bytes: dict[str, int] = {}  # path -> bytes read through this mount
         self.control_error: str | None = None
         self._dirty = threading.Event()
         self._stop = threading.Event()
@@ -371,6 +374,7 @@ class FaultFS:
                 "last_at": dict(self.last_at),
                 "events": [list(e) for e in self.events],
                 "written": {r.spec.get("glob", "**"): r.written for r in self.rules if r.enospc_after_bytes is not None},
+                "read_bytes": dict(self.read_bytes),
                 "at": time.time(),
             }
 
@@ -742,7 +746,12 @@ class FaultFS:
             size = max(0, min(size, h.cut - offset))
             if size == 0:
                 return b""
-        return os.pread(fh, size, offset)
+        data = os.pread(fh, size, offset)
+        rel = h.rel if h is not None else self._rel(path)
+        with self._lock:
+            self.read_bytes[rel] = self.read_bytes.get(rel, 0) + len(data)
+        self._dirty.set()
+        return data
 
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
         self._reload()

@@ -1,9 +1,9 @@
 """A checkpoint directory sealed: ``orchestrator.manifest.json`` lists every file with its
 size and checksum, written by the node that trains before the directory is renamed into place.
 
-The sums come from the writers, computed as they wrote (sums.py): sealing checks each summed
-file's size and reads none of them; only the small files a library wrote (the config, the
-tokenizer) are summed here. A reader verifies what it reads against the manifest, and only
+The sums come from the writers, computed as they wrote (sums.py), the files a library wrote
+(configs, tokenizer) included: sealing checks each summed file's size and reads none of them;
+a file no writer summed is summed here. A reader verifies what it reads against the manifest, and only
 that: an engine the weights (``WEIGHTS``: the files at the top level), a trainer that loads the
 checkpoint all of it (``ALL``: the optimizer state too). A damaged file (a bad disk, a partial
 copy, a bit flip) is named instead of served. Manifests of older runs name sha256: still read.

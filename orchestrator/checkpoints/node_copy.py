@@ -95,7 +95,7 @@ class NodeCopies:
             self.held = (target, final)
             self.last = Built(final, how, self._read, round(time.monotonic() - began, 4))
             log.info("iteration %d's weights rebuilt in %s %s: %d bytes read from %s in %.2f s", target, final, how, self._read,
-                     self.layout.checkpoints, self.last.seconds)
+                     checkpoint.path if checkpoint.is_base else self.layout.checkpoints, self.last.seconds)
             return final
         raise CheckpointCorrupt(f"the weights of iteration {target} cannot be rebuilt on this node: " + "; ".join(failures)
                                 + ". Restore the file named from a copy, or see docs/reliability.md, \"corrupted checkpoint\"")

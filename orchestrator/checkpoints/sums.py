@@ -68,6 +68,10 @@ class Sums:
         summed; ``path`` is absent or complete."""
         self._add(path, write_safetensors(path, tensors, metadata))
 
+    def copy(self, source: Path, target: Path) -> None:
+        """``source`` (a node-local file a library wrote) into ``target``, summed as it passes."""
+        self._add(target, copy_file(source, target, durable=True))
+
     def record(self) -> None:
         """Leave this writer's sums for the manifest (a small JSON file, atomic)."""
         if self.files:

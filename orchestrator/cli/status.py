@@ -202,8 +202,9 @@ def time_line(iteration: int, timing: dict) -> str:
     moved = timing.get("bytes")
     if not moved:
         return line
-    state = f" ({_size(moved['written_state'])} of it training state)" if moved.get("written_state") else ""
-    return line + f"; checkpoint {_size(moved['written'])} written{state}, {_size(moved['read'])} read by the engines"
+    of_it = ", ".join(f"{what} {_size(moved[key])}" for key, what in (("written_deltas", "deltas"), ("written_state", "training state"))
+                      if moved.get(key))
+    return line + f"; checkpoint {_size(moved['written'])} written{f' ({of_it})' if of_it else ''}, {_size(moved['read'])} read by the engines"
 
 
 def _size(n: int) -> str:

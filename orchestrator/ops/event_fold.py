@@ -101,6 +101,10 @@ _CLOSES = {Event.PHASE: ("work",), Event.ARRIVE: ("work",), Event.ALL_ARRIVED: (
 _OPENS = {Event.PHASE: "work", Event.ARRIVE: "wait", Event.ALL_ARRIVED: "decide"}
 
 
+BYTE_KINDS = ("state", "delta")
+"""What a timing event's ``bytes`` may be broken down into, as ``bytes_<kind>``."""
+
+
 @dataclass(slots=True)
 class RankLog:
     """One rank's event log of one attempt, fed one event at a time (see the module docstring).
@@ -114,8 +118,9 @@ class RankLog:
     durations: dict[tuple[int, int], float] = field(default_factory=dict)
     parts: dict[tuple[int, int, str, object, object], float] = field(default_factory=dict)
     part_bytes: dict[tuple[int, int, str, object, object], int] = field(default_factory=dict)
-    part_state_bytes: dict[tuple[int, int, str, object, object], int] = field(default_factory=dict)
-    """Of ``part_bytes``, the training state's (``bytes_state``: optimizer, fp32 master)."""
+    part_byte_kinds: dict[tuple[int, int, str, object, object], dict[str, int]] = field(default_factory=dict)
+    """Of ``part_bytes``, what they were by kind: ``state`` (``bytes_state``: optimizer, fp32
+    master) and ``delta`` (``bytes_delta``: weights written as deltas)."""
     steals: list[dict] = field(default_factory=list)
     membership: list[dict] = field(default_factory=list)
     first_t: float | None = None
@@ -144,8 +149,10 @@ class RankLog:
                 self.parts[key] = self.parts.get(key, 0.0) + float(seconds)
                 if isinstance(e.get("bytes"), int):
                     self.part_bytes[key] = self.part_bytes.get(key, 0) + e["bytes"]
-                if isinstance(e.get("bytes_state"), int):
-                    self.part_state_bytes[key] = self.part_state_bytes.get(key, 0) + e["bytes_state"]
+                for kind in BYTE_KINDS:
+                    if isinstance(e.get(f"bytes_{kind}"), int):
+                        kinds = self.part_byte_kinds.setdefault(key, {})
+                        kinds[kind] = kinds.get(kind, 0) + e[f"bytes_{kind}"]
         else:
             self._feed_duration(kind, e)
         if self.spans and is_number(e.get("t")):

@@ -39,8 +39,8 @@ def phase_durations(logs: list[RankLog]) -> dict[tuple[int, int], float]:
 def iteration_timing(logs: list[RankLog]) -> dict[int, dict]:
     """Per iteration: ``{"phases": {label: s}, "total_s": s, "parts": {part: s}}``, and
     ``"bytes": {"written": n, "read": n, ...}`` when the run recorded them: the checkpoint the
-    trainers wrote (``written_weights`` what the engines read of it, ``written_state`` the
-    training state's: optimizer, fp32 master), and what every engine read to serve it (a
+    trainers wrote (``written_weights`` what the engines read of it, ``written_deltas`` of
+    those the deltas, ``written_state`` the training state's: optimizer, fp32 master), and what every engine read to serve it (a
     reload, or a start's model; ``read_per_node``: by rank, as ``{"R": n}``).
 
     ``phases`` are the master's phase durations, ``total_s`` their sum. ``parts[p]`` is the
@@ -49,19 +49,21 @@ def iteration_timing(logs: list[RankLog]) -> dict[int, dict]:
     the same phase a later attempt's figure replaces an earlier one's.
     """
     by_key: dict[tuple[int, int, str, object, object, int], float] = {}
-    moved: dict[tuple[int, int, str, object, object, int], tuple[int, int]] = {}
+    moved: dict[tuple[int, int, str, object, object, int], tuple[int, dict[str, int]]] = {}
     for log in logs:
         for (iteration, phase, part, worker, engine), seconds in log.parts.items():
             by_key[(iteration, phase, part, worker, engine, log.rank)] = seconds
         for key, n in log.part_bytes.items():  # a later attempt's replaces an earlier one's
-            moved[(*key, log.rank)] = (n, log.part_state_bytes.get(key, 0))
+            moved[(*key, log.rank)] = (n, log.part_byte_kinds.get(key, {}))
     bytes_: dict[int, dict] = {}
-    for (iteration, _, part, _, _, rank), (n, state) in moved.items():
-        totals = bytes_.setdefault(iteration, {"written": 0, "read": 0, "written_weights": 0, "written_state": 0, "read_per_node": {}})
+    for (iteration, _, part, _, _, rank), (n, kinds) in moved.items():
+        totals = bytes_.setdefault(iteration, {"written": 0, "read": 0, "written_weights": 0, "written_deltas": 0, "written_state": 0,
+                                               "read_per_node": {}})
         if part.startswith("train."):
             totals["written"] += n
-            totals["written_state"] += state
-            totals["written_weights"] += n - state
+            totals["written_state"] += kinds.get("state", 0)
+            totals["written_deltas"] += kinds.get("delta", 0)
+            totals["written_weights"] += n - kinds.get("state", 0)
         else:
             totals["read"] += n
             totals["read_per_node"][str(rank)] = totals["read_per_node"].get(str(rank), 0) + n

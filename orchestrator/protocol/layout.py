@@ -306,10 +306,6 @@ class AttemptLayout:
     def trainer_error(self, worker: int) -> Path:
         return self.root / "train" / f"error-w{worker:05d}.json"
 
-    def trainer_scratch(self, worker: int) -> Path:
-        """Where a train worker other than 0 would write a checkpoint (it writes none)."""
-        return self.root / "train" / f"scratch-w{worker:05d}"
-
 
 @dataclass(frozen=True, slots=True)
 class IterationLayout:

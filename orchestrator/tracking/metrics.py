@@ -14,6 +14,7 @@ names follow the peers' habits (verl, prime-rl), grouped by a prefix::
     timing_s/<phase>, timing_s/iteration     the master's seconds in each phase, and their sum
     perf/checkpoint_bytes, perf/weights_read_bytes   the checkpoint the update wrote; the weights every engine read
     perf/checkpoint_state_bytes                      of the checkpoint, the training state (optimizer, fp32 master)
+    perf/checkpoint_delta_bytes                      of the checkpoint, the weights written as deltas (publish.delta)
     perf/weights_read_bytes_max_node                 the weights read on the node that read the most
                                        to serve a policy in the iteration (ops/timing.py; with LoRA, adapters)
 """
@@ -73,5 +74,6 @@ def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float
     if moved:
         out["perf/checkpoint_bytes"], out["perf/weights_read_bytes"] = moved.get("written"), moved.get("read")
         out["perf/checkpoint_state_bytes"] = moved.get("written_state")
+        out["perf/checkpoint_delta_bytes"] = moved.get("written_deltas")
         out["perf/weights_read_bytes_max_node"] = max((moved.get("read_per_node") or {}).values(), default=None)
     return {k: v for k, value in out.items() if (v := _number(value)) is not None}

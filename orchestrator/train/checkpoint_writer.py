@@ -1,8 +1,10 @@
-"""The new checkpoint, written into the staging directory ``output`` after the update: with
-ddp worker 0 writes it all, with fsdp every worker its shards and worker 0 the indexes
-(checkpoints/sharded.py); with LoRA worker 0 writes the adapter (train/lora.py) and the
-optimizer state as for the whole model. Each worker sums the files it writes as it writes
-them (checkpoints/sums.py), so sealing reads none of them back.
+"""The new checkpoint, written into the staging directory ``output`` after the update: every
+worker writes its part of the weights and of the optimizer state in parallel (with fsdp the
+tensors it owns are gathered; with ddp every worker holds them all already) and worker 0 the
+indexes (checkpoints/sharded.py); a single worker writes one file of each. With LoRA worker 0
+writes the adapter (train/lora.py), and the optimizer state as for the whole model. Each
+worker sums the files it writes as it writes them (checkpoints/sums.py), the configs and
+tokenizer too, so sealing reads none of them back.
 
 The weights the engines read are in ``publish_dtype`` (auto: the dtype they serve, which a
 whole model's ``config.json`` names: train/precision.py); when that is not fp32, the fp32
@@ -31,8 +33,8 @@ STATS_FILE = "train_stats.json"
 
 
 def write(policy: Policy, config: TrainRequest, stats: dict, started: float, base: sharded.DeltaBase | None = None) -> None:
-    """Worker 0 writes the whole checkpoint (ddp), or every worker its shards (fsdp); then
-    every worker passes the final barrier. ``train_stats.json`` comes last, from worker 0."""
+    """Every worker writes its part (one worker: the whole checkpoint); then every worker
+    passes the final barrier. ``train_stats.json`` comes last, from worker 0."""
     rank, world_size, output, device = policy.rdv.rank, policy.rdv.world_size, config.output, policy.device
     model, optimizer = policy.model, policy.optimizer
     if rank == 0:
@@ -47,12 +49,14 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
         if policy.setup.sharded:
             barrier()  # worker 0 made the directory
         lora.save(model, output, rank=rank, written=written)
+        if rank == 0:
+            _library_files(output, written, model.peft_config["default"].save_pretrained)
         if policy.setup.sharded and config.write_state:
             optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
                                          written=written, parallel=config.parallel_write)
         elif rank == 0 and config.write_state:
             optimizer_state.save(optimizer, model, output, written)
-    elif policy.setup.sharded:
+    elif world_size > 1:  # fsdp, or ddp at more than one worker: each writes the tensors it owns
         def barrier() -> None:
             _barrier(device, "checkpoint shard")
 
@@ -63,20 +67,17 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
         if config.write_state:
             optimizer_state.save_sharded(optimizer, model, output, rank=rank, world_size=world_size, barrier=barrier,
                                          written=written, parallel=config.parallel_write)
-        if rank == 0:
-            _save_configs(model, output, policy.served_dtype)
-    elif rank == 0:
+    else:
         stats["published"] = _as(sharded.save_whole(model, output, written, dtype=_published(policy, config), delta=base,
                                                     state=config.write_state), base)
-        _save_configs(model, output, policy.served_dtype)
         if config.write_state:
             optimizer_state.save(optimizer, model, output, written)
+    if rank == 0 and not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)
+        _library_files(output, written, lambda directory: _save_configs(model, policy.tokenizer, directory, policy.served_dtype))
     written.record()
     if "delta" in stats.get("published", ""):
         faults.hold_in_child("hold-in-delta", config.iteration, Phase.TRAIN, log)
     if rank == 0:
-        if not policy.setup.lora:  # an adapter uses its base's tokenizer (vLLM warns about one of its own)
-            policy.tokenizer.save_pretrained(output)
         files = [p for p in output.rglob("*") if p.is_file() and sums.DIRECTORY not in p.parts]
         stats["checkpoint_bytes"] = sum(p.stat().st_size for p in files)
         # the training state (the optimizer's, the fp32 master kept apart): what no engine reads
@@ -128,15 +129,13 @@ def delta_base(policy: Policy, config: TrainRequest) -> sharded.DeltaBase | None
     rank, world_size = policy.rdv.rank, policy.rdv.world_size
     iteration = config.init_iteration or 0
     also_full = iteration == 0 or config.iteration % config.publish_full_every == 0
-    if not policy.setup.sharded and rank != 0:
-        return sharded.DeltaBase({}, iteration, lambda *_: False, also_full)  # ddp: worker 0 writes it all
-    tensors = sharded.owned(policy.model, rank=rank, world_size=world_size, parallel=config.parallel_write and policy.setup.sharded,
+    tensors = sharded.owned(policy.model, rank=rank, world_size=world_size, parallel=config.parallel_write,
                             dtype=_published(policy, config))
-    return sharded.DeltaBase(tensors, iteration, _smaller(policy) if policy.setup.sharded else lambda d, f: d < f, also_full)
+    return sharded.DeltaBase(tensors, iteration, _smaller(policy) if world_size > 1 else lambda d, f: d < f, also_full)
 
 
 def _smaller(policy: Policy):
-    """Whether every writer's deltas add up to fewer bytes than their whole weights (fsdp: a
+    """Whether every writer's deltas add up to fewer bytes than their whole weights (a
     collective: every worker calls it once)."""
     def smaller(delta_bytes: int, full_bytes: int) -> bool:
         import torch
@@ -149,13 +148,29 @@ def _smaller(policy: Policy):
     return smaller
 
 
-def _save_configs(model, output, served_dtype) -> None:
-    """The model's config (naming the dtype the engines serve) and generation config: small
-    files, summed when the checkpoint is sealed."""
+def _save_configs(model, tokenizer, output, served_dtype) -> None:
+    """The model's config (naming the dtype the engines serve), generation config and tokenizer."""
     model.config.save_pretrained(output)
     precision.write_served_dtype(output, served_dtype)
     if model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+
+
+def _library_files(output, written: sums.Sums, save) -> None:
+    """The small files a library writes (``save(directory)``: configs, tokenizer), written into
+    a node-local temp directory and copied into ``output``, summed as they pass: sealing reads
+    nothing back from the shared filesystem, whatever their size (a tokenizer: megabytes)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="orchestrator-checkpoint-files-") as tmp:
+        save(tmp)
+        for f in sorted(Path(tmp).rglob("*")):
+            if f.is_file():
+                target = output / f.relative_to(tmp)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                written.copy(f, target)
 
 
 def _barrier(device, what: str = "final barrier") -> None:

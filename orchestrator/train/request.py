@@ -74,7 +74,7 @@ class TrainRequest:
     publish_full_every: Annotated[int, msgspec.Meta(ge=1)] = 10
     """Iterations divisible by it publish their weights whole."""
     parallel_write: bool = True
-    """With fsdp: every worker writes its shard of the checkpoint (false: worker 0 writes it all)."""
+    """Every worker writes its part of the checkpoint, in parallel (false: worker 0 writes it all)."""
     offload: bool = False
     """After the update, move the model and optimizer state to host memory (and back at the
     next request), so that engines sharing the GPU have its memory while they run."""

@@ -95,9 +95,12 @@ def trained(work) -> Path:
     return _train(work, "out-a")
 
 
-def test_two_ranks_train_and_rank_0_writes_a_complete_checkpoint(work, trained):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_stats.json"):
+def test_two_ranks_train_and_each_writes_its_part_of_a_complete_checkpoint(work, trained):
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for name in ("config.json", *shards, "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "train_stats.json"):
         assert (trained / name).is_file(), name
+    sizes = [(trained / name).stat().st_size for name in shards]
+    assert max(sizes) < 0.75 * sum(sizes), f"each ddp worker writes about half the weights: {sizes}"
     stats = json.loads((trained / "train_stats.json").read_text())
     # 9 records, 4 per step over both ranks -> 3 steps per epoch, the last of one record
     assert stats["steps_per_epoch"] == 3
@@ -118,7 +121,7 @@ def test_two_ranks_train_and_rank_0_writes_a_complete_checkpoint(work, trained):
 def test_training_from_a_trained_checkpoint_continues_its_optimizer(work, trained):
     stats = json.loads((trained / "train_stats.json").read_text())
     assert stats["optimizer_continued_from_step"] is None, "the base model has no optimizer state: a fresh one"
-    assert (trained / "optimizer" / "adamw.safetensors").is_file()
+    assert (trained / "optimizer" / "adamw.safetensors.index.json").is_file()
     second = _train(work, "out-second", init_checkpoint=str(trained))
     again = json.loads((second / "train_stats.json").read_text())
     assert again["optimizer_continued_from_step"] == 2 * 3, "2 epochs x 3 steps of the first update"
@@ -126,7 +129,8 @@ def test_training_from_a_trained_checkpoint_continues_its_optimizer(work, traine
 
 def test_the_same_run_twice_gives_bit_identical_weights(work, trained):
     again = _train(work, "out-b")
-    assert (again / "model.safetensors").read_bytes() == (trained / "model.safetensors").read_bytes()
+    for shard in trained.glob("model-*.safetensors"):
+        assert (again / shard.name).read_bytes() == shard.read_bytes(), shard.name
 
 
 def test_training_raises_the_logprob_of_rewarded_completions_relative_to_unrewarded(work, trained):

@@ -125,7 +125,7 @@ def test_status_line_names_the_slowest_phases_and_the_parts_of_training():
 def test_the_bytes_of_the_policy_written_and_read_come_with_the_timing(tmp_path):
     layout = _run(tmp_path, A1, iterations=1)
     _append(layout, A1, 0, *_phases(1, {1: 10.0, 10: 11.0, 12: 12.0}, released=13.0),
-            _timing(1, 10, "train.checkpoint", 0.1, worker=0, bytes=600_000, bytes_state=400_000),
+            _timing(1, 10, "train.checkpoint", 0.1, worker=0, bytes=600_000, bytes_state=400_000, bytes_delta=150_000),
             _timing(1, 10, "train.steps", 0.5, worker=0),
             _timing(1, 1, "engine.start", 3.0, engine=0, bytes=537_000), _timing(1, 12, "engine.reload", 0.01, engine=0, bytes=192_000))
     _append(layout, A1, 1, _timing(1, 1, "engine.start", 3.1, engine=1, bytes=537_000),
@@ -133,5 +133,5 @@ def test_the_bytes_of_the_policy_written_and_read_come_with_the_timing(tmp_path)
     summary.update(layout, 1, complete=True)
     timing_ = status.snapshot(layout.root)["iterations"][0]["timing"]
     assert timing_["bytes"] == {"written": 600_000, "read": 2 * (537_000 + 192_000), "written_weights": 200_000,
-                                "written_state": 400_000, "read_per_node": {"0": 729_000, "1": 729_000}}
-    assert time_line(1, timing_).endswith("; checkpoint 0.6 MB written (0.4 MB of it training state), 1.5 MB read by the engines")
+                                "written_deltas": 150_000, "written_state": 400_000, "read_per_node": {"0": 729_000, "1": 729_000}}
+    assert time_line(1, timing_).endswith("; checkpoint 0.6 MB written (deltas 0.1 MB, training state 0.4 MB), 1.5 MB read by the engines")

@@ -182,6 +182,9 @@ class RLWorkload:
             self.clients = [EngineClient(self.config.rollout.engine_url, timeout_s=600)]
             return
         engines = self._node_engines(ctx)
+        if not engines.engines:  # a node that only trains: it reads no weights (and names none as consumed)
+            self.clients = []
+            return
         shared = sorted(self.trainers.gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
         if shared:  # kept-alive trainers offloaded their state after training: check that the memory is back
             wait_memory_released(shared, self.config.rollout, ctx.cancel)
@@ -323,8 +326,8 @@ class RLWorkload:
     def train(self, ctx: PhaseContext, plan: TrainingPlan, checkpoint_dir: Path | None) -> None:
         """Run this node's train workers (one per GPU the placement gives it; one on CPU) as
         part of one torch.distributed job (train/launch.py); worker 0 writes into
-        ``checkpoint_dir`` (None on the other nodes), and with fsdp every worker into the same
-        staging directory."""
+        ``checkpoint_dir`` (None on the other nodes), and every other worker its part into the
+        same staging directory."""
         began = time.monotonic()
         step = self._train_step(ctx, plan, checkpoint_dir)
         if not step.workers:
@@ -337,7 +340,8 @@ class RLWorkload:
                              worker, *stats["replayed"], ctx.iteration)
             written = stats.get("checkpoint_bytes")  # worker 0's: the whole checkpoint
             for part, seconds in record["timing"].items():
-                extra = {"bytes": written, "bytes_state": stats.get("state_bytes") or 0} if part == "checkpoint" and written else {}
+                extra = ({"bytes": written, "bytes_state": stats.get("state_bytes") or 0, "bytes_delta": stats.get("delta_bytes") or 0}
+                         if part == "checkpoint" and written else {})
                 ctx.run.timing(f"train.{part}", seconds, worker=worker, pid=record["pid"], **extra)
         ctx.run.timing("train.total", time.monotonic() - began)
 
@@ -350,14 +354,13 @@ class RLWorkload:
         workers = ()
         if here:
             base = self._trainer_config(ctx, plan)
-            # With fsdp every worker writes its shard into the staging directory that the node of
-            # worker 0 made (phase 10); with ddp worker 0 writes it all and the others nothing.
+            # Every worker writes its part into the staging directory that the node of worker 0
+            # made (phase 10); with LoRA under ddp worker 0 writes it all (megabytes).
             staging = checkpoint_dir or ctx.layout.checkpoint_staging(ctx.iteration, ctx.attempt_id, run.train_round)
-            writes = self.config.train.strategy == "fsdp"
             offload = placement.colocated and bool(placement.engines_on(ctx.rank))
             workers = tuple(
                 launch.Worker(w.rank, w.gpu,
-                              {**base, "output": str(staging if w.rank == 0 or writes else attempt.trainer_scratch(w.rank)),
+                              {**base, "output": str(staging),
                                "offload": offload and w.gpu is not None},
                               launch.WorkerFiles(attempt.trainer_config(w.rank), attempt.trainer_done(w.rank),
                                                  attempt.trainer_error(w.rank), attempt.trainer_log(w.rank)))
