@@ -50,9 +50,18 @@ Checks:
                SIGINT/SIGTERM; an iteration and a phase label); after kill9-all, status
                says ``gone``; a complete run shows no failure
 
-``--rl-episodes M`` adds M episodes of the real loop on demo data (two ranks, the tests'
-small settings, 2 iterations): a worker's node killed, or the worker frozen past the node
-timeout, in its rollout or its training.
+``--rl-episodes M`` adds M episodes of the real loop on demo data with the defaults that move
+the policy (weights published as deltas, each rollout node rebuilding each version, the
+training state written only at the last of 3 iterations, ``checkpoint.state_every=3``) and
+``rl.max_staleness=1``: rank 0 trains, ranks 1 and 2 roll out, the tests' small settings.
+The fault: a rollout node killed or frozen past the node timeout, the trainer's node killed,
+or every node killed, when the rank reaches rollout, training (where a new trainer replays),
+publish or the engines' move (where a node rebuilds the version). One more check:
+
+    weights    the last checkpoint's files (published weights or delta, fp32 master, AdamW
+               state) are byte for byte those of the same run without a fault, made once at
+               the start (``reference/``), whenever the aggregates trained on are the same
+               (a sample rolled out again may come out otherwise: then not compared)
 
 Prints a line per episode and tables by fault kind; ``--json`` writes the same as an object.
 Exit 1 on any hang, lost, duplicated or extra task, or orphan; misnamed faults and other
@@ -122,11 +131,15 @@ REHEARSAL = Setup(
     node_timeout_s=3, join_timeout_s=20, margin_s=15, bound_s=150, trigger_phases=tuple(range(14)),
 )
 RL = Setup(
-    2, "1,1", 2,
+    3, "0,1,1", 3,
     ("--eval-interval=2", "rl.train_tasks=8", "rl.samples_per_prompt=4", "rl.eval_tasks=16", "rl.eval_samples=2",
      "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5", "coordination.node_timeout_s=10",
-     "coordination.join_timeout_s=60", "rollout.engine_port=0"),
-    node_timeout_s=10, join_timeout_s=60, margin_s=30, bound_s=600, trigger_phases=(int(Phase.ROLLOUT), int(Phase.TRAIN)),
+     "coordination.join_timeout_s=60", "rollout.engine_port=0",
+     # the defaults publish deltas (publish.delta) and write the state every 10 iterations: here only
+     # at the last, so a trainer started again after a kill replays what came before it
+     "checkpoint.state_every=3", "rl.max_staleness=1", "train.nodes=0", "rollout.nodes=1-2"),
+    node_timeout_s=10, join_timeout_s=60, margin_s=30, bound_s=600,
+    trigger_phases=(int(Phase.ROLLOUT), int(Phase.TRAIN), int(Phase.PUBLISH), int(Phase.ENGINE_RESTART)),
 )
 
 # kind: (whom it hits, its steps as (seconds after the trigger, or a range for the RNG; action))
@@ -145,6 +158,8 @@ KINDS = {
 }
 RL_KINDS = {
     "rl-kill9-worker": ("worker", [(0, "kill")]),
+    "rl-kill9-master": ("master", [(0, "kill")]),
+    "rl-kill9-all": ("all", [(0, "kill")]),
     "rl-stop-long-worker": ("worker", [(0, "stop"), ((12, 16), "cont")]),
 }
 
@@ -377,18 +392,24 @@ class Outcome:
     orphans: list[dict] = field(default_factory=list)
     misnamed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    weights: str = ""
+    """RL: ``equal`` (the last checkpoint's files are the uninterrupted run's, byte for byte),
+    ``differ`` (and its aggregates are the same: a failure), ``aggregates differ`` (a sample
+    was rolled out again and came out otherwise: not compared), or empty (not checked)."""
+    replayed: list = field(default_factory=list)
     log_path: str = ""
 
     @property
     def failed(self) -> bool:
         t = self.tasks
-        return bool(self.hangs or self.orphans or t.get("lost") or t.get("duplicated") or t.get("extra"))
+        return bool(self.hangs or self.orphans or t.get("lost") or t.get("duplicated") or t.get("extra") or self.weights == "differ")
 
     def result(self) -> str:
         t = self.tasks
         parts = [f"HANG r{','.join(str(h['rank']) for h in self.hangs)}" if self.hangs else "",
                  f"lost {t['lost']}" if t.get("lost") else "", f"dup {t['duplicated']}" if t.get("duplicated") else "",
                  f"extra {t['extra']}" if t.get("extra") else "", f"orphans {len(self.orphans)}" if self.orphans else "",
+                 "WEIGHTS DIFFER" if self.weights == "differ" else "",
                  "misnamed" if self.misnamed else "", "notes" if self.notes else ""]
         return " ".join(p for p in parts if p) or "ok"
 
@@ -396,8 +417,8 @@ class Outcome:
 class Episode:
     """Starts the ranks, injects the fault, restarts what exited, and watches for hangs."""
 
-    def __init__(self, spec: EpisodeSpec, root: Path, data_path: Path):
-        self.spec, self.setup, self.root = spec, spec.setup, root
+    def __init__(self, spec: EpisodeSpec, root: Path, data_path: Path, reference: "Reference | None" = None):
+        self.spec, self.setup, self.root, self.reference = spec, spec.setup, root, reference
         self.log_path = root / "run"
         self.layout = RunLayout(self.log_path)
         self.argv = run_flags(spec, self.log_path, data_path)
@@ -606,6 +627,9 @@ class Episode:
             self.check_named()
         if complete and not self.out.hangs:
             self.check_final_status()
+            if self.reference is not None:
+                self.out.weights = self.reference.compare(self.layout, self.setup.iterations)
+                self.out.replayed = replays(self.layout, self.setup.iterations)
 
     def check_named(self) -> None:
         """The faulted attempt's root cause, if the fault ended that attempt."""
@@ -659,6 +683,62 @@ class Episode:
             self.out.notes.append(f"the run is complete but status shows ranks in it not done: {not_done}")
 
 
+# -- the RL episodes' weights --------------------------------------------------------------------
+
+def trained_on(layout: RunLayout, iterations: int) -> list:
+    """What the updates trained on: each iteration's train aggregate, the samples' ids, rewards
+    and log-probs in the aggregate's order (not who rolled them out, or when)."""
+    out = []
+    for i in range(1, iterations + 1):
+        path = layout.iteration(i).aggregate("train")
+        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        out.append([(r["task_id"], r.get("policy_iteration"),
+                     [(x["token_ids"], x["reward"], x.get("logprobs")) for x in r["samples"]]) for r in records])
+    return out
+
+
+def state_files(checkpoint: Path) -> dict[str, str]:
+    """Every safetensors file of a checkpoint (published weights or deltas, fp32 master,
+    optimizer state) by path, with its sum."""
+    from orchestrator.checkpoints import sums
+
+    return {p.relative_to(checkpoint).as_posix(): sums.file_sum(p) for p in sorted(checkpoint.rglob("*.safetensors"))}
+
+
+def replays(layout: RunLayout, iterations: int) -> list:
+    """The iterations whose trainer replayed earlier ones (train_stats.json ``replayed``)."""
+    out = []
+    for i in range(1, iterations + 1):
+        with contextlib.suppress(OSError, ValueError):
+            stats = json.loads((layout.checkpoint(i) / "train_stats.json").read_text())
+            if stats.get("replayed"):
+                out.append([i, *stats["replayed"]])
+    return out
+
+
+@dataclass
+class Reference:
+    """The RL episodes' run without a fault: what it trained on, and its last checkpoint."""
+
+    trained_on: list
+    files: dict[str, str]
+
+    @classmethod
+    def make(cls, spec: EpisodeSpec, root: Path, data_path: Path) -> "Reference":
+        log_path = root / "run"
+        console.print(f"the uninterrupted RL run, to compare the episodes' weights with: {log_path} ...", markup=False)
+        with open(root / "local.log", "wb") as out:
+            subprocess.run([sys.executable, "-m", "orchestrator", "local", *run_flags(spec, log_path, data_path)],
+                           stdout=out, stderr=subprocess.STDOUT, env=python_env(), timeout=spec.setup.bound_s, check=True)
+        layout = RunLayout(log_path)
+        return cls(trained_on(layout, spec.setup.iterations), state_files(layout.checkpoint(spec.setup.iterations)))
+
+    def compare(self, layout: RunLayout, iterations: int) -> str:
+        if trained_on(layout, iterations) != self.trained_on:
+            return "aggregates differ"
+        return "equal" if state_files(layout.checkpoint(iterations)) == self.files else "differ"
+
+
 # -- the soak ------------------------------------------------------------------------------------
 
 def make_rl_data(data: Path | None, work: Path) -> Path:
@@ -675,7 +755,8 @@ def make_rl_data(data: Path | None, work: Path) -> Path:
 def print_episode(o: Outcome) -> None:
     det = "-" if o.detection_s is None else f"{o.detection_s:.1f}s"
     console.print(f"ep {o.episode:3d}  elastic {'on ' if o.elastic else 'off'}  {o.kind:<20} ranks {','.join(map(str, o.ranks)):<6}"
-                  f" at {o.phase_at_fault or '-':<18} detected {det:>6}  restarts {o.restarts:2d}  {o.seconds:6.1f}s  {o.result()}",
+                  f" at {o.phase_at_fault or '-':<18} detected {det:>6}  restarts {o.restarts:2d}  {o.seconds:6.1f}s  {o.result()}"
+                  + (f"  weights {o.weights}" if o.weights else "") + (f"  replayed {o.replayed}" if o.replayed else ""),
                   markup=False)
     for line in [*o.tasks.get("details", []), *o.misnamed, *o.notes]:
         console.print(f"        {line}", markup=False)
@@ -697,16 +778,20 @@ def tally(outcomes: list[Outcome]) -> dict:
         "orphans": sum(len(o.orphans) for o in outcomes),
         "misnamed": sum(len(o.misnamed) for o in outcomes),
         "anomalies": sum(len(o.notes) for o in outcomes),
+        "weights_equal": sum(o.weights == "equal" for o in outcomes),
+        "weights_differ": sum(o.weights == "differ" for o in outcomes),
+        "replays": sum(len(o.replayed) for o in outcomes),
         "detection_s_median": round(statistics.median(d), 2) if (d := [o.detection_s for o in outcomes if o.detection_s is not None]) else None,
         "seconds": round(sum(o.seconds for o in outcomes), 1),
     }
 
 
 COLUMNS = ["episodes", "ok", "hangs", "tasks_lost", "tasks_duplicated", "tasks_extra", "orphans", "misnamed", "anomalies",
-           "detection_s_median", "seconds"]
+           "weights_equal", "weights_differ", "replays", "detection_s_median", "seconds"]
 
 
-HEADERS = ["episodes", "ok", "hangs", "lost", "duplicated", "extra", "orphans", "misnamed", "anomalies", "detection p50 s", "seconds"]
+HEADERS = ["episodes", "ok", "hangs", "lost", "duplicated", "extra", "orphans", "misnamed", "anomalies", "weights equal",
+           "weights differ", "replays", "detection p50 s", "seconds"]
 
 
 def print_tables(by_kind: dict[str, dict], totals: dict) -> None:
@@ -723,15 +808,17 @@ def plans(args: argparse.Namespace) -> list[tuple[EpisodeSpec, bool]]:
 
 
 def soak(args: argparse.Namespace, out_dir: Path) -> list[Outcome]:
-    outcomes, began, data = [], time.monotonic(), None
+    outcomes, began, data, reference = [], time.monotonic(), None, None
     for spec, rl in plans(args):
         if not rl and args.budget_s is not None and time.monotonic() - began >= args.budget_s:
             continue
         if rl and data is None:
             data = make_rl_data(args.data_path, out_dir)
+            (out_dir / "reference").mkdir()
+            reference = Reference.make(spec, out_dir / "reference", data)
         root = out_dir / f"e{spec.episode:04d}"
         root.mkdir(parents=True)
-        outcome = Episode(spec, root, data if rl else root).run()
+        outcome = Episode(spec, root, data if rl else root, reference if rl else None).run()
         print_episode(outcome)
         outcomes.append(outcome)
     return outcomes

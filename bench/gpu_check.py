@@ -33,6 +33,11 @@ offload     the kept-alive trainer (ddp, bf16) makes an update; makes another wi
             continuing from memory (its state moved back: the reload). Seconds of the offload
             and of the reload; the trainer's GPU memory (allocated, reserved) after each
             update and the device's memory in use at each point
+publish     bench/publish.py on a ~1B-parameter Qwen2 shape made here (bf16, random init), 3
+            iterations at lr 1e-6, the trainer on the GPU: today's publish (fp32, whole, the
+            state every iteration) against bf16 deltas and the state every 10, bytes written
+            and read by an engine node and seconds to publish and move, and the replay's
+            seconds (--quick: the demo's model, 2 iterations)
 
 Without CUDA (``torch.cuda.is_available()`` false) the check says so in one line and exits
 2, unless ``--allow-cpu``: then every part runs on the CPU (the engine's ``--device cpu``,
@@ -497,6 +502,28 @@ def part_offload(check: Check) -> dict:
     return out
 
 
+# -- publish -------------------------------------------------------------------------------------
+
+def part_publish(check: Check) -> dict:
+    """bench/publish.py's comparison at 1B (--quick: the demo's model), in a process of its own."""
+    out = check.work / "publish.json"
+    quick = check.sizes is QUICK
+    argv = [sys.executable, str(Path(__file__).resolve().parent / "publish.py"), "--lrs=1e-6", f"--out={out}", f"--seed={check.seed}",
+            f"--dir={check.work}", *(["--model=demo", f"--data-path={check.demo('arith')}", "--iterations=2", "--records=4", "--samples=2",
+                                      "--completion-tokens=4"] if quick else ["--model=qwen1b", "--iterations=3"])]
+    done = subprocess.run(argv, env=python_env(), capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise BenchError(f"bench/publish.py exited {done.returncode}:\n{(done.stderr or done.stdout)[-2000:]}")
+    console.print(done.stdout.rstrip(), markup=False)
+    result = json.loads(out.read_text())
+    summary = result["summary"]["1e-06"]
+    replay = result["runs"]["new"]["1e-06"].get("replay") or {}
+    if replay and not replay.get("exact"):
+        raise BenchError(f"the replay did not reach the same weights and state: {replay}")
+    return {"model": result["model"], "device": check.device, "summary": summary, "replay": replay,
+            "means": {name: result["runs"][name]["1e-06"]["mean"] for name in result["runs"]}}
+
+
 # -- the check -----------------------------------------------------------------------------------
 
 PARTS: dict[str, tuple[Callable[[Check], dict], str]] = {
@@ -506,8 +533,9 @@ PARTS: dict[str, tuple[Callable[[Check], dict], str]] = {
     "engine-cpu": (part_engine_cpu, "the embedded engine on the CPU, for comparison"),
     "train": (part_train, "one bf16 step with DDP and with FSDP"),
     "offload": (part_offload, "the trainer's offload and reload around an engine"),
+    "publish": (part_publish, "a 1B model's weights published as bf16 deltas against today's fp32 checkpoint"),
 }
-NEEDS_DEMO = frozenset({"engine", "engine-cpu", "train", "offload"})
+NEEDS_DEMO = frozenset({"engine", "engine-cpu", "train", "offload", "publish"})
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ and seconds, today's way (``publish.dtype=fp32``, ``publish.delta=false``,
 
     python bench/publish.py --model demo --iterations 3 --lrs 1e-6    # the demo's tiny model: a quick check
     python bench/publish.py --model qwen150m                          # ~150M-parameter Qwen2, 10 iterations at 1e-6 and rl.lr
+    python bench/publish.py --model qwen1b --iterations 3 --lrs 1e-6  # ~1B: what scripts/gpu-check.sh runs (on CUDA when there is one)
 
 No RL loop: the real trainer and the node-side rebuild are driven directly. The model is made
 here, nothing downloaded: ``demo`` is ``orchestrator demo-data --warm-steps 20``'s (fp32, or
@@ -69,16 +70,20 @@ SETTINGS = {
     "new": {"publish_dtype": "bfloat16", "publish_delta": True, "state_every": 10, "full_every": 10},
 }
 STATE_DIRS = ("optimizer", files.MASTER_DIR)
-QWEN = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=14, num_attention_heads=16, num_key_value_heads=2,
-            max_window_layers=14)
-"""--model qwen150m's shape: with the chat demo's vocabulary, about 150M parameters."""
+SHAPES = {
+    "qwen150m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=14, num_attention_heads=16, num_key_value_heads=2,
+                     max_window_layers=14),
+    "qwen1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=2,
+                   max_window_layers=22),
+}
+"""--model's Qwen2 shapes: with the chat demo's vocabulary, about 150M and 1B parameters."""
 
 
 # -- inputs --------------------------------------------------------------------------------------
 
 def make_model(kind: str, work: Path, data_path: Path | None, seed: int) -> Path:
     """The model directory: the demo's (made with 20 warm steps unless ``data_path`` has it),
-    or a random-init ~150M Qwen2 in bf16 with the chat demo's tokenizer."""
+    or a random-init Qwen2 of a shape in SHAPES, in bf16, with the chat demo's tokenizer."""
     if kind == "demo":
         if data_path is None:
             data_path = work / "demo"
@@ -95,12 +100,12 @@ def make_model(kind: str, work: Path, data_path: Path | None, seed: int) -> Path
     tokenizer = chat_tokenizer.fast(chat_tokenizer.corpus(tasks.make_tasks(seed, chat=True)["train"], warm_start.CHAT.target))
     vocab = tokenizer.get_vocab()
     config = Qwen2Config(vocab_size=len(vocab), max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=None,
-                         eos_token_id=vocab[chat_tokenizer.EOS], pad_token_id=vocab[chat_tokenizer.PAD], dtype="bfloat16", **QWEN)
+                         eos_token_id=vocab[chat_tokenizer.EOS], pad_token_id=vocab[chat_tokenizer.PAD], dtype="bfloat16", **SHAPES[kind])
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=[vocab[chat_tokenizer.IM_END], vocab[chat_tokenizer.ENDOFTEXT]],
                                                pad_token_id=vocab[chat_tokenizer.PAD])
-    directory = work / "qwen150m"
+    directory = work / kind
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
@@ -295,7 +300,8 @@ def show(result: dict, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("demo", "qwen150m"), default="qwen150m")
+    parser.add_argument("--model", choices=("demo", *SHAPES), default="qwen150m",
+                        help="qwen1b: the shape scripts/gpu-check.sh publishes on CUDA")
     parser.add_argument("--data-path", type=Path, default=None, help="with --model demo: existing demo data (default: made here)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-6, UpdateSettings().lr],

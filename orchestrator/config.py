@@ -455,7 +455,7 @@ class CheckpointConfig:
     """The newest checkpoints kept, the current one among them; at least 1."""
     keep_every: Annotated[int, _limit("{key} must be >= 0 (0: none kept for that reason), got {value}", ge=0)] = 0
     """Also keep the checkpoint of every iteration divisible by this (0: none kept for that reason)."""
-    state_every: Annotated[int, _limit("{key} must be at least 1 (1: every checkpoint holds it), got {value}", ge=1)] = 1
+    state_every: Annotated[int, _limit("{key} must be at least 1 (1: every checkpoint holds it), got {value}", ge=1)] = 10
     """Write the training state (fp32 master weights, optimizer state) into the checkpoints of
     iterations divisible by this, of the last iteration and of one a stop was asked in; the
     others hold only the published weights. A trainer that must start from a checkpoint
@@ -478,7 +478,7 @@ class PublishConfig:
     """The dtype of the weights the engines read: auto (the dtype they serve: rollout.dtype
     with vLLM when it names one, else the base model's), bf16, fp16 or fp32. Other than fp32,
     the checkpoint keeps the fp32 master weights apart (master/), for the trainer alone."""
-    delta: bool = False
+    delta: bool = True
     """Publish each version's weights as the XOR of their bits against the version before,
     compressed with zstd, where that is smaller than the weights (a few percent at RL's
     learning rates); each node rebuilds the version in rollout.local_cache."""

@@ -340,6 +340,18 @@ def assert_each_task_once(layout: RunLayout, iterations: int, *, tasks: int, eva
                 assert sorted(ids) == [f"{split}-{i:06d}-{k:06d}" for k in range(n)], f"iteration {i} {split}: a task missing or twice"
 
 
+def rebuilt_sum(checkpoint: Path, scratch: Path, dtype=None) -> str:
+    """The sum of the one file a node rebuilds ``checkpoint``'s weights into (publish.delta:
+    checkpoints/node_copy.py), from its whole weights (one file or shards; ``master/`` when
+    ``dtype`` is given, cast to it), which the engine's log names when it loads them."""
+    from orchestrator.checkpoints import sharded, sums
+
+    tensors = sharded.read_all(checkpoint / "master" if dtype is not None else checkpoint)
+    tensors = {n: t.to(dtype) for n, t in tensors.items()} if dtype is not None else tensors
+    scratch.mkdir(parents=True, exist_ok=True)
+    return sums.write_safetensors(scratch / f"rebuilt-{checkpoint.name}.safetensors", tensors, {"format": "pt"}, durable=False).digest
+
+
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

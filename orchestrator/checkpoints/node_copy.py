@@ -20,6 +20,7 @@ engines no longer serve are removed as soon as the new one is in place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -49,14 +50,23 @@ class Built:
 
 
 class NodeCopies:
-    """One node's rebuilt versions under ``root`` (emptied at the start: a copy a crash left
-    cannot be trusted, and it is rebuilt from the shared checkpoints)."""
+    """One process's rebuilt versions, in a directory of its own under ``root``
+    (``p<pid>-*``), removed by :meth:`close`; a directory a process that is gone left is removed
+    at the start (a copy a crash left cannot be trusted: it is rebuilt from the shared
+    checkpoints). Its own, because the workload of a rank that rejoins (elastic) is made anew
+    while the one it replaces is still closing."""
 
     def __init__(self, layout: RunLayout, root: Path):
+        import os
+        import tempfile
+
         self.layout = layout
-        self.root = Path(root)
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.root.mkdir(parents=True)
+        base = Path(root)
+        base.mkdir(parents=True, exist_ok=True)
+        for old in base.iterdir():
+            if not _alive(old.name):
+                shutil.rmtree(old, ignore_errors=True)
+        self.root = Path(tempfile.mkdtemp(prefix=f"p{os.getpid()}-", dir=base))
         self.held: tuple[int, Path] | None = None
         self.last: Built | None = None
         self._read = 0
@@ -70,6 +80,7 @@ class NodeCopies:
         if self.held is not None and self.held[0] == checkpoint.iteration:
             return self.held[1]
         began, target = time.monotonic(), checkpoint.iteration
+        self.root.mkdir(parents=True, exist_ok=True)  # again after close(): a rank that rejoins (elastic) goes on with it
         failures = []
         self._manifests = {}  # read afresh for each rebuild, once per checkpoint
         ways = [(f"copied from the base model {checkpoint.path}", lambda staging: self._copy_base(checkpoint.path, staging))] \
@@ -103,6 +114,8 @@ class NodeCopies:
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         self.held = None
+        with contextlib.suppress(OSError):
+            self.root.parent.rmdir()  # the run's and rank's directory, once no process has one in it
 
     # -- the ways ---------------------------------------------------------------------------------
 
@@ -213,10 +226,17 @@ class NodeCopies:
                 self._copy_checked(directory, p.name, into / p.name)
 
     def _copy_small(self, directory: Path, into: Path) -> None:
-        """The config, generation config and tokenizer files, checked."""
+        """The config, generation config and tokenizer files, checked: from the version the
+        node holds where its file has the sum the manifest lists (the tokenizer, megabytes,
+        rarely changes), else from the shared filesystem."""
+        held = self.held[1] if self.held is not None else None
         for p in sorted(directory.iterdir()):
             weights = p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")
-            if p.is_file() and not weights and p.name not in _RUN_ONLY and not p.name.startswith("."):
+            if not p.is_file() or weights or p.name in _RUN_ONLY or p.name.startswith("."):
+                continue
+            if held is not None and _same(held / p.name, self._expected(directory, p.name)):
+                shutil.copyfile(held / p.name, into / p.name)
+            else:
                 (into / p.name).write_bytes(self._read_checked(directory, p.name))
 
     def _expected(self, directory: Path, name: str) -> dict:
@@ -247,6 +267,33 @@ class NodeCopies:
         for p in self.root.iterdir():
             if p != keep:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(name: str) -> bool:
+    """Whether the process a cache directory ``p<pid>-*`` is named by still runs (any other
+    name: left by an older version, not alive)."""
+    import os
+
+    pid = name[1:].split("-", 1)[0] if name.startswith("p") else ""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _same(local: Path, want: dict) -> bool:
+    """Whether the node-local file ``local`` is the one the manifest entry ``want`` lists."""
+    try:
+        manifest.check(local, local.stat().st_size, want, lambda used: sums.file_sum(local) if used == sums.ALGORITHM
+                       else manifest.digest_of(local.read_bytes(), used))
+    except (OSError, CheckpointCorrupt):
+        return False
+    return True
 
 
 def _load(data: bytes) -> dict:

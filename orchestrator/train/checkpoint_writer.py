@@ -56,7 +56,7 @@ def write(policy: Policy, config: TrainRequest, stats: dict, started: float, bas
                                          written=written, parallel=config.parallel_write)
         elif rank == 0 and config.write_state:
             optimizer_state.save(optimizer, model, output, written)
-    elif world_size > 1:  # fsdp, or ddp at more than one worker: each writes the tensors it owns
+    elif policy.setup.sharded or world_size > 1:  # fsdp, or ddp at more than one worker: each writes the tensors it owns
         def barrier() -> None:
             _barrier(device, "checkpoint shard")
 

@@ -109,7 +109,7 @@ class Policy:
         setup = Setup.of(config)
         if self.model is not None and self.holds is not None and config.init_iteration == self.holds and setup == self.setup:
             self._onload()
-            self.continued_from = int(max((s["step"].item() for s in self.optimizer.state.values()), default=0)) or None
+            self.count_steps()
             return "memory"
         from transformers import AutoTokenizer
 
@@ -177,6 +177,10 @@ class Policy:
             self._reference = None  # reloaded next time: keeping it would hold the GPU
         torch.cuda.empty_cache()
         self.offloaded = True
+
+    def count_steps(self) -> None:
+        """``continued_from``: the steps the optimizer in memory has made (None: none)."""
+        self.continued_from = int(max((s["step"].item() for s in self.optimizer.state.values()), default=0)) or None
 
     def _onload(self) -> None:
         if self.offloaded:

@@ -81,6 +81,7 @@ def _replay(policy: Policy, config: TrainRequest) -> list[int]:
         records = read_records(again.data)
         _train(policy, again, records, trained_records(records, again), "memory")
         policy.holds = step.iteration
+        policy.count_steps()
         faults.hold_in_child("hold-in-replay", config.iteration, Phase.TRAIN, log)
     return [first, last]
 

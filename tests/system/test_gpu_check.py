@@ -17,7 +17,7 @@ from orchestrator.demo import model as demo_model
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
-PARTS = ["machine", "demo", "engine", "engine-cpu", "train", "offload"]
+PARTS = ["machine", "demo", "engine", "engine-cpu", "train", "offload", "publish"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -58,9 +58,11 @@ def test_allow_cpu_quick_runs_every_part_and_writes_each_part_s_figures(tmp_path
     assert offload["offload_s"] >= 0 and offload["reload_s"] > 0
     assert offload["moved"] is torch.cuda.is_available()
     assert offload["engine_beside_trainer"]["tokens_per_s"] > 0
+    publish = parts["publish"]
+    assert publish["summary"]["engine_read_bytes"] < 1 and publish["replay"]["exact"] is True, publish
 
     for title in ("machine", "demo data", "embedded engine on", "embedded engine on cpu (the comparison)", "one bf16 optimizer step",
-                  "kept-alive trainer (ddp, bf16): offload and reload", "gpu-check: every part passed (6)"):
+                  "kept-alive trainer (ddp, bf16): offload and reload", "gpu-check: every part passed (7)"):
         assert title in done.stdout, title
     assert "FAILED" not in done.stdout + done.stderr
 

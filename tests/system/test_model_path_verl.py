@@ -2,6 +2,7 @@
 run for real on two local ranks with the keys docs/data.md ("From verl") gives."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,10 @@ def test_verls_gsm8k_parquet_with_a_model_outside_the_data_path_runs_on_two_rank
     named = start["fingerprint"]["model"]
     assert named["directory"] == str(model)
     assert named["weights"] == {"model.safetensors": (model / "model.safetensors").stat().st_size}
-    # Each rank's engine started on the model outside the data path (engines are numbered over the run).
+    # Each rank's engine started on its node's copy of the model outside the data path (publish.delta:
+    # the first version's delta applies to it), which each rank copied from there (engines are
+    # numbered over the run).
     logs = {log.parent.name: log.read_text(errors="replace") for log in sorted((log_path / "engines").glob("r*/engine*.log"))}
-    assert len(logs) == 2 and all(f"start on {model} as " in text for text in logs.values()), logs
+    assert len(logs) == 2 and all(re.search(r"start on \S+/iter-0 as ", text) for text in logs.values()), logs
+    assert (result.stdout + result.stderr).count(f"copied from the base model {model}:") == 2, result.stdout[-3000:]
     assert not (data / "model").exists()

@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from orchestrator import checkpoints
-from orchestrator.checkpoints import sharded, sums
+from orchestrator.checkpoints import sharded
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import rl_flags, run_local, status_json
+from tests.faultfs_fixtures import faultfs_mounts  # noqa: F401
+from tests.harness import Cluster, rebuilt_sum, rl_flags, run_local, status_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -34,8 +35,10 @@ def bf16_model(demo_data, tmp_path_factory):
 
 
 def _run(demo_data, bf16_model, log_path, *extra):
+    """Whole bf16 weights and the state in every checkpoint: the deltas are the next test's."""
     result = run_local(rl_flags(demo_data, log_path, num_nodes=1, weights="1", max_iterations=2,
-                                extra=[f"model.path={bf16_model}", "rl.lr=1e-5", *extra]), timeout=300)
+                                extra=[f"model.path={bf16_model}", "rl.lr=1e-5", "publish.delta=false", "checkpoint.state_every=1",
+                                       *extra]), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return RunLayout(log_path)
 
@@ -87,21 +90,19 @@ def _served_sums(layout: RunLayout, rank: int) -> dict[int, str]:
 
 def _expected_sum(layout: RunLayout, iteration: int, tmp_path) -> str:
     """The sum of the file a node writes for ``iteration``: its master weights cast to bf16."""
-    master = sharded.read_all(layout.checkpoint(iteration) / "master")
-    return sums.write_safetensors(tmp_path / f"expected-{iteration}.safetensors", {n: t.to(torch.bfloat16) for n, t in master.items()},
-                                  {"format": "pt"}, durable=False).digest
+    return rebuilt_sum(layout.checkpoint(iteration), tmp_path / "expected", torch.bfloat16)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_weights_published_as_deltas_reach_every_engine_bit_for_bit(demo_data, bf16_model, tmp_path, strategy):
-    """publish.delta: versions 2 and 4 as deltas, 1 and 3 whole and as deltas besides (the
-    first against the bf16 base; publish.full_every=3); every engine serves each version's
-    master cast to bf16, bit for bit; a move reads the delta alone; export gives the master,
-    or, its state gone, the version rebuilt from its chain."""
-    nodes = 1 if strategy == "ddp" else 2
-    result = run_local(rl_flags(demo_data, tmp_path / "run", num_nodes=nodes, weights=",".join(["1"] * nodes), max_iterations=4,
+def test_weights_published_as_deltas_reach_every_engine_bit_for_bit(demo_data, bf16_model, tmp_path):
+    """publish.delta, ddp at two nodes (each worker writes its part of each delta): versions 2
+    and 4 as deltas, 1 and 3 whole and as deltas besides (the first against the bf16 base;
+    publish.full_every=3); every engine serves each version's master cast to bf16, bit for
+    bit; a move reads the delta alone; export gives the master, or, its state gone, the
+    version rebuilt from its chain. (FSDP's deltas: test_replay.py.)"""
+    nodes = 2
+    result = run_local(rl_flags(demo_data, tmp_path / "run", num_nodes=nodes, weights="1,1", max_iterations=4,
                                 extra=[f"model.path={bf16_model}", "rl.lr=1e-5", "publish.delta=true", "publish.full_every=3",
-                                       f"train.strategy={strategy}", f"train.keep_alive={str(strategy == 'ddp').lower()}",
+                                       "checkpoint.state_every=1",  # each version's master, to check what was served against
                                        f"rollout.local_cache={tmp_path / 'cache'}"]), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     layout = RunLayout(tmp_path / "run")
@@ -116,24 +117,68 @@ def test_weights_published_as_deltas_reach_every_engine_bit_for_bit(demo_data, b
         served = _served_sums(layout, rank)
         assert served == {i: _expected_sum(layout, i, tmp_path) for i in (1, 2, 3)}, "every engine served each master, cast, exactly"
     moved = status_json(tmp_path / "run")["iterations"][1]["timing"]["bytes"]
-    small = sum(p.stat().st_size for p in layout.checkpoint(2).iterdir() if p.suffix == ".json" and p.name not in
-                ("orchestrator.manifest.json", "train_stats.json"))
+    index = (layout.checkpoint(2) / "delta.json").stat().st_size
     delta = sum(p.stat().st_size for p in layout.checkpoint(2).glob("delta-*"))
-    assert moved["read_per_node"] == {str(r): delta + small for r in range(nodes)}, (moved, delta, small)
+    # the delta and its index; the configs and tokenizer, unchanged, come from the version the node holds
+    assert moved["read_per_node"] == {str(r): delta + index for r in range(nodes)}, (moved, delta, index)
     assert not any((tmp_path / "cache").iterdir()), "the node-local copies go with the run"
-    if strategy == "fsdp":
-        assert json.loads((layout.checkpoint(4) / "train_stats.json").read_text())["policy_from"] == "checkpoint"
-        return
 
     out = tmp_path / "exported"
     done = subprocess.run([sys.executable, "-m", "orchestrator", "export", f"--log-path={tmp_path / 'run'}", f"--out={out}"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "fp32 master weights" in done.stdout, done.stdout + done.stderr
     master = sharded.read_all(layout.checkpoint(4) / "master")
-    assert not (out / "delta.json").exists() and load_file(out / "model.safetensors").keys() == master.keys()
+    assert not (out / "delta.json").exists() and sharded.read_all(out).keys() == master.keys()
     shutil.rmtree(layout.checkpoint(4) / "master")
     done = subprocess.run([sys.executable, "-m", "orchestrator", "export", f"--log-path={tmp_path / 'run'}", f"--out={tmp_path / 'bf16'}"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "rebuilt from its chain of deltas" in done.stdout, done.stdout + done.stderr
-    exported = load_file(tmp_path / "bf16" / "model.safetensors")
+    exported = sharded.read_all(tmp_path / "bf16")
     assert all(exported[n].equal(t.to(torch.bfloat16)) for n, t in master.items())
+
+
+@pytest.fixture
+def two_mounts(faultfs_mounts, tmp_path):
+    """Two faultfs mounts of one directory (two clients, each counting what it reads) and a
+    Cluster; the ranks are killed before the mounts are torn down."""
+    backing, mounts = faultfs_mounts(2)
+    logs = tmp_path / "rank-logs"
+    logs.mkdir()
+    cluster = Cluster(tmp=logs, log_path=backing / "run")
+    yield cluster, backing, mounts
+    cluster.kill_all()
+    for p in cluster.procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def test_no_file_is_read_back_by_its_writer_and_an_engine_node_reads_the_deltas_alone(demo_data, bf16_model, two_mounts):
+    """Rank 0 trains and serves no engine, rank 1 serves and does not train, each through its
+    own mount, which counts every byte read: rank 0 (the writer, the node that seals, a rank
+    that moves no engine) reads no weights or state back; rank 1 reads each version's delta
+    once and no whole weights (its first copy is the base model, from model.path)."""
+    cluster, backing, mounts = two_mounts
+    extra = [f"model.path={bf16_model}", "rl.lr=1e-5", "publish.delta=true", "train.nodes=0", "rollout.nodes=1",
+             f"rollout.local_cache={cluster.tmp / 'cache'}"]
+    procs = [cluster.start(rank, rl_flags(demo_data, mounts[rank].path / "run", num_nodes=2, weights="0,1", max_iterations=3,
+                                          extra=extra)) for rank in range(2)]
+    codes = cluster.wait_all(procs, timeout=300)
+    assert codes == [0, 0], "\n".join(f"--- rank {p.rank} ---\n{p.output()[-4000:]}" for p in procs)
+    layout = RunLayout(backing / "run")
+    stats = [m.wait_stats(lambda s: "read_bytes" in s) for m in mounts]  # every read is in: the ranks have exited
+    under = layout.checkpoints.relative_to(backing).as_posix() + "/"
+    read = [{path: n for path, n in s["read_bytes"].items() if path.startswith(under)} for s in stats]
+    tensors_read_by_writer = {p: n for p, n in read[0].items() if p.endswith(".safetensors")}
+    assert tensors_read_by_writer == {}, f"the writer read weights or state back: {tensors_read_by_writer}"
+    checkpoint_bytes = sum(f.stat().st_size for i in (1, 2, 3) for f in layout.checkpoint(i).rglob("*") if f.is_file())
+    assert all(p.endswith(".json") for p in read[0]) and sum(read[0].values()) < 3 * 64 * 1024, \
+        f"beyond the small files (configs, indexes, the writers' sums), the writer read {read[0]}"
+    served = {p: n for p, n in read[1].items() if p.endswith(".safetensors")}
+    deltas = {f.relative_to(backing).as_posix(): f.stat().st_size for i in (1, 2) for f in layout.checkpoint(i).glob("delta-*")}
+    assert served.keys() == deltas.keys(), f"rank 1 read {sorted(served)}, where the deltas of iterations 1 and 2 are {sorted(deltas)}"
+    assert all(served[p] <= deltas[p] + 65536 for p in deltas), (served, deltas)
+    unchanged = [p for p in read[1] if "iter-000002/" in p and p.rsplit("/", 1)[1] in ("tokenizer.json", "config.json")]
+    assert not unchanged, f"files the node holds already were read again: {unchanged}"
+    print(f"rank 0 read {sum(read[0].values())} bytes of {checkpoint_bytes} under checkpoints/; rank 1 read {served}")

@@ -82,7 +82,7 @@ def test_salvage_after_kill_9_mid_rollout_then_train_only_when_allowed(demo_data
     trained = subprocess.run([sys.executable, "-m", "orchestrator", "local", *update, "rl.train_on_partial=true"],
                              capture_output=True, text=True, timeout=240)
     assert trained.returncode == 0, trained.stdout[-4000:]
-    assert layout.checkpoint(1).joinpath("model.safetensors").is_file()
+    assert any(layout.checkpoint(1).glob("model*.safetensors")), "the first version is written whole (by each train worker, its part)"
     assert json.loads(layout.checkpoint(1).joinpath("train_stats.json").read_text())["records"] == m.count
 
 

@@ -110,9 +110,12 @@ def test_fsdp_workers_on_separate_sshfs_mounts_write_one_sealed_sharded_checkpoi
     for i in (1, 2):
         checkpoint = layout.checkpoint(i)
         checkpoints.verify(checkpoint)  # every file the manifest lists, hashed again here
-        index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+        weights = "" if (checkpoint / "model.safetensors.index.json").is_file() else "master/"  # a delta: the fp32 master's shards
+        index = json.loads((checkpoint / weights / "model.safetensors.index.json").read_text())
         assert sorted(set(index["weight_map"].values())) == shards
         listed = set(fsio.read_record(checkpoint / checkpoints.MANIFEST)["files"])
-        assert {*shards, "optimizer/adamw-00001-of-00002.safetensors", "optimizer/adamw-00002-of-00002.safetensors"} <= listed
+        assert {f"{weights}{s}" for s in shards} <= listed
+    # the training state, at the last iteration (checkpoint.state_every)
+    assert {"optimizer/adamw-00001-of-00002.safetensors", "optimizer/adamw-00002-of-00002.safetensors"} <= listed
     stats = json.loads((layout.checkpoint(2) / "train_stats.json").read_text())
     assert (stats["strategy"], stats["world_size"], stats["policy_from"]) == ("fsdp", 2, "memory")

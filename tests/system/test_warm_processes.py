@@ -57,13 +57,19 @@ def test_a_trainer_killed_mid_training_fails_its_rank_naming_it_and_the_rerun_co
     _finish_and_check(flags, layout)
     assert not list(layout.checkpoints.glob(".*.tmp")), "the rerun removes the staging directory the crash left"
     stats = json.loads((layout.checkpoint(2) / "train_stats.json").read_text())
-    assert stats["policy_from"] == "checkpoint"  # the rerun's new trainers loaded iteration 1's weights and moments
+    # iteration 1's checkpoint holds no training state (checkpoint.state_every): the rerun's new
+    # trainers trained iteration 1 again from its aggregate, then iteration 2
+    assert stats["policy_from"] == "replayed 1..1", stats
     # The same run without the crash ends with the same weights and moments, bit for bit.
     calm = tmp_path / "calm"
     result = run_local(rl_flags(demo_data, calm, extra=[f"--max-iterations={ITERATIONS}", "rl.epochs=8", "rl.micro_batch=3"]), timeout=300)
     assert result.returncode == 0, result.stdout[-6000:]
     last = RunLayout(calm).checkpoint(ITERATIONS)
-    for name in ("model.safetensors", "optimizer/adamw.safetensors"):
+    names = sorted(p.relative_to(last).as_posix() for p in last.rglob("*.safetensors"))
+    assert "optimizer/adamw.safetensors.index.json" in {p.relative_to(last).as_posix() for p in last.rglob("*.json")}, names
+    assert names == sorted(p.relative_to(layout.checkpoint(ITERATIONS)).as_posix()
+                           for p in layout.checkpoint(ITERATIONS).rglob("*.safetensors"))
+    for name in names:  # the weights (or their delta), the fp32 master, the moments: every worker's part
         assert file_sha256(last / name) == file_sha256(layout.checkpoint(ITERATIONS) / name), name
 
 

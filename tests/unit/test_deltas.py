@@ -8,6 +8,7 @@ file. Retention keeps the chain a kept version is rebuilt from."""
 
 import json
 import logging
+import subprocess
 
 import pytest
 import torch
@@ -104,14 +105,17 @@ def test_a_node_moves_by_the_new_delta_alone_and_rebuilds_from_the_full_copy_aft
     for i in (1, 2, 3):
         path = copies.get(store.Checkpoint(layout.checkpoint(i), i))
         assert _equal(_served(path), values[i])
-        assert path.parent == tmp_path / "cache" and (path / "config.json").is_file()
+        assert path.parent == copies.root and copies.root.parent == tmp_path / "cache" and (path / "config.json").is_file()
     delta_3 = sum(p.stat().st_size for p in layout.checkpoint(3).glob("delta*"))
     assert copies.last.how.startswith("from iteration 2, which it held")
     assert copies.last.bytes_read < delta_3 + 200, "the move read the new delta (and the config): not the full copy beside it"
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["iter-3"], "the versions the engines left are removed"
+    assert sorted(p.name for p in copies.root.iterdir()) == ["iter-3"], "the versions the engines left are removed"
 
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = copies.root.rename(tmp_path / "cache" / f"p{gone.pid}-crashed")  # as a process that died left it
     restarted = NodeCopies(layout, tmp_path / "cache")
-    assert not (tmp_path / "cache" / "iter-3").exists(), "a copy a crash left is not trusted"
+    assert not left.exists() and restarted.root.parent == tmp_path / "cache", "a copy a crash left is not trusted"
     path = restarted.get(store.Checkpoint(layout.checkpoint(4), 4))
     assert _equal(_served(path), values[4]) and restarted.last.how == "from the full copy of iteration 3 and 1 delta(s)"
     assert restarted.last.bytes_read < (layout.checkpoint(3) / "model.safetensors").stat().st_size + 2 * delta_3
