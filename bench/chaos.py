@@ -53,7 +53,8 @@ Checks:
 ``--rl-episodes M`` adds M episodes of the real loop on demo data with the defaults that move
 the policy (weights published as deltas, each rollout node rebuilding each version, the
 training state written only at the last of 3 iterations, ``checkpoint.state_every=3``) and
-``rl.max_staleness=1``: rank 0 trains, ranks 1 and 2 roll out, the tests' small settings.
+``rl.max_staleness=1`` (``rl.is_correction=none``): rank 0 trains, ranks 1 and 2 roll out,
+the tests' small settings.
 The fault: a rollout node killed or frozen past the node timeout, the trainer's node killed,
 or every node killed, when the rank reaches rollout, training (where a new trainer replays),
 publish or the engines' move (where a node rebuilds the version). One more check:
@@ -137,7 +138,10 @@ RL = Setup(
      "coordination.join_timeout_s=60", "rollout.engine_port=0",
      # the defaults publish deltas (publish.delta) and write the state every 10 iterations: here only
      # at the last, so a trainer started again after a kill replays what came before it
-     "checkpoint.state_every=3", "rl.max_staleness=1", "train.nodes=0", "rollout.nodes=1-2"),
+     "checkpoint.state_every=3", "rl.max_staleness=1", "train.nodes=0", "rollout.nodes=1-2",
+     # no importance correction (auto: tis with a staleness): the update then depends on the samples'
+     # tokens and rewards, not on the engines' log-probs, whose last bits vary with how requests batch
+     "rl.is_correction=none"),
     node_timeout_s=10, join_timeout_s=60, margin_s=30, bound_s=600,
     trigger_phases=(int(Phase.ROLLOUT), int(Phase.TRAIN), int(Phase.PUBLISH), int(Phase.ENGINE_RESTART)),
 )
@@ -686,14 +690,15 @@ class Episode:
 # -- the RL episodes' weights --------------------------------------------------------------------
 
 def trained_on(layout: RunLayout, iterations: int) -> list:
-    """What the updates trained on: each iteration's train aggregate, the samples' ids, rewards
-    and log-probs in the aggregate's order (not who rolled them out, or when)."""
+    """What the updates trained on: each iteration's train aggregate, the samples' token ids and
+    rewards in the aggregate's order (not who rolled them out, or when, nor the engines'
+    log-probs, which the update does not use here: rl.is_correction=none)."""
     out = []
     for i in range(1, iterations + 1):
         path = layout.iteration(i).aggregate("train")
         records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         out.append([(r["task_id"], r.get("policy_iteration"),
-                     [(x["token_ids"], x["reward"], x.get("logprobs")) for x in r["samples"]]) for r in records])
+                     [(x["token_ids"], x["reward"]) for x in r["samples"]]) for r in records])
     return out
 
 
