@@ -172,6 +172,15 @@ class Cluster:
         for rp in self.procs:
             kill_tree(rp.pid)
 
+    def end(self) -> None:
+        """Every rank killed and waited for (before the mounts it runs on are torn down)."""
+        self.kill_all()
+        for rp in self.procs:
+            try:
+                rp.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
 
 def kill_tree(pid: int) -> None:
     try:

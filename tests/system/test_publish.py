@@ -146,12 +146,7 @@ def two_mounts(faultfs_mounts, tmp_path):
     logs.mkdir()
     cluster = Cluster(tmp=logs, log_path=backing / "run")
     yield cluster, backing, mounts
-    cluster.kill_all()
-    for p in cluster.procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    cluster.end()
 
 
 def test_no_file_is_read_back_by_its_writer_and_an_engine_node_reads_the_deltas_alone(demo_data, bf16_model, two_mounts):

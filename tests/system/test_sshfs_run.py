@@ -24,12 +24,7 @@ def sshfs_cluster(sshfs_mounts, tmp_path):
     logs.mkdir()
     c = Cluster(tmp=logs, log_path=export / "run")
     yield c, export, mounts
-    c.kill_all()
-    for p in c.procs:
-        try:
-            p.wait(timeout=10)
-        except Exception:
-            pass
+    c.end()
 
 
 def test_mounts_are_independent_clients_with_default_caching(sshfs_mounts):
