@@ -162,7 +162,10 @@ def test_no_file_is_read_back_by_its_writer_and_an_engine_node_reads_the_deltas_
     codes = cluster.wait_all(procs, timeout=300)
     assert codes == [0, 0], "\n".join(f"--- rank {p.rank} ---\n{p.output()[-4000:]}" for p in procs)
     layout = RunLayout(backing / "run")
-    stats = [m.wait_stats(lambda s: "read_bytes" in s) for m in mounts]  # every read is in: the ranks have exited
+    (backing / "marker").write_bytes(b"x")
+    for m in mounts:  # a read after the ranks' last: once the stats count it, they count every read before it
+        (m.path / "marker").read_bytes()
+    stats = [m.wait_stats(lambda s: "marker" in s.get("read_bytes", {})) for m in mounts]
     under = layout.checkpoints.relative_to(backing).as_posix() + "/"
     read = [{path: n for path, n in s["read_bytes"].items() if path.startswith(under)} for s in stats]
     tensors_read_by_writer = {p: n for p, n in read[0].items() if p.endswith(".safetensors")}
