@@ -121,18 +121,21 @@ def digest_of(data: bytes, used: str) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def check_file(path: Path, want: dict) -> None:
+    """``check`` of the file at ``path`` (its size, then its sum read from it)."""
+    check(path, path.stat().st_size, want, lambda used: sums.file_sum(path) if used == sums.ALGORITHM else shards.sha256_file(path))
+
+
 def verify(directory: Path, part: str = ALL) -> None:
     """Raise CheckpointCorrupt naming the first file of ``part`` (``WEIGHTS`` or ``ALL``) that
     does not match the manifest."""
     for name, want in listed(directory).items():
         if part == WEIGHTS and "/" in name:
             continue  # the optimizer state: the trainer's, not the engine's
-        path = directory / name
         try:
-            size = path.stat().st_size
+            check_file(directory / name, want)
         except FileNotFoundError:
             raise CheckpointCorrupt(f"checkpoint {directory} lacks {name}, which its manifest lists") from None
-        check(path, size, want, lambda used: sums.file_sum(path) if used == sums.ALGORITHM else shards.sha256_file(path))
 
 
 class Verified:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,13 +55,11 @@ class NodeCopies:
     """One process's rebuilt versions, in a directory of its own under ``root``
     (``p<pid>-*``), removed by :meth:`close`; a directory a process that is gone left is removed
     at the start (a copy a crash left cannot be trusted: it is rebuilt from the shared
-    checkpoints). Its own, because the workload of a rank that rejoins (elastic) is made anew
-    while the one it replaces is still closing."""
+    checkpoints). Its own, so that no other process's start or close removes what it builds;
+    after :meth:`close` it may be used again, starting empty (a rank that rejoins its run,
+    elastic, closes its work first and goes on)."""
 
     def __init__(self, layout: RunLayout, root: Path):
-        import os
-        import tempfile
-
         self.layout = layout
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)
@@ -272,8 +272,6 @@ class NodeCopies:
 def _alive(name: str) -> bool:
     """Whether the process a cache directory ``p<pid>-*`` is named by still runs (any other
     name: left by an older version, not alive)."""
-    import os
-
     pid = name[1:].split("-", 1)[0] if name.startswith("p") else ""
     if not pid.isdigit():
         return False
@@ -289,8 +287,7 @@ def _alive(name: str) -> bool:
 def _same(local: Path, want: dict) -> bool:
     """Whether the node-local file ``local`` is the one the manifest entry ``want`` lists."""
     try:
-        manifest.check(local, local.stat().st_size, want, lambda used: sums.file_sum(local) if used == sums.ALGORITHM
-                       else manifest.digest_of(local.read_bytes(), used))
+        manifest.check_file(local, want)
     except (OSError, CheckpointCorrupt):
         return False
     return True
