@@ -151,6 +151,9 @@ class Cluster:
         self._runs += 1
         log = self.tmp / f"rank{rank}.run{self._runs}.log"
         full_env = {k: v for k, v in os.environ.items() if k != "ORCHESTRATOR_FAULT"}
+        # The ranks share this small machine, as under `orchestrator local`: one thread each,
+        # or their trainers' threads outnumber the cores and every collective waits on one.
+        full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
         with open(log, "wb") as out:
             proc = subprocess.Popen(
