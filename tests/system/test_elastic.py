@@ -194,7 +194,18 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
         held(2)
         os.kill(procs[2].pid, signal.SIGSTOP)
         marked_out(2)
-        os.kill(procs[2].pid, signal.SIGCONT)  # it finds itself out, stops its work and asks to come back
+        # Ranks 0 and 1 are frozen until rank 2 has asked to come back, so that it is admitted
+        # at iteration 3's start however soon they would finish iteration 2 without it.
+        join = layout.attempt(sorted(layout.attempts.iterdir())[-1].name).join(2)
+        asked_before = join.read_text()
+        for p in procs[:2]:
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            os.kill(procs[2].pid, signal.SIGCONT)  # it finds itself out, stops its work and asks to come back
+            wait_for(lambda: join.read_text() != asked_before, 30, "rank 2 to ask to rejoin")
+        finally:
+            for p in procs[:2]:
+                os.kill(p.pid, signal.SIGCONT)
         wait_until(lambda: trainer_in_update(cluster.log_path, 2, 3), "train worker 2 to be in the update of iteration 3")
         kill_node_and_start_again()
         marked_out(3)
