@@ -1,7 +1,8 @@
 """The iteration's trajectory as the update consumes it: its records read and checked
 against the model, every sample encoded (every worker plans every worker's part), and the
-log-probs of this worker's samples under the init policy and the reference, computed once
-before the first step."""
+log-probs of every sample under the init policy and the reference, computed once before the
+first step: each worker computes its share (train/plan.py deals them by tokens) and the
+workers then exchange them, so that any worker can train on any sample."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _check_vocabulary(records: list[grpo.Record], vocab: int, model: Path) -> No
 
 @dataclass(slots=True)
 class Batches:
-    """The iteration's samples as token ids, and the log-probs of this worker's samples under
-    the init policy and the reference, by (record, sample)."""
+    """The iteration's samples as token ids, and the log-probs of every sample under the init
+    policy and the reference, by (record, sample)."""
 
     completions: list[list[grpo.Completion]]
     pad_id: int
@@ -49,13 +50,14 @@ class Batches:
     old: dict = field(default_factory=dict)
     ref: dict | None = None
     weights: dict | None = None
-    """Per sample of this worker, its tokens' importance weights (``is_correction``), or None."""
+    """Per sample, its tokens' importance weights (``is_correction``), or None."""
     is_stats: dict | None = None
-    """The importance ratios over every worker's tokens: mean, max, share past the cap."""
+    """The importance ratios over every sample's tokens: mean, max, share past the cap."""
 
-    def collate(self, keys: list[plan.Key], device) -> grpo.Batch:
-        """The batch of these samples; an empty pass is sample (0, 0), weighed by zero."""
-        return grpo.collate([self.completions[k][s] for k, s in keys or [(0, 0)]], self.pad_id, self.loss_agg).to(device)
+    def collate(self, micro_batch: plan.MicroBatch, device) -> grpo.Batch:
+        """The batch of these rows; an empty pass is sample (0, 0), weighed by zero."""
+        rows = micro_batch or [[(0, 0)]]
+        return grpo.collate_rows([[self.completions[k][s] for k, s in row] for row in rows], self.pad_id, self.loss_agg).to(device)
 
     def lined_up(self, keys: list[plan.Key], which: dict):
         import torch
@@ -83,27 +85,31 @@ def prepare(policy: Policy, config: TrainRequest, records: list[grpo.Record]) ->
                            completions=[[len(c.completion_ids) for c in group] for group in completions],
                            trained_tokens=[[c.trained_tokens() for c in group] for group in completions] if masked else None)
     batches = Batches(completions, policy.pad_id, config.rl.loss_agg)
-    passes = plan.logprob_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, budget=config.train.micro_batch_tokens)
+    passes = plan.logprob_plan(lengths, world_size=rdv.world_size, budget=config.train.micro_batch_tokens, packing=config.train.packing)
     if config.rl.old_logprobs == "engine":  # the engine's: no forward pass
-        batches.old = {key: _engine_logprobs(batches, key, policy.device) for keys in passes for key in keys}
+        batches.old = {key: _engine_logprobs(batches, key, policy.device) for key in _every_sample(completions)}
     else:
-        batches.old = _logprobs(model, batches, passes, config, policy.device)
+        batches.old = _logprobs(model, batches, passes, rdv, config, policy.device)
     if config.uses_kl:
         same = config.reference_checkpoint.resolve() == config.init_checkpoint.resolve()
         if same and config.rl.old_logprobs == "trainer":
             batches.ref = batches.old
         elif same:
-            batches.ref = _logprobs(model, batches, passes, config, policy.device)
+            batches.ref = _logprobs(model, batches, passes, rdv, config, policy.device)
         elif lora.is_base_of(policy, config.reference_checkpoint):  # the base under the adapters: no second copy of it
             with lora.adapters_off(model):
-                batches.ref = _logprobs(model, batches, passes, config, policy.device)
+                batches.ref = _logprobs(model, batches, passes, rdv, config, policy.device)
         else:
-            batches.ref = _logprobs(policy.reference(config), batches, passes, config, policy.device)
+            batches.ref = _logprobs(policy.reference(config), batches, passes, rdv, config, policy.device)
     elif config.rl.kl_coef > 0:
         log.warning("kl_coef is %g but there is no reference checkpoint: no KL term", config.rl.kl_coef)
     if config.correction != "none":
-        batches.weights, batches.is_stats = _importance_weights(batches, config, policy.device)
+        batches.weights, batches.is_stats = _importance_weights(batches, config)
     return batches, lengths
+
+
+def _every_sample(completions: list[list[grpo.Completion]]) -> list[plan.Key]:
+    return [(k, s) for k, group in enumerate(completions) for s in range(len(group))]
 
 
 def _check_behaviour_logprobs(records: list[grpo.Record], what: str) -> None:
@@ -125,15 +131,13 @@ def _engine_logprobs(batches: Batches, key: plan.Key, device):
     return torch.tensor(batches.completions[key[0]][key[1]].behaviour_logprobs, dtype=torch.float32, device=device)
 
 
-def _importance_weights(batches: Batches, config: TrainRequest, device) -> tuple[dict, dict]:
-    """This worker's samples' importance weights, and the ratios' statistics over every
-    worker's tokens (one reduction that every worker joins)."""
+def _importance_weights(batches: Batches, config: TrainRequest) -> tuple[dict, dict]:
+    """Every sample's importance weights, and the ratios' statistics over every sample's
+    tokens (every worker holds every sample's old log-probs, so computes the same)."""
     import torch
-    import torch.distributed as dist
 
     weights = {}
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # ratio sum, tokens, tokens past the cap
-    peak = torch.zeros(1, dtype=torch.float64, device=device)
+    ratio_sum, tokens, past_cap, peak = 0.0, 0, 0, 0.0
     for key, old in batches.old.items():
         behaviour = _engine_logprobs(batches, key, old.device).to(old.dtype)
         weights[key], ratio = grpo.is_weights(old, behaviour, mode=config.correction, cap=config.rl.is_cap)
@@ -141,27 +145,49 @@ def _importance_weights(batches: Batches, config: TrainRequest, device) -> tuple
         if mask is not None:  # an observation's tokens were not sampled: no ratio of theirs counts
             ratio = ratio[torch.tensor(mask, dtype=torch.bool, device=ratio.device)]
         if ratio.numel():
-            sums += torch.stack([ratio.double().sum(), torch.tensor(float(ratio.numel()), dtype=torch.float64, device=device),
-                                 (ratio > config.rl.is_cap).double().sum()])
-            peak = torch.maximum(peak, ratio.double().max().reshape(1))
-    dist.all_reduce(sums)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    tokens = max(sums[1].item(), 1.0)
-    return weights, {"is_ratio_mean": sums[0].item() / tokens, "is_ratio_max": peak.item(),
-                     "is_capped_fraction": sums[2].item() / tokens}
+            ratio = ratio.double()
+            ratio_sum += ratio.sum().item()
+            tokens += ratio.numel()
+            past_cap += int((ratio > config.rl.is_cap).sum().item())
+            peak = max(peak, ratio.max().item())
+    tokens = max(tokens, 1)
+    return weights, {"is_ratio_mean": ratio_sum / tokens, "is_ratio_max": peak, "is_capped_fraction": past_cap / tokens}
 
 
-def _logprobs(model, batches: Batches, passes: list[list[plan.Key]], config: TrainRequest, device) -> dict:
-    """Per sample, its completion tokens' log-probs under ``model`` (no grad); every worker
-    runs as many passes (FSDP gathers parameters collectively at each)."""
+def _logprobs(model, batches: Batches, passes: list[list[plan.MicroBatch]], rdv, config: TrainRequest, device) -> dict:
+    """Per sample, its completion tokens' log-probs under ``model`` (no grad): this worker runs
+    its passes (every worker as many: FSDP gathers parameters collectively at each), then the
+    workers exchange what they computed. ``passes``: every worker's, indexed by worker."""
     import torch
 
     out = {}
     autocast = parallel.autocast(device, strategy=config.train.strategy, mixed_precision=config.train.mixed_precision)
     with torch.no_grad():
-        for keys in passes:
+        for micro_batch in passes[rdv.rank]:
             with autocast:
-                lp = grpo.completion_logprobs(model, batches.collate(keys, device))
+                lp = grpo.completion_logprobs(model, batches.collate(micro_batch, device), head_at_targets=config.train.packing)
+            keys = plan.keys_of(micro_batch)
             sizes = [len(batches.completions[k][s].completion_ids) for k, s in keys]
             out.update(zip(keys, lp.split(sizes) if keys else ()))
+    if rdv.world_size == 1:
+        return out
+    return _exchange(out, batches, passes, rdv.rank, device)
+
+
+def _exchange(mine: dict, batches: Batches, passes: list[list[plan.MicroBatch]], rank: int, device) -> dict:
+    """Every worker's log-probs, from each worker's own: one all-gather of the flat tensors,
+    padded to the longest (every worker knows every other's passes, so their sizes)."""
+    import torch
+    import torch.distributed as dist
+
+    keys = [[key for micro_batch in worker for key in plan.keys_of(micro_batch)] for worker in passes]
+    sizes = [[len(batches.completions[k][s].completion_ids) for k, s in worker] for worker in keys]
+    longest = max(1, *map(sum, sizes))
+    flat = torch.cat([mine[key].float() for key in keys[rank]] or [torch.zeros(0, device=device)])
+    flat = torch.cat([flat, flat.new_zeros(longest - flat.numel())])
+    gathered = [torch.empty_like(flat) for _ in passes]
+    dist.all_gather(gathered, flat)
+    out = {}
+    for worker, (worker_keys, worker_sizes) in enumerate(zip(keys, sizes)):
+        out.update(zip(worker_keys, gathered[worker][: sum(worker_sizes)].split(worker_sizes)))
     return out

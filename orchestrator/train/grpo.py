@@ -33,6 +33,7 @@ batch order therefore lines them up with the batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -260,15 +261,19 @@ def encode_record(tokenizer, record: Record, advantage: str = "grpo", shaping: S
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    input_ids: "torch.Tensor"  # [B, T] long, right-padded
-    attention_mask: "torch.Tensor"  # [B, T] long
-    target_mask: "torch.Tensor"  # [B, T-1] bool: input_ids[:, 1:] is a completion token
+    input_ids: "torch.Tensor"  # [R, T] long: rows, each right-padded
+    attention_mask: "torch.Tensor | None"  # [R, T] long; None in a packed batch (its position ids say where each sequence starts)
+    target_mask: "torch.Tensor"  # [R, T-1] bool: input_ids[:, 1:] is a completion token
     advantages: "torch.Tensor"  # [N] float32, one per completion token
-    lengths: "torch.Tensor"  # [B] long: each row's completion tokens
+    lengths: "torch.Tensor"  # [S] long: each sequence's completion tokens, in order
     scale: "torch.Tensor | None" = None
     """[N] float32, each token's factor in the loss's sum (:func:`token_scale`); None: all 1."""
     mask: "torch.Tensor | None" = None
     """[N] float32, 1 for a token in the loss and 0 for one out of it; None: all are in."""
+    position_ids: "torch.Tensor | None" = None
+    """[R, T] long in a packed batch: each sequence's positions from 0, and the padding's after
+    them as a sequence of its own, so attention never crosses from one to the next; None in
+    a padded batch (one sequence a row, positions from 0)."""
 
     @property
     def num_tokens(self) -> int:
@@ -276,7 +281,8 @@ class Batch:
 
     def to(self, device) -> "Batch":
         return Batch(*(None if t is None else t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask,
-                                                                      self.advantages, self.lengths, self.scale, self.mask)))
+                                                                      self.advantages, self.lengths, self.scale, self.mask,
+                                                                      self.position_ids)))
 
 
 def token_mask(completions: Sequence[Completion]) -> list[float] | None:
@@ -325,43 +331,71 @@ def _scale(completions: Sequence[Completion], loss_agg: str, mask: list[float] |
 
 
 def collate(completions: Sequence[Completion], pad_id: int, loss_agg: str = "token_mean") -> Batch:
-    """Right-pad completions into one batch (right padding keeps the default position ids right)."""
+    """Right-pad completions into one batch, one a row (right padding keeps the default position ids right)."""
+    return collate_rows([[c] for c in completions], pad_id, loss_agg)
+
+
+def collate_rows(rows: Sequence[Sequence[Completion]], pad_id: int, loss_agg: str = "token_mean") -> Batch:
+    """Completions laid out in rows, each row's one after another and the rows right-padded to
+    the longest. A row of one completion is padded as :func:`collate` pads; when any row holds
+    more, the batch is packed (``Batch.position_ids``). The flat per-token tensors follow the
+    completions row by row."""
     import torch
 
-    rows = [c.prompt_ids + c.completion_ids for c in completions]
-    width = max(map(len, rows))
+    ids = [[t for c in row for t in c.prompt_ids + c.completion_ids] for row in rows]
+    width = max(map(len, ids))
+    packed = any(len(row) > 1 for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    attention_mask = None if packed else torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long) if packed else None
     target_mask = torch.zeros((len(rows), max(width - 1, 0)), dtype=torch.bool)
     advantages = []
-    for i, (c, row) in enumerate(zip(completions, rows)):
-        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, : len(row)] = 1
-        # target position t predicts input_ids[t + 1]: the completion starts at len(prompt) - 1
-        target_mask[i, len(c.prompt_ids) - 1 : len(row) - 1] = True
-        advantages.extend([c.advantage] * len(c.completion_ids))
+    for r, (row, row_ids) in enumerate(zip(rows, ids)):
+        input_ids[r, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        if attention_mask is not None:
+            attention_mask[r, : len(row_ids)] = 1
+        start = 0
+        for c in row:
+            n = len(c.prompt_ids) + len(c.completion_ids)
+            if position_ids is not None:
+                position_ids[r, start : start + n] = torch.arange(n)
+            # target position t predicts input_ids[t + 1]: the completion starts at len(prompt) - 1
+            target_mask[r, start + len(c.prompt_ids) - 1 : start + n - 1] = True
+            advantages.extend([c.advantage] * len(c.completion_ids))
+            start += n
+        if position_ids is not None:
+            position_ids[r, start:] = torch.arange(width - start)
+    completions = [c for row in rows for c in row]
     lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.long)
     mask = token_mask(completions)
     scale = _scale(completions, loss_agg, mask)
     return Batch(input_ids, attention_mask, target_mask, torch.tensor(advantages, dtype=torch.float32), lengths,
                  None if scale is None else torch.tensor(scale, dtype=torch.float32),
-                 None if mask is None else torch.tensor(mask, dtype=torch.float32))
+                 None if mask is None else torch.tensor(mask, dtype=torch.float32), position_ids)
 
 
 # --- log-probs and loss --------------------------------------------------------------------
 
 
-def completion_logprobs(model, batch: Batch, *, entropy: bool = False):
+def completion_logprobs(model, batch: Batch, *, entropy: bool = False, head_at_targets: bool = False):
     """``log p(token | prefix)`` of every completion token, flat [N], in float32; with
     ``entropy`` also the policy's entropy at each of those positions (detached, [N]).
 
     Only the completion positions' logits go through log_softmax, which keeps the [N, vocab]
-    float32 copy as small as the completions are.
+    float32 copy as small as the completions are. With ``head_at_targets`` (packed updates)
+    the LM head itself runs only there (:func:`_head_at`): neither the prompt's positions nor
+    the padding's pay for a projection onto the whole vocabulary. (Its values then differ
+    from the whole head's in the last bits, so the padded update keeps the whole head and,
+    with it, the curves measured before packing.)
     """
     import torch
 
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-    picked = logits[:, :-1][batch.target_mask].float()
+    forward = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
+    if head_at_targets:
+        with _head_at(model, batch.target_mask):
+            picked = model(**forward).logits[0].float()
+    else:
+        picked = model(**forward).logits[:, :-1][batch.target_mask].float()
     targets = batch.input_ids[:, 1:][batch.target_mask]
     logp = picked.log_softmax(-1)
     chosen = logp.gather(-1, targets[:, None]).squeeze(-1)
@@ -369,6 +403,32 @@ def completion_logprobs(model, batch: Batch, *, entropy: bool = False):
         return chosen
     with torch.no_grad():  # a slice of rows at a time: at most ENTROPY_ROWS x vocab more floats than the forward holds
         return chosen, torch.cat([-(rows.exp() * rows).sum(-1) for rows in logp.detach().split(ENTROPY_ROWS)] or [logp.new_zeros(0)])
+
+
+@contextlib.contextmanager
+def _head_at(model, target_mask):
+    """While the forward runs, the model's output head (``lm_head``) takes the hidden states
+    only at the positions ``target_mask`` picks, [1, N, hidden], so the logits come out as
+    [1, N, vocab] in the flat per-token order. The head is found through DDP's and PEFT's
+    wrappers; FSDP's hooks run around it as before."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    head = inner.get_output_embeddings()
+    rows, width = target_mask.shape[0], target_mask.shape[1] + 1
+
+    def at_targets(module, args):
+        hidden = args[0]
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, width):
+            raise RuntimeError(f"{type(inner).__name__}'s output head got hidden states of shape {tuple(hidden.shape)}, "
+                               f"not the whole batch's ({rows}, {width}, hidden)")
+        return (hidden[:, :-1][target_mask].unsqueeze(0), *args[1:])
+
+    handle = head.register_forward_pre_hook(at_targets)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 ENTROPY_ROWS = 1024

@@ -103,8 +103,7 @@ def _train(policy: Policy, config: TrainRequest, records: list[grpo.Record], kep
                     "the policy and optimizer stay as they are", config.iteration, len(records))
         return None, None, [[]], {key: [] for key in _PER_STEP}, {}
     batches, lengths = prepare(policy, config, kept)
-    steps = plan.update_plan(lengths, world_size=rdv.world_size, rank=rdv.rank, batch_records=config.rl.micro_batch,
-                             budget=config.train.micro_batch_tokens, seed=config.seed, epochs=config.rl.epochs)
+    steps = _update_plan(lengths, config, rdv.world_size, rdv.rank)
     lap("prepare")
     sync = parallel.Sync(policy.model, strategy=config.train.strategy, device=policy.device)
     log.info("rank %d: %s (%s)", rdv.rank, "a fresh optimizer" if policy.continued_from is None else
@@ -123,6 +122,22 @@ def _train(policy: Policy, config: TrainRequest, records: list[grpo.Record], kep
     del sync
     lap("steps")
     return batches, lengths, steps, per_step, memory
+
+
+def _update_plan(lengths: plan.Lengths, config: TrainRequest, world_size: int, rank: int) -> list[list[plan.Step]]:
+    return plan.update_plan(lengths, world_size=world_size, rank=rank, batch_records=config.rl.micro_batch,
+                            budget=config.train.micro_batch_tokens, seed=config.seed, epochs=config.rl.epochs,
+                            packing=config.train.packing)
+
+
+def _padding_share(lengths: plan.Lengths, config: TrainRequest, world_size: int) -> float:
+    """The share of the tokens the update's forward passes compute, every worker's, that are
+    padding (the log-prob passes' is alike)."""
+    micro_batches = [mb for rank in range(world_size) for epoch in _update_plan(lengths, config, world_size, rank)
+                     for step in epoch for mb in step.micro_batches if mb]
+    pairs = [plan.tokens(mb, lengths.rows) for mb in micro_batches]
+    real, computed = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+    return round(1 - real / computed, 4) if computed else 0.0
 
 
 _PER_STEP = ("loss", "kl", "clip_fraction", "entropy", "grad_norm", "tokens", "micro_batches")
@@ -179,9 +194,10 @@ def _step(policy: Policy, config: TrainRequest, batches: Batches, step: plan.Ste
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     world_size = policy.rdv.world_size
     normalizer = step.normalizer(config.rl.loss_agg, world_size)
-    for slot, keys in enumerate(step.micro_batches):
+    for slot, micro_batch in enumerate(step.micro_batches):
+        keys = plan.keys_of(micro_batch)
         with sync.micro_batch(last=slot == len(step.micro_batches) - 1):
-            parts, entropy = _micro_batch_loss(config, batches, keys, sync, autocast, normalizer, device)
+            parts, entropy = _micro_batch_loss(config, batches, micro_batch, sync, autocast, normalizer, device)
             (parts.loss if keys else parts.loss * 0.0).backward()
         if keys:
             sums += torch.tensor([parts.loss.item() / world_size, (parts.kl or 0.0) * parts.tokens,
@@ -192,14 +208,15 @@ def _step(policy: Policy, config: TrainRequest, batches: Batches, step: plan.Ste
     return sums, grad_norm
 
 
-def _micro_batch_loss(config: TrainRequest, batches: Batches, keys: list[plan.Key], sync: parallel.Sync, autocast,
+def _micro_batch_loss(config: TrainRequest, batches: Batches, micro_batch: plan.MicroBatch, sync: parallel.Sync, autocast,
                       normalizer: float, device):
     """The GRPO loss of one micro-batch under the model being trained, and the policy's entropy
     at each of its tokens; an empty one (a worker with no part in this step) still runs the
     forward, so every worker joins the reduction."""
-    batch = batches.collate(keys, device)
+    batch = batches.collate(micro_batch, device)
+    keys = plan.keys_of(micro_batch)
     with autocast:
-        new_lp, entropy = grpo.completion_logprobs(sync.module, batch, entropy=True)
+        new_lp, entropy = grpo.completion_logprobs(sync.module, batch, entropy=True, head_at_targets=config.train.packing)
     old_lp = batches.lined_up(keys, batches.old) if keys else new_lp.detach()
     ref_lp = (batches.lined_up(keys, batches.ref) if keys else new_lp.detach()) if batches.ref is not None else None
     weights = (batches.lined_up(keys, batches.weights) if keys else None) if batches.weights is not None else None
@@ -246,6 +263,8 @@ def _stats(policy: Policy, config: TrainRequest, records: list[grpo.Record], kep
         "steps_per_epoch": len(steps[0]),
         "micro_batch": config.rl.micro_batch,
         "micro_batch_tokens": config.train.micro_batch_tokens,
+        "packing": config.train.packing,
+        "padding_share": _padding_share(lengths, config, policy.rdv.world_size) if lengths else 0.0,
         "optimizer_continued_from_step": policy.continued_from,
         "policy_from": source,
         **per_step,

@@ -31,9 +31,10 @@ IS_TOLERANCE = 1e-4
 
 def _texts(k: int, total: int) -> list[str]:
     """The 4 samples of the aggregate's task k (12 tasks, with the engine's token ids): rewards
-    that differ within most groups, completions of different lengths."""
+    that differ within most groups, completions of 2 to 12 tokens (so that packed rows hold
+    several)."""
     right = str(total)
-    return [right + "0" * (k % 3), right, str(total + 1), str(total + 10)] if k != 4 else ["1", "2", "3", "4"]
+    return [right + "0" * (3 * (k % 4)), right, str(total + 1), str(total + 10)] if k != 4 else ["1", "2", "3", "4"]
 
 
 def _train(work: Path, name: str, world: int, **overrides) -> Path:
@@ -128,6 +129,33 @@ def test_one_update_gives_the_same_weights_and_optimizer_state_whatever_the_stra
     assert changed.abs().max() > 1e-4, "the update moved nothing: the comparison would prove nothing"
 
 
+@pytest.mark.parametrize("case", ["ddp-2", "fsdp-3-24", "lora-ddp-2"])
+def test_packed_sequences_give_the_same_update_as_padded_ones(work, trained, ddp_two, bf16_bases, case):
+    """train.packing=true lays several samples one after another in a row (a block-diagonal
+    mask, positions restarting at each); the update is the padded one's. The update options,
+    multi-turn masks and the importance correction are compared packed below."""
+    if case == "lora-ddp-2":  # one step: Adam's first steps move the zero-initialised B by about the rate whatever the
+        # gradient's size, so a float difference in its smallest gradients would grow over several
+        one_step = _lora_options(bf16_bases[1], epochs=1, micro_batch=12)
+        padded = trained("lora-ddp-2-one-step", 2, strategy="ddp", **one_step)
+        packed = trained("lora-ddp-2-one-step-packed", 2, strategy="ddp", packing=True, **one_step)
+        prefixes = ("adapter_model", "optimizer/adamw")
+    else:
+        world, strategy, budget = {"ddp-2": (2, "ddp", 0), "fsdp-3-24": (3, "fsdp", 24)}[case]
+        padded = ddp_two
+        packed = trained(f"{case}-packed", world, strategy=strategy, micro_batch_tokens=budget, packing=True)
+        prefixes = ("model", "optimizer/adamw")
+    stats, padded_stats = (json.loads((out / "train_stats.json").read_text()) for out in (packed, padded))
+    assert stats["packing"] is True and stats["tokens"] == padded_stats["tokens"]
+    assert stats["padding_share"] < padded_stats["padding_share"] / 2, (stats["padding_share"], padded_stats["padding_share"])
+    if case == "fsdp-3-24":
+        assert min(stats["micro_batches"]) >= 2, stats["micro_batches"]
+    for prefix in prefixes:
+        worst, name = _worst_relative_difference(_tensors(padded, prefix), _tensors(packed, prefix))
+        print(f"packed {case}: {prefix} worst relative difference {worst:.2e} ({name})")
+        assert worst <= TOLERANCE, f"{prefix}: {name} differs by {worst:.2e} (relative norm)"
+
+
 def test_fsdp_writes_one_shard_per_worker_and_an_index_that_transformers_loads(work, trained):
     from transformers import AutoModelForCausalLM
 
@@ -188,9 +216,11 @@ def _with_engine_logprobs(work: Path) -> Path:
 
 @pytest.mark.parametrize("mode", ["tis", "mis"])
 def test_importance_correction_gives_the_same_update_at_any_worker_count_and_reports_the_ratios(work, trained, ddp_two, mode):
+    """Two DDP workers, sequences padded, against three FSDP workers, sequences packed."""
     data = str(_with_engine_logprobs(work))
     two = trained(f"{mode}-ddp-2", 2, strategy="ddp", data=data, is_correction=mode, is_cap=2.0)
-    three = trained(f"{mode}-fsdp-3-24", 3, strategy="fsdp", micro_batch_tokens=24, data=data, is_correction=mode, is_cap=2.0)
+    three = trained(f"{mode}-fsdp-3-24-packed", 3, strategy="fsdp", micro_batch_tokens=24, packing=True, data=data, is_correction=mode,
+                    is_cap=2.0)
     stats = [json.loads((out / "train_stats.json").read_text()) for out in (two, three)]
     for s in stats:
         assert s["is_correction"] == mode and s["is_cap"] == 2.0
@@ -260,12 +290,13 @@ UNREPORTED = ("clip_eps_low", "clip_eps_high", "max_tokens")  # "clip" says the 
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_each_update_option_gives_the_same_update_at_any_worker_count(work, trained, ddp_two, name):
+def test_each_update_option_gives_the_same_update_at_any_worker_count_packed_or_padded(work, trained, ddp_two, name):
+    """Two DDP workers, sequences padded, against three FSDP workers, sequences packed."""
     data = _derived(work, "agg-cut.jsonl", _cut) if "overlong" in OPTIONS[name] else \
         _derived(work, "agg-turns.jsonl", _observed) if "multi-turn" in name else _with_engine_logprobs(work)
     options = {**OPTIONS[name], "data": str(data)}
     two = trained(f"{name}-ddp-2", 2, strategy="ddp", **options)
-    three = trained(f"{name}-fsdp-3-24", 3, strategy="fsdp", micro_batch_tokens=24, **options)
+    three = trained(f"{name}-fsdp-3-24-packed", 3, strategy="fsdp", micro_batch_tokens=24, packing=True, **options)
     stats = json.loads((two / "train_stats.json").read_text())
     reported = {k: v for k, v in OPTIONS[name].items() if k not in UNREPORTED}
     assert {k: stats.get(k) for k in reported} == reported
@@ -275,6 +306,7 @@ def test_each_update_option_gives_the_same_update_at_any_worker_count(work, trai
         assert stats["filtered_groups"] == 1 and stats["zero_advantage_groups"] == 1, stats  # task t4: every sample wrong
     for prefix in ("model", "optimizer/adamw"):
         worst, where = _worst_relative_difference(_tensors(two, prefix), _tensors(three, prefix))
+        print(f"{name} packed fsdp-3 against padded ddp-2: {prefix} worst relative difference {worst:.2e} ({where})")
         assert worst <= IS_TOLERANCE, f"{prefix}: {where} differs by {worst:.2e} (relative norm)"
     worst, where = _worst_relative_difference(_tensors(ddp_two, "model"), _tensors(two, "model"))
     assert worst > 1e-4, "the options changed nothing: the comparison would prove nothing"

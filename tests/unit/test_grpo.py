@@ -164,9 +164,12 @@ class _ToyLM(torch.nn.Module):
         self.embed = torch.nn.Embedding(vocab, 8)
         self.head = torch.nn.Linear(8, vocab)
 
-    def forward(self, input_ids, attention_mask, use_cache):
+    def forward(self, input_ids, attention_mask=None, use_cache=False, position_ids=None):
         hidden = self.embed(input_ids).cumsum(1)
         return type("Out", (), {"logits": self.head(hidden)})
+
+    def get_output_embeddings(self):
+        return self.head
 
 
 def test_completion_logprobs_equal_a_manual_log_softmax_gather():
@@ -198,6 +201,35 @@ def test_completion_logprobs_of_the_tiny_llama_ignore_right_padding(tmp_path):
         together = grpo.completion_logprobs(model, grpo.collate(short + padded, tokenizer.pad_token_id))
     assert alone.numel() == 3 + 1
     assert together[: alone.numel()].tolist() == pytest.approx(alone.tolist(), abs=1e-5)
+
+
+def test_a_sequences_logprobs_are_the_same_whatever_it_is_packed_with(tmp_path):
+    """Packed rows (several sequences one after another, positions restarting at each): a
+    sequence's log-probs and entropies are those it has alone, whatever precedes it in its
+    row, whatever the other rows hold; the flat tensors follow the rows in order."""
+    from orchestrator.demo import model as demo_model
+
+    model = demo_model.create(0).eval()
+    demo_model.save(model, tmp_path)
+    _, tokenizer = demo_model.load(tmp_path)
+
+    def encoded(prompt: str, *texts: str) -> list[grpo.Completion]:
+        return grpo.encode_record(tokenizer, grpo.Record("t", prompt, tuple(grpo.Sample(t, 1.0, "stop") for t in texts)))
+
+    a, b = encoded("12+3=", "15", "1")
+    c, d, e = encoded("40+40=", "80", "8000", "7")
+    pad = tokenizer.pad_token_id
+    with torch.no_grad():
+        alone = {name: grpo.completion_logprobs(model, grpo.collate([x], pad), entropy=True) for name, x in zip("abcde", (a, b, c, d, e))}
+        batch = grpo.collate_rows([[c, a], [d, b, e]], pad)
+        packed, entropy = grpo.completion_logprobs(model, batch, entropy=True, head_at_targets=True)
+    assert batch.attention_mask is None and batch.position_ids[1].tolist()[:9] == list(range(9))
+    order = "cadbe"
+    assert batch.lengths.tolist() == [alone[n][0].numel() for n in order]
+    for values, which in ((packed, 0), (entropy, 1)):
+        expected = torch.cat([alone[n][which] for n in order])
+        assert values.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    assert grpo.collate_rows([[a], [d]], pad).position_ids is None, "one sequence a row: padded as collate pads"
 
 
 # --- loss ----------------------------------------------------------------------------------

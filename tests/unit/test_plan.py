@@ -23,50 +23,85 @@ def _lengths(n: int, seed: int = 0) -> plan.Lengths:
     return plan.Lengths(rows, completions)
 
 
-@settings(max_examples=60, deadline=None)
+def _width(micro_batch: plan.MicroBatch, rows: list[list[int]]) -> int:
+    return max(sum(rows[k][i] for k, i in row) for row in micro_batch)
+
+
+@settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 30), world=st.integers(1, 5), batch=st.integers(1, 12), budget=st.sampled_from([0, 1, 12, 30, 100]),
-       seed=st.integers(0, 3))
-def test_steps_cover_every_sample_once_per_epoch_whatever_the_workers_and_budget(n, world, batch, budget, seed):
+       seed=st.integers(0, 3), packing=st.booleans())
+def test_steps_cover_every_sample_once_per_epoch_whatever_the_workers_budget_and_packing(n, world, batch, budget, seed, packing):
     lengths = _lengths(n, seed)
-    plans = [plan.update_plan(lengths, world_size=world, rank=r, batch_records=batch, budget=budget, seed=seed, epochs=2) for r in range(world)]
+    plans = [plan.update_plan(lengths, world_size=world, rank=r, batch_records=batch, budget=budget, seed=seed, epochs=2,
+                              packing=packing) for r in range(world)]
     alone = plan.update_plan(lengths, world_size=1, rank=0, batch_records=batch, budget=0, seed=seed, epochs=2)
     for epoch in range(2):
+        order = plan.epoch_order(n, seed=seed, epoch=epoch)
         assert all(len(p[epoch]) == plan.steps_per_epoch(n, batch) for p in plans)
         for s, step in enumerate(alone[epoch]):
             parts = [p[epoch][s] for p in plans]
             # Every worker runs the same number of passes; together they hold the step's samples once.
             assert len({len(part.micro_batches) for part in parts}) == 1
-            keys = [k for part in parts for mb in part.micro_batches for k in mb]
-            assert sorted(keys) == sorted(k for mb in step.micro_batches for k in mb)
+            keys = [k for part in parts for mb in part.micro_batches for k in plan.keys_of(mb)]
+            assert sorted(keys) == sorted(plan.keys_of(step.micro_batches[0]))
+            assert {k for k, _ in keys} == set(order[s * batch : (s + 1) * batch])
             assert all(part.tokens == step.tokens for part in parts)
             assert step.tokens == sum(lengths.completions[k][i] for k, i in keys)
-            for w, part in enumerate(parts):
+            # Shared by tokens: each worker's within one sample's length of every other's.
+            loads = [sum(lengths.rows[k][i] for mb in part.micro_batches for k, i in plan.keys_of(mb)) for part in parts]
+            assert max(loads) - min(loads) <= max(lengths.rows[k][i] for k, i in keys)
+            widest = max(lengths.rows[k][i] for k, i in keys)
+            for part in parts:
                 for mb in part.micro_batches:
-                    assert all(plan.owner(k, world) == w for k, _ in mb)
-                    if budget and len(mb) > 1:
-                        assert len(mb) * max(lengths.rows[k][i] for k, i in mb) <= budget
-        everything = sorted(k for step in alone[epoch] for mb in step.micro_batches for k in mb)
+                    assert packing or all(len(row) == 1 for row in mb)
+                    assert all(sum(lengths.rows[k][i] for k, i in row) <= widest for row in mb), "a row wider than the step's longest sample"
+                    if budget and mb and (len(mb) > 1 or len(mb[0]) > 1):
+                        assert len(mb) * _width(mb, lengths.rows) <= budget, "only a sample alone may pass the budget"
+        everything = sorted(k for step in alone[epoch] for mb in step.micro_batches for k in plan.keys_of(mb))
         assert everything == [(k, i) for k in range(n) for i in range(len(lengths.rows[k]))]
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 20), world=st.integers(1, 5), budget=st.sampled_from([0, 1, 15, 40]))
-def test_logprob_passes_cover_each_workers_own_samples_once_in_equal_counts(n, world, budget):
+@given(n=st.integers(1, 20), world=st.integers(1, 5), budget=st.sampled_from([0, 1, 15, 40]), packing=st.booleans())
+def test_logprob_passes_cover_every_sample_once_in_equal_counts_shared_by_tokens(n, world, budget, packing):
     lengths = _lengths(n)
-    passes = [plan.logprob_plan(lengths, world_size=world, rank=r, budget=budget) for r in range(world)]
-    assert len({len(p) for p in passes}) == 1
-    for w, mine in enumerate(passes):
-        keys = [k for mb in mine for k in mb]
-        assert sorted(keys) == [(k, i) for k in range(w, n, world) for i in range(len(lengths.rows[k]))]
-        assert all(len({k for k, _ in mb}) <= 1 for mb in mine), "a pass holds one record's samples"
+    passes = plan.logprob_plan(lengths, world_size=world, budget=budget, packing=packing)
+    assert len(passes) == world and len({len(p) for p in passes}) == 1
+    keys = [k for mine in passes for mb in mine for k in plan.keys_of(mb)]
+    assert sorted(keys) == [(k, i) for k in range(n) for i in range(len(lengths.rows[k]))]
+    loads = [sum(lengths.rows[k][i] for mb in mine for k, i in plan.keys_of(mb)) for mine in passes]
+    assert max(loads) - min(loads) <= max(max(r) for r in lengths.rows)
+    if not packing:
+        assert all(len({k for k, _ in plan.keys_of(mb)}) <= 1 for mine in passes for mb in mine), "a padded pass holds one record's samples"
 
 
-def test_one_worker_with_no_budget_takes_whole_steps_in_the_shuffled_order():
+def test_packing_fills_rows_as_wide_as_the_longest_sample_first_fit_longest_first():
+    """Rows as wide as the longest of the samples, or as ``width`` (the step's longest) when wider."""
+    rows = [[10, 3, 3, 3, 6, 4]]
+    keys = [(0, i) for i in range(6)]
+    assert plan.micro_batches(keys, rows, budget=0, packing=True) == [[[(0, 0)], [(0, 4), (0, 5)], [(0, 1), (0, 2), (0, 3)]]]
+    assert plan.micro_batches(keys, rows, budget=20, packing=True) == [[[(0, 0)], [(0, 4), (0, 5)]], [[(0, 1), (0, 2), (0, 3)]]]
+    assert plan.micro_batches(keys, rows, budget=0, packing=False) == [[[k] for k in keys]]
+    assert plan.micro_batches(keys[1:], rows, budget=0, packing=True, width=10) == [[[(0, 4), (0, 5)], [(0, 1), (0, 2), (0, 3)]]]
+    assert plan.micro_batches(keys[1:], rows, budget=0, packing=True) == [[[(0, 4)], [(0, 5)], [(0, 1), (0, 2)], [(0, 3)]]]
+
+
+def test_a_long_tail_is_dealt_so_that_no_worker_holds_the_step():
+    """One sample of 1,000 tokens and 39 of 50: by index, worker 0 would hold 1,950 tokens
+    and worker 1 1,000; by tokens they hold 1,500 and 1,450."""
+    rows = [[1000] + [50] * 39]
+    shares = plan.deal([(0, i) for i in range(40)], rows, 2)
+    assert [sum(rows[0][i] for _, i in share) for share in shares] == [1500, 1450]
+    assert shares[0][0] == (0, 0) and sorted(shares[0] + shares[1]) == [(0, i) for i in range(40)]
+
+
+def test_one_padded_worker_with_no_budget_takes_whole_steps_in_the_shuffled_order():
+    """One worker's padded update is laid out as it was before samples were dealt by tokens."""
     lengths = _lengths(10)
     steps = plan.update_plan(lengths, world_size=1, rank=0, batch_records=4, budget=0, seed=5, epochs=1)[0]
     order = plan.epoch_order(10, seed=5, epoch=0)
-    assert [[k for k, _ in step.micro_batches[0]] for step in steps] == [
-        [k for k in order[i : i + 4] for _ in lengths.rows[k]] for i in (0, 4, 8)]
+    assert [plan.keys_of(step.micro_batches[0]) for step in steps] == [
+        [(k, i) for k in order[j : j + 4] for i in range(len(lengths.rows[k]))] for j in (0, 4, 8)]
 
 
 def test_a_sample_longer_than_the_budget_is_a_micro_batch_of_its_own():
