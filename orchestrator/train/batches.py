@@ -87,7 +87,7 @@ def prepare(policy: Policy, config: TrainRequest, records: list[grpo.Record]) ->
     batches = Batches(completions, policy.pad_id, config.rl.loss_agg)
     passes = plan.logprob_plan(lengths, world_size=rdv.world_size, budget=config.train.micro_batch_tokens, packing=config.train.packing)
     if config.rl.old_logprobs == "engine":  # the engine's: no forward pass
-        batches.old = {key: _engine_logprobs(batches, key, policy.device) for key in _every_sample(completions)}
+        batches.old = {key: _engine_logprobs(batches, key, policy.device) for key in plan.every_sample(lengths)}
     else:
         batches.old = _logprobs(model, batches, passes, rdv, config, policy.device)
     if config.uses_kl:
@@ -106,10 +106,6 @@ def prepare(policy: Policy, config: TrainRequest, records: list[grpo.Record]) ->
     if config.correction != "none":
         batches.weights, batches.is_stats = _importance_weights(batches, config)
     return batches, lengths
-
-
-def _every_sample(completions: list[list[grpo.Completion]]) -> list[plan.Key]:
-    return [(k, s) for k, group in enumerate(completions) for s in range(len(group))]
 
 
 def _check_behaviour_logprobs(records: list[grpo.Record], what: str) -> None:
@@ -137,21 +133,18 @@ def _importance_weights(batches: Batches, config: TrainRequest) -> tuple[dict, d
     import torch
 
     weights = {}
-    ratio_sum, tokens, past_cap, peak = 0.0, 0, 0, 0.0
+    ratios = []
     for key, old in batches.old.items():
         behaviour = _engine_logprobs(batches, key, old.device).to(old.dtype)
         weights[key], ratio = grpo.is_weights(old, behaviour, mode=config.correction, cap=config.rl.is_cap)
         mask = batches.completions[key[0]][key[1]].loss_mask
         if mask is not None:  # an observation's tokens were not sampled: no ratio of theirs counts
             ratio = ratio[torch.tensor(mask, dtype=torch.bool, device=ratio.device)]
-        if ratio.numel():
-            ratio = ratio.double()
-            ratio_sum += ratio.sum().item()
-            tokens += ratio.numel()
-            past_cap += int((ratio > config.rl.is_cap).sum().item())
-            peak = max(peak, ratio.max().item())
-    tokens = max(tokens, 1)
-    return weights, {"is_ratio_mean": ratio_sum / tokens, "is_ratio_max": peak, "is_capped_fraction": past_cap / tokens}
+        ratios.append(ratio.double())
+    every = torch.cat(ratios) if ratios else torch.zeros(0, dtype=torch.float64)  # one read back, not one a sample
+    tokens = max(every.numel(), 1)
+    return weights, {"is_ratio_mean": every.sum().item() / tokens, "is_ratio_max": every.max().item() if every.numel() else 0.0,
+                     "is_capped_fraction": (every > config.rl.is_cap).sum().item() / tokens}
 
 
 def _logprobs(model, batches: Batches, passes: list[list[plan.MicroBatch]], rdv, config: TrainRequest, device) -> dict:

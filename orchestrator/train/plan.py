@@ -172,6 +172,11 @@ def _samples(records: list[int], lengths: Lengths) -> list[Key]:
     return [(k, s) for k in records for s in range(len(lengths.rows[k]))]
 
 
+def every_sample(lengths: Lengths) -> list[Key]:
+    """Every sample of every record, in file order."""
+    return _samples(list(range(len(lengths.rows))), lengths)
+
+
 def _longest(samples: list[Key], lengths: Lengths) -> int:
     return max(lengths.rows[k][i] for k, i in samples)
 
@@ -207,7 +212,7 @@ def logprob_plan(lengths: Lengths, *, world_size: int, budget: int, packing: boo
     samples dealt by tokens, each worker's in passes of the budget (padded: each pass holds
     one record's samples), padded with empty passes to the count of the worker that has the
     most. Indexed by worker."""
-    samples = _samples(list(range(len(lengths.rows))), lengths)
+    samples = every_sample(lengths)
     width = _longest(samples, lengths)
     shares = deal(samples, lengths.rows, world_size)
     if packing:
