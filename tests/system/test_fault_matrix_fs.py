@@ -300,8 +300,10 @@ def test_a_truncated_read_of_a_shard_by_the_master_is_retried(fs_cluster, record
 def test_shard_quota_exhausted_fails_naming_enospc_then_rerun_completes(fs_cluster, record_property):
     """Rank 1's shard may take 500 bytes (about one record): its rollout fails with ENOSPC,
     its failure record (other files still have room) tells the master, who stops everyone
-    naming rank 1, iteration 1, rollout and ENOSPC. Lifted, a re-run completes."""
-    c = fs_cluster([None, {"glob": SHARDS, "enospc_after_bytes": 500}, None])
+    naming rank 1, iteration 1, rollout and ENOSPC. Lifted, a re-run completes. No work
+    stealing: a rank slow to start would find its chunks taken, write no rollout shard, and
+    fail later, in eval."""
+    c = fs_cluster([None, {"glob": SHARDS, "enospc_after_bytes": 500}, None], extra=["coordination.work_stealing=false"])
     outcome = c.run()
     assert outcome.codes == {0: 3, 1: 1, 2: 3}, outcome.all_output()
     assert_failure_named(outcome, c.run_dir, rank=1, iteration=1, phase="1:rollout",
