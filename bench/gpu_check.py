@@ -20,9 +20,11 @@ engine      the embedded engine (``python -m orchestrator.engine.server --device
             Completion tokens/s of both, and many's over one's
 engine-cpu  the same on ``--device cpu``, one round: the comparison (GPU over CPU, one request)
 train       one bf16 optimizer step (``train.mixed_precision=bf16``) of the demo model by one
-            train worker on the GPU, with ``train.strategy`` ddp, then fsdp, then ddp with
+            train worker on the GPU, with ``train.strategy`` ddp, then ddp padded
+            (``train.packing=false``; the others pack), then fsdp, then ddp with
             LoRA adapters of rank 16 (``train.lora_rank``; the checkpoint's bytes too): 48 records of 8
-            samples (``train.micro_batch`` 48, the main job's). The worker runs the
+            samples (``train.micro_batch`` 48, the main job's), completions of geometric
+            lengths, mean 8 tokens, at most 64 (the padding share of each). The worker runs the
             trainer's own serve loop (``orchestrator.train.serving.serve``, what
             ``train.keep_alive`` runs) for two updates: the first step includes CUDA's
             warm-up, the second is the figure. Peak GPU memory is the worker's
@@ -343,10 +345,11 @@ class Trainer:
             kill_tree(self.proc)
 
 
-def _aggregate(check: Check, path: Path) -> None:
+def _aggregate(check: Check, path: Path, *, long_tail: bool = False) -> None:
     """The arith demo's first ``train_records`` prompts, each with ``train_samples`` random
     completions of ``completion_tokens`` ids (past the demo tokenizer's specials), rewards
-    alternating: every advantage nonzero."""
+    alternating: every advantage nonzero. ``long_tail``: completions of geometric lengths
+    with that mean instead, at most 8 times it (padding for the padded layout to compute)."""
     from transformers import AutoTokenizer
 
     data = check.demo("arith")
@@ -356,20 +359,22 @@ def _aggregate(check: Check, path: Path) -> None:
     rng = random.Random(check.seed)
     with open(path, "w") as f:
         for k, prompt in enumerate(engine_batching.prompts(data, s.train_records, check.seed)):
-            samples = [{"text": "", "token_ids": [rng.randrange(first, len(tokenizer)) for _ in range(s.completion_tokens)],
+            lengths = [min(8 * s.completion_tokens, 1 + int(rng.expovariate(1 / s.completion_tokens))) if long_tail else s.completion_tokens
+                       for _ in range(s.train_samples)]
+            samples = [{"text": "", "token_ids": [rng.randrange(first, len(tokenizer)) for _ in range(lengths[i])],
                         "reward": float(i % 2), "finish_reason": "length"} for i in range(s.train_samples)]
             f.write(json.dumps({"task_id": f"train-{k:06d}", "prompt": prompt, "prompt_token_ids": tokenizer(prompt)["input_ids"],
                                 "samples": samples}) + "\n")
 
 
 def _train_config(check: Check, data: Path, output: Path, *, iteration: int, init: Path, init_iteration: int | None,
-                  strategy: str, offload: bool = False, lora_base: Path | None = None) -> dict:
+                  strategy: str, offload: bool = False, lora_base: Path | None = None, packing: bool = True) -> dict:
     """``lora_base``: LoRA adapters (rank LORA_RANK) on that base, ``init`` the base or an adapter."""
     lora = {"lora_rank": LORA_RANK, "base_model": str(lora_base)} if lora_base else {}
     return {"iteration": iteration, "data": str(data), "init_checkpoint": str(init), "init_iteration": init_iteration,
             "reference_checkpoint": None, "output": str(output), "seed": check.seed, "lr": 1e-5, "epochs": 1,
             "micro_batch": check.sizes.train_records, "micro_batch_tokens": 0, "clip_eps": 0.2, "kl_coef": 0.0, "max_grad_norm": 1.0, "strategy": strategy,
-            "mixed_precision": "bf16", "offload": offload, **lora}
+            "mixed_precision": "bf16", "offload": offload, "packing": packing, **lora}
 
 
 LORA_RANK = 16
@@ -387,17 +392,18 @@ def part_train(check: Check) -> dict:
     work = check.work / "train"
     work.mkdir()
     data = work / "agg.jsonl"
-    _aggregate(check, data)
+    _aggregate(check, data, long_tail=True)
     model = check.demo("arith") / "model"
     out = {}
-    for name, strategy, lora_base in (("ddp", "ddp", None), ("fsdp", "fsdp", None), (f"ddp, LoRA r{LORA_RANK}", "ddp", model)):
+    for name, strategy, lora_base, packing in (("ddp", "ddp", None, True), ("ddp, padded", "ddp", None, False), ("fsdp", "fsdp", None, True),
+                                               (f"ddp, LoRA r{LORA_RANK}", "ddp", model, True)):
         where = work / name.replace(", ", "-").replace(" ", "")
         trainer = Trainer(where, check.cuda)
         try:
             first = trainer.update(**_train_config(check, data, where / "1", iteration=1, init=model, init_iteration=None,
-                                                   strategy=strategy, lora_base=lora_base))
+                                                   strategy=strategy, lora_base=lora_base, packing=packing))
             second = trainer.update(**_train_config(check, data, where / "2", iteration=2, init=where / "1",
-                                                    init_iteration=1, strategy=strategy, lora_base=lora_base))
+                                                    init_iteration=1, strategy=strategy, lora_base=lora_base, packing=packing))
         except BenchError as e:
             raise BenchError(f"{name}: {e}") from e
         finally:
@@ -407,6 +413,7 @@ def part_train(check: Check) -> dict:
         out[name] = {
             "mixed_precision": second["stats"]["mixed_precision"], "records": second["stats"]["records"],
             "samples": second["stats"]["samples"], "tokens": second["stats"]["tokens"][0], "loss": second["stats"]["loss"][0],
+            "packing": second["stats"]["packing"], "padding_share": second["stats"]["padding_share"],
             "first_step_s": _step_s(first), "step_s": _step_s(second), "startup_s": round(first["timing"]["startup"], 2),
             "peak_gpu_allocated_bytes": (second["cuda"] or {}).get("peak_allocated_bytes"),
             "gpu_allocated_after_bytes": (second["cuda"] or {}).get("allocated_bytes"),
@@ -415,9 +422,9 @@ def part_train(check: Check) -> dict:
             "timing": {"first": first["timing"], "second": second["timing"]},
         }
     table(f"one bf16 optimizer step on {check.device}, one train worker (MiB; seconds)",
-          ["strategy", "records x samples", "tokens", "startup s", "first step s", "step s", "peak GPU allocated",
+          ["strategy", "records x samples", "tokens", "padding", "startup s", "first step s", "step s", "peak GPU allocated",
            "GPU allocated after", "params+grads+optimizer", "peak RSS", "checkpoint"],
-          [[s, f"{r['records']} x {r['samples'] // r['records']}", r["tokens"], r["startup_s"], r["first_step_s"], r["step_s"],
+          [[s, f"{r['records']} x {r['samples'] // r['records']}", r["tokens"], f"{r['padding_share']:.1%}", r["startup_s"], r["first_step_s"], r["step_s"],
             _mib(r["peak_gpu_allocated_bytes"]), _mib(r["gpu_allocated_after_bytes"]), _mib(r["state_bytes"]), _mib(r["peak_rss_bytes"]),
             _mib(r["checkpoint_bytes"])]
            for s, r in out.items()], right_from=1)
@@ -531,7 +538,7 @@ PARTS: dict[str, tuple[Callable[[Check], dict], str]] = {
     "demo": (part_demo, "demo data and chat demo data"),
     "engine": (part_engine, "the embedded engine on the GPU (--allow-cpu: the CPU), one request against many"),
     "engine-cpu": (part_engine_cpu, "the embedded engine on the CPU, for comparison"),
-    "train": (part_train, "one bf16 step with DDP and with FSDP"),
+    "train": (part_train, "one bf16 step with DDP (packed, then padded), FSDP and LoRA"),
     "offload": (part_offload, "the trainer's offload and reload around an engine"),
     "publish": (part_publish, "a 1B model's weights published as bf16 deltas against today's fp32 checkpoint"),
 }

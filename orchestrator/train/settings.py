@@ -155,10 +155,11 @@ class TrainerSettings:
     """Most tokens (padding included) in one micro-batch; a worker accumulates gradients over
     as many as its part of an optimizer step needs. 0: its whole part at once. The update is
     the same whatever this is (the loss is the token mean over the whole step)."""
-    packing: bool = False
+    packing: bool = True
     """Sequences packed one after another into rows as wide as the longest, attention never
-    crossing from one to the next (position ids restart at each), instead of one a row padded
-    to the longest. The update is the same either way (docs/training.md, "Packing")."""
+    crossing from one to the next (position ids restart at each). false: one a row, padded to
+    the longest. The update is the same either way, up to floating-point order; packed it
+    computes little padding (docs/training.md, "Packing")."""
     lora_rank: LoraRank = 0
     """LoRA (peft): train rank-r adapters on the base model's projections, the base frozen; each
     checkpoint is the adapter, megabytes, and engines take it without reloading the base

@@ -102,7 +102,7 @@ def trained(work):
 
 @pytest.fixture(scope="module")
 def ddp_two(trained) -> Path:
-    return trained("ddp-2", 2, strategy="ddp")
+    return trained("ddp-2", 2, strategy="ddp", packing=False)  # the baseline: one sample a row, padded
 
 
 @pytest.mark.parametrize("world, strategy, budget, micro_batches, checkpointing", [
@@ -115,7 +115,7 @@ def ddp_two(trained) -> Path:
 def test_one_update_gives_the_same_weights_and_optimizer_state_whatever_the_strategy_workers_and_micro_batches(
         work, trained, ddp_two, world, strategy, budget, micro_batches, checkpointing):
     other = trained(f"{strategy}-{world}-{budget}{'-ac' * checkpointing}", world, strategy=strategy, micro_batch_tokens=budget,
-                    activation_checkpointing=checkpointing)
+                    activation_checkpointing=checkpointing, packing=False)
     stats = json.loads((other / "train_stats.json").read_text())
     assert (stats["strategy"], stats["world_size"], stats["activation_checkpointing"]) == (strategy, world, checkpointing)
     assert min(stats["micro_batches"]) >= micro_batches and (budget or max(stats["micro_batches"]) == 1), stats["micro_batches"]
@@ -137,7 +137,7 @@ def test_packed_sequences_give_the_same_update_as_padded_ones(work, trained, ddp
     if case == "lora-ddp-2":  # one step: Adam's first steps move the zero-initialised B by about the rate whatever the
         # gradient's size, so a float difference in its smallest gradients would grow over several
         one_step = _lora_options(bf16_bases[1], epochs=1, micro_batch=12)
-        padded = trained("lora-ddp-2-one-step", 2, strategy="ddp", **one_step)
+        padded = trained("lora-ddp-2-one-step", 2, strategy="ddp", packing=False, **one_step)
         packed = trained("lora-ddp-2-one-step-packed", 2, strategy="ddp", packing=True, **one_step)
         prefixes = ("adapter_model", "optimizer/adamw")
     else:
@@ -218,7 +218,7 @@ def _with_engine_logprobs(work: Path) -> Path:
 def test_importance_correction_gives_the_same_update_at_any_worker_count_and_reports_the_ratios(work, trained, ddp_two, mode):
     """Two DDP workers, sequences padded, against three FSDP workers, sequences packed."""
     data = str(_with_engine_logprobs(work))
-    two = trained(f"{mode}-ddp-2", 2, strategy="ddp", data=data, is_correction=mode, is_cap=2.0)
+    two = trained(f"{mode}-ddp-2", 2, strategy="ddp", packing=False, data=data, is_correction=mode, is_cap=2.0)
     three = trained(f"{mode}-fsdp-3-24-packed", 3, strategy="fsdp", micro_batch_tokens=24, packing=True, data=data, is_correction=mode,
                     is_cap=2.0)
     stats = [json.loads((out / "train_stats.json").read_text()) for out in (two, three)]
@@ -295,7 +295,7 @@ def test_each_update_option_gives_the_same_update_at_any_worker_count_packed_or_
     data = _derived(work, "agg-cut.jsonl", _cut) if "overlong" in OPTIONS[name] else \
         _derived(work, "agg-turns.jsonl", _observed) if "multi-turn" in name else _with_engine_logprobs(work)
     options = {**OPTIONS[name], "data": str(data)}
-    two = trained(f"{name}-ddp-2", 2, strategy="ddp", **options)
+    two = trained(f"{name}-ddp-2", 2, strategy="ddp", packing=False, **options)
     three = trained(f"{name}-fsdp-3-24-packed", 3, strategy="fsdp", micro_batch_tokens=24, packing=True, **options)
     stats = json.loads((two / "train_stats.json").read_text())
     reported = {k: v for k, v in OPTIONS[name].items() if k not in UNREPORTED}

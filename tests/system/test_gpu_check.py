@@ -48,12 +48,13 @@ def test_allow_cpu_quick_runs_every_part_and_writes_each_part_s_figures(tmp_path
             assert r["one_tokens_per_s"] > 0 and r["many_tokens_per_s"] > 0 and r["ratio"] > 0
             assert r["many_requests"] > 1  # the many-requests mode really sent several
     assert all(parts["engine-cpu"][s]["engine_over_cpu"] > 0 for s in ("arith", "chat"))
-    for strategy in ("ddp", "fsdp", "ddp, LoRA r16"):
+    for strategy in ("ddp", "ddp, padded", "fsdp", "ddp, LoRA r16"):
         r = parts["train"][strategy]
-        assert (r["mixed_precision"], r["records"], r["samples"]) == ("bf16", 4, 8)
+        assert (r["mixed_precision"], r["records"], r["samples"], r["packing"]) == ("bf16", 4, 8, strategy != "ddp, padded")
         assert r["step_s"] > 0 and r["first_step_s"] > 0 and r["state_bytes"] > 0
         assert (r["peak_gpu_allocated_bytes"] is not None) is torch.cuda.is_available()
     assert parts["train"]["ddp, LoRA r16"]["checkpoint_bytes"] < parts["train"]["ddp"]["checkpoint_bytes"] / 2
+    assert parts["train"]["ddp"]["padding_share"] < parts["train"]["ddp, padded"]["padding_share"]
     offload = parts["offload"]
     assert offload["offload_s"] >= 0 and offload["reload_s"] > 0
     assert offload["moved"] is torch.cuda.is_available()
