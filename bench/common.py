@@ -116,6 +116,12 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def geometric_length(rng, mean: float, most: int) -> int:
+    """A completion's length drawn from a long tail: geometric-like with this mean, at least
+    1, at most ``most`` (the benches' stand-in for RL's completion lengths)."""
+    return min(most, 1 + int(rng.expovariate(1 / mean)))
+
+
 def stats(values: list[float]) -> dict:
     if not values:
         return {"n": 0, "p50": None, "p99": None, "max": None, "mean": None}

@@ -72,7 +72,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import engine_batching  # noqa: E402
-from bench.common import RESULTS, BenchError, console, err_console, kill_tree, machine, python_env, table, write_json  # noqa: E402
+from bench.common import RESULTS, BenchError, console, err_console, geometric_length, kill_tree, machine, python_env, table, write_json  # noqa: E402
 from orchestrator.train import request  # noqa: E402
 
 DEFAULT_OUT = RESULTS / "gpu_check.json"
@@ -359,7 +359,7 @@ def _aggregate(check: Check, path: Path, *, long_tail: bool = False) -> None:
     rng = random.Random(check.seed)
     with open(path, "w") as f:
         for k, prompt in enumerate(engine_batching.prompts(data, s.train_records, check.seed)):
-            lengths = [min(8 * s.completion_tokens, 1 + int(rng.expovariate(1 / s.completion_tokens))) if long_tail else s.completion_tokens
+            lengths = [geometric_length(rng, s.completion_tokens, 8 * s.completion_tokens) if long_tail else s.completion_tokens
                        for _ in range(s.train_samples)]
             samples = [{"text": "", "token_ids": [rng.randrange(first, len(tokenizer)) for _ in range(lengths[i])],
                         "reward": float(i % 2), "finish_reason": "length"} for i in range(s.train_samples)]

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, BenchError, console, machine, python_env, table, write_json  # noqa: E402
+from bench.common import RESULTS, BenchError, console, geometric_length, machine, python_env, table, write_json  # noqa: E402
 from bench.publish import Trainer, make_model  # noqa: E402
 from orchestrator.protocol.layout import RunLayout  # noqa: E402
 from orchestrator.train import request  # noqa: E402
@@ -82,7 +82,7 @@ def long_tail_aggregate(path: Path, *, groups: int, vocab: tuple[int, int], seed
             prompt = [rng.randrange(*vocab) for _ in range(rng.randint(64, 256))]
             samples = []
             for _ in range(4):
-                n = min(1024, 1 + int(rng.expovariate(1 / 200)))
+                n = geometric_length(rng, 200, 1024)
                 samples.append({"text": "", "token_ids": [rng.randrange(*vocab) for _ in range(n)], "reward": rng.random(),
                                 "logprobs": [-rng.random() * 3 for _ in range(n)], "finish_reason": "stop" if n < 1024 else "length"})
             f.write(json.dumps({"task_id": f"train-{k:06d}", "prompt": "", "prompt_token_ids": prompt, "samples": samples}) + "\n")
