@@ -122,15 +122,17 @@ def test_a_rank_killed_while_the_group_trains_is_the_root_cause_not_the_trainer_
              "--rank-weights=1,1", "--max-iterations=2", "rl.train_tasks=8", "rl.samples_per_prompt=4", "rl.eval_tasks=8",
              "rl.eval_samples=1", "rl.epochs=50", "rl.micro_batch=4", "coordination.node_timeout_s=12",
              "coordination.heartbeat_interval_s=3", "coordination.join_timeout_s=60"]
-    # 100 optimizer steps (about 4 s here): the update outlasts the wait for rank 1's next beat
-    # (up to 3 s), so the node dies in phase 10; with 2 steps it could reach phase 11 first.
+    # Rank 1's train worker is frozen (SIGSTOP) once in the update, so that the update, which
+    # waits on its collectives, outlasts the wait for rank 1's next beat (up to 3 s) and the
+    # node dies in phase 10: 100 packed steps of this size take well under a second.
     procs = cluster.start_all(flags, n=2)
     try:
         def in_update():
             assert all(p.proc.poll() is None for p in procs), [p.proc.returncode for p in procs]
             return trainer_in_update(log_path, 1, 1)
 
-        wait_for(in_update, 200, "train worker 1 in the update of iteration 1")
+        trainer = wait_for(in_update, 200, "train worker 1 in the update of iteration 1")
+        os.kill(trainer, signal.SIGSTOP)
         attempt = cluster.layout.attempt(current_attempt(cluster.layout))
         beat = fsio.read_record(attempt.heartbeat(1))["counter"]
         wait_for(lambda: fsio.read_record(attempt.heartbeat(1))["counter"] > beat, 10, "rank 1's next heartbeat", interval=0.005)
