@@ -242,6 +242,7 @@ class RehearsalConfig:
 # The update's keys, types, bounds and option names are the trainer's (train/settings.py): the
 # rl and train sections derive from its UpdateSettings and TrainerSettings.
 MaxPromptTokens = Annotated[int, msgspec.Meta(ge=0)]
+STEP_REWARDS = ("sum", "last")
 
 _Temperature = Annotated[float, _limit("rl.temperature and rl.eval_temperature must be >= 0", ge=0)]
 _StopStrings = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], _limit("{key} must be non-empty strings, got {value!r}")]
@@ -275,8 +276,16 @@ class RLConfig(UpdateSettings):
     environment: str = ""
     """Multi-turn rollouts: the environment class, as module:Class (a new instance per sample;
     docs/environments.md). Empty: one turn, scored by rl.reward."""
+    environment_args: dict[str, typing.Any] = field(default_factory=dict)
+    """With rl.environment: keyword arguments of every instance, a JSON object on the command
+    line (rl.environment_args='{"difficulty": 3}'); a task's own environment_args column
+    updates them for its samples."""
     max_turns: Count = 4
-    """With rl.environment: the most turns of the model in a sample."""
+    """With rl.environment: the most turns of the model in a sample (given to the environment
+    as max_turns when it takes an argument of that name)."""
+    step_rewards: Annotated[str, _one_of(STEP_REWARDS, "rl.step_rewards values")] = "sum"
+    """With rl.environment: a sample's reward is its steps' rewards summed (sum), or its last
+    step's (last)."""
     env_timeout_s: Seconds = 60.0
     """With rl.environment: an environment call (the class, reset, step) that takes longer ends
     its sample with reward 0 and the error recorded, as a failing reward does."""
@@ -722,6 +731,8 @@ def _type_name(hint) -> str:
         return _type_name(typing.get_args(hint)[0])
     if typing.get_origin(hint) is list:
         return f"list[{_type_name(typing.get_args(hint)[0])}]"
+    if typing.get_origin(hint) is dict:
+        return "JSON object"
     return getattr(hint, "__name__", str(hint))
 
 
@@ -786,6 +797,11 @@ def _coerce(key: str, raw: str, ftype) -> object:
             return msgspec.json.decode(raw, type=ftype) if raw.startswith("[") else [raw]
         except msgspec.MsgspecError:
             raise ConfigError(f"{key}={raw!r}: expected a JSON list of strings, e.g. {key}='[\"a\", \"b\"]', or one string") from None
+    if typing.get_origin(ftype) is dict:
+        try:
+            return msgspec.json.decode(raw or "{}", type=ftype)
+        except msgspec.MsgspecError:
+            raise ConfigError(f"{key}={raw!r}: expected a JSON object, e.g. {key}='{{\"name\": 1}}'") from None
     try:
         return _BOOLEANS[raw.lower()] if ftype is bool else ftype(raw)
     except (KeyError, ValueError):

@@ -29,7 +29,8 @@ from orchestrator.protocol.layout import RunLayout
 _TASK_KEYS = {"seed": ("seed",), "workload": ("workload",), "rehearsal.tasks": ("rehearsal", "tasks"),
               "rehearsal.eval_tasks": ("rehearsal", "eval_tasks"), "rl.train_tasks": ("rl", "train_tasks"),
               "rl.eval_tasks": ("rl", "eval_tasks"), "data.train_file": ("data", "train_file"), "data.test_file": ("data", "test_file")}
-_GRADING_KEYS = {"rl.reward": ("rl", "reward"), "rl.environment": ("rl", "environment")}
+_GRADING_KEYS = {"rl.reward": ("rl", "reward"), "rl.environment": ("rl", "environment"),
+                 "rl.environment_args": ("rl", "environment_args"), "rl.step_rewards": ("rl", "step_rewards")}
 """What scores an iteration's samples: a rollout resumed under another would grade its samples
 two ways (the value may come from the data folder's demo.json, data/run_keys.py)."""
 
@@ -117,9 +118,10 @@ def check_environment(config: RunConfig) -> None:
     """rl.environment imports here, and the model's chat template can render its turns: a
     multi-turn rollout sends token ids the template renders (data/turns.py)."""
     try:
-        environments.load(config.rl.environment)
+        cls = environments.load(config.rl.environment)
+        environments.arguments(cls, {}, args=config.rl.environment_args, max_turns=config.rl.max_turns)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"rl.environment={config.rl.environment}: {e}" if "rl.environment=" not in str(e) else str(e)) from None
     model = config.model_path
     if not has_chat_template(model):
         raise ConfigError(f"rl.environment={config.rl.environment} needs a chat model: the turns are chat messages, but the "
@@ -162,8 +164,9 @@ def check_resume(config: RunConfig) -> None:
     for key, path in (_TASK_KEYS | _GRADING_KEYS).items():
         old, new = before, now
         for part in path:
+            known = part in (old or {})  # a key newer than the run's plan: nothing to compare with
             old, new = (old or {}).get(part), (new or {}).get(part)
-        if old != new:
+        if known and old != new:
             change = "change that iteration's tasks" if key in _TASK_KEYS else "grade the rest of that iteration's samples otherwise"
             if key == "workload":  # a flag, not a key
                 given, planned = ("--rehearsal", "the real loop") if new == WorkloadKind.REHEARSAL.value else ("the real loop", "--rehearsal")

@@ -61,7 +61,8 @@ class Conversation:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
-    """Per turn: the text sampled and its count of ids (``tokens``), then the observation's
+    """Per turn: the text sampled and its count of ids (``tokens``), why it ended
+    (``finish_reason``, and ``stop``: the stop string, when one did), then the observation's
     messages and the count of context ids that closed the turn and rendered them."""
 
     @property
@@ -69,11 +70,13 @@ class Conversation:
         """The next turn's prompt: everything so far."""
         return self.prompt_ids + self.token_ids
 
-    def sampled(self, ids: list[int], logprobs: list[float], text: str) -> None:
+    def sampled(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str | None = None,
+                stop: str | None = None) -> None:
         self.token_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
-        self.turns.append({"text": text, "tokens": len(ids)})
+        why = {"finish_reason": finish_reason} if finish_reason else {}
+        self.turns.append({"text": text, "tokens": len(ids)} | why | ({"stop": stop} if stop is not None else {}))
 
     def observation(self, tokenizer, observation: list[dict]) -> list[int]:
         """The context ids the environment's answer adds: the model's turn closed if it was

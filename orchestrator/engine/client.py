@@ -54,6 +54,9 @@ class Completion:
     """Generated token ids (EOS included); only with ``return_token_ids``."""
     prompt_token_ids: list[int] | None = None
     """The prompt as the engine tokenized it; only with ``return_token_ids``."""
+    stop_reason: str | int | None = None
+    """What ended a "stop": the stop string (cut from ``text``), or the stop token's id (vLLM);
+    None for EOS or "length"."""
 
 
 def _server_message(raw: bytes) -> str:
@@ -286,6 +289,7 @@ class EngineClient:
             tokens=None if logprobs is None else logprobs["tokens"],
             token_ids=token_ids,
             prompt_token_ids=prompt_token_ids,
+            stop_reason=choice.get("stop_reason"),
         )
 
 

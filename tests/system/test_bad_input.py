@@ -156,6 +156,10 @@ ROW_CASES = {
     "environment without a chat template": ([GOOD], ["rl.environment=orchestrator.environments:OneTurn"],
                                             "rl.environment=orchestrator.environments:OneTurn needs a chat model"),
     "environment timeout not positive": ([GOOD], ["rl.env_timeout_s=0"], "rl.env_timeout_s"),
+    "environment argument the class does not take": ([GOOD], ["rl.environment=orchestrator.demo.calculator:Calculator",
+                                                              'rl.environment_args={"db_path": "/data"}'],
+                                                     "Calculator() takes no argument db_path (from rl.environment_args"),
+    "environment arguments not an object": ([GOOD], ['rl.environment_args=["a"]'], "rl.environment_args='[\"a\"]': expected a JSON object"),
 }
 
 

@@ -47,6 +47,7 @@ BOUNDS = {
     "rl closed interval": ("rl.max_reward_error_fraction=2", "rl.max_reward_error_fraction must be in [0, 1], got 2.0"),
     "rl pair": ("rl.eval_temperature=-1", "rl.temperature and rl.eval_temperature must be >= 0"),
     "rl list": ('rl.stop=["a", ""]', "rl.stop must be non-empty strings, got ['a', '']"),
+    "rl step rewards": ("rl.step_rewards=mean", "rl.step_rewards='mean': valid rl.step_rewards values are sum, last"),
     "rl aggregation": ("rl.loss_agg=seq_sum", "rl.loss_agg='seq_sum': valid aggregations are token_mean, seq_mean_token_sum, seq_mean_token_mean"),
     "rl ratio level": ("rl.ratio_level=group", "rl.ratio_level='group': valid levels are token, sequence"),
     "rl overlong": ("rl.overlong=drop", "rl.overlong='drop': valid choices are keep, mask, penalty"),
@@ -125,6 +126,8 @@ def test_nan_is_outside_every_bound(key):
     ("rollout.engine_args= --enforce-eager ", "rollout", "engine_args", "--enforce-eager"),
     ('rl.stop=["</answer>", "\\n"]', "rl", "stop", ["</answer>", "\n"]),
     ("rl.stop=</s>", "rl", "stop", ["</s>"]),
+    ('rl.environment_args={"db_path": "/data", "level": 3}', "rl", "environment_args", {"db_path": "/data", "level": 3}),
+    ("rl.environment_args=", "rl", "environment_args", {}),
     ("tracking.backends=tensorboard, mlflow", "tracking", "backends", ["tensorboard", "mlflow"]),
     ('tracking.backends=["wandb"]', "tracking", "backends", ["wandb"]),
 ])
@@ -145,6 +148,8 @@ def test_the_top_level_override_converts_and_lands_outside_the_sections():
     ("coordination.elastic=maybe", "coordination.elastic='maybe': expected a value of type bool"),
     ("seed=x", "seed='x': expected a value of type int"),
     ("rl.stop=[1, 2]", "rl.stop='[1, 2]': expected a JSON list of strings, e.g. rl.stop='[\"a\", \"b\"]', or one string"),
+    ("rl.environment_args=[1]", "rl.environment_args='[1]': expected a JSON object, e.g. rl.environment_args='{\"name\": 1}'"),
+    ("rl.environment_args=level=3", "rl.environment_args='level=3': expected a JSON object, e.g. rl.environment_args='{\"name\": 1}'"),
 ])
 def test_a_value_of_the_wrong_type_names_the_key(override, message):
     assert _error(override) == message

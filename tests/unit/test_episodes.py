@@ -1,6 +1,8 @@
 """Multi-turn episodes (workloads/rl/episodes.py) against a scripted engine: when a sample
 ends (done, rl.max_turns, out of room), what its record holds, and environments that raise,
-hang or open differently, with the chat demo's ChatML tokenizer."""
+hang or open differently; what an environment is given (its arguments, max_turns, each turn's
+stop reason), what it may answer (a Step or skyrl-gym's dict, rewards per step, metrics), and
+its close() called once however the sample ends; with the chat demo's ChatML tokenizer."""
 
 from __future__ import annotations
 
@@ -27,15 +29,15 @@ def tokenizer():
 class Engine:
     """Answers each request with ``reply`` (its text's ids, then EOS), and keeps the requests."""
 
-    def __init__(self, tokenizer, reply: str = "<calc>1</calc>", cut: bool = False):
-        self.tokenizer, self.reply, self.cut, self.requests = tokenizer, reply, cut, []
+    def __init__(self, tokenizer, reply: str = "<calc>1</calc>", cut: bool = False, stop: str | None = None):
+        self.tokenizer, self.reply, self.cut, self.stop, self.requests = tokenizer, reply, cut, stop, []
 
     async def complete(self, request):
         self.requests.append(request)
-        ids = self.tokenizer(self.reply, add_special_tokens=False)["input_ids"]
-        ids = ids[: request.max_tokens] if self.cut else ids + [self.tokenizer.eos_token_id]
-        group = [Completion(self.reply, "length" if self.cut else "stop", [-0.5] * len(ids), None, ids, request.prompts[0])
-                 for _ in range(request.n)]
+        ids = self.tokenizer(self.reply + (self.stop or ""), add_special_tokens=False)["input_ids"]
+        ids = ids[: request.max_tokens] if self.cut else ids if self.stop else ids + [self.tokenizer.eos_token_id]
+        group = [Completion(self.reply, "length" if self.cut else "stop", [-0.5] * len(ids), None, ids, request.prompts[0],
+                            stop_reason=self.stop) for _ in range(request.n)]
         return Answer(request, [group], 0.0, 0.0)
 
 
@@ -58,18 +60,19 @@ class Tool:
 
 
 def run(tokenizer, env, engine=None, *, n=2, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, task_id="t1", threads=4,
-        room=None):
+        room=None, task=None, **settings):
     engine = engine or Engine(tokenizer)
     episodes = Episodes(env, "my:Env", tokenizer, max_turns=max_turns, max_tokens=max_tokens, context=context, timeout_s=timeout_s,
-                        threads=EnvThreads(threads), room=room or RoomWatch())
+                        threads=EnvThreads(threads), room=room or RoomWatch(), **settings)
     try:
-        prompt, prompt_ids, samples, _ = asyncio.run(episodes.run(engine, {"id": task_id, "prompt": "1+1?"}, n=n, seed="s"))
+        task = {"id": task_id, "prompt": "1+1?", **(task or {})}
+        prompt, prompt_ids, samples, _ = asyncio.run(episodes.run(engine, task, n=n, seed="s"))
     finally:
         episodes.close()
     return prompt_ids, samples, engine
 
 
-def test_each_sample_takes_turns_until_max_turns_with_observations_masked_and_the_last_reward(tokenizer):
+def test_each_sample_takes_turns_until_max_turns_with_observations_masked_and_its_steps_rewards_summed(tokenizer):
     prompt_ids, samples, engine = run(tokenizer, Tool, max_turns=3)
     assert prompt_ids == turns.render(tokenizer, [{"role": "user", "content": "1+1?"}], generation_prompt=True)
     first, *later = engine.requests
@@ -82,10 +85,13 @@ def test_each_sample_takes_turns_until_max_turns_with_observations_masked_and_th
         assert s["loss_mask"] == [1] * len(reply) + [0] * len(obs) + [1] * len(reply) + [0] * len(obs) + [1] * len(reply)
         assert s["logprobs"] == [-0.5] * len(reply) + [0.0] * len(obs) + [-0.5] * len(reply) + [0.0] * len(obs) + [-0.5] * len(reply)
         assert [t["tokens"] for t in s["turns"]] == [len(reply)] * 3 and s["turns"][0]["observation"] == [{"role": "tool", "content": "42"}]
-        assert s["reward"] == 0.25 and s["finish_reason"] == "stop" and "reward_error" not in s
+        assert s["reward"] == 0.75 and s["finish_reason"] == "stop" and "reward_error" not in s
         assert s["text"] == tokenizer.decode(s["token_ids"])
     # the next turn's prompt is everything so far, as ids
     assert later[-1].prompts[0] == prompt_ids + reply + obs + reply + obs
+    # rl.step_rewards=last: the last step's reward alone
+    _, samples, _ = run(tokenizer, Tool, max_turns=3, step_rewards="last")
+    assert [s["reward"] for s in samples] == [0.25, 0.25]
 
 
 def test_a_sample_ends_when_the_environment_says_done(tokenizer):
@@ -93,7 +99,7 @@ def test_a_sample_ends_when_the_environment_says_done(tokenizer):
         done_at = 2
 
     _, samples, engine = run(tokenizer, Done)
-    assert all(len(s["turns"]) == 2 and s["reward"] == 1.0 for s in samples) and len(engine.requests) == 3
+    assert all(len(s["turns"]) == 2 and s["reward"] == 1.25 for s in samples) and len(engine.requests) == 3  # 0.25, then 1
 
 
 def test_a_sample_out_of_room_ends_cut_and_the_observation_that_would_not_fit_is_left_out(tokenizer):
@@ -153,7 +159,7 @@ def test_an_environment_that_raises_or_hangs_ends_its_sample_with_reward_0_and_t
     release.set()
     assert time.monotonic() - began < 10
     errors = sorted(s.get("reward_error", "") for s in samples)
-    assert errors[0] == "" and samples[[s.get("reward_error", "") for s in samples].index("")]["reward"] == 0.25
+    assert errors[0] == "" and samples[[s.get("reward_error", "") for s in samples].index("")]["reward"] == 0.75
     assert "ZeroDivisionError: boom" in errors[1] + errors[2] and "took longer than rl.env_timeout_s=0.5" in errors[1] + errors[2]
     assert all(s["reward"] == 0.0 for s in samples if "reward_error" in s)
 
@@ -198,4 +204,129 @@ def test_a_step_that_returns_something_else_than_a_step_is_an_error(tokenizer):
             return {"reward": 1.0}
 
     _, samples, _ = run(tokenizer, Wrong, n=1)
-    assert "returned dict, not an orchestrator.environments.Step" in samples[0]["reward_error"]
+    assert "returned a dict with keys ['reward']: skyrl-gym's BaseTextEnvStepOutput" in samples[0]["reward_error"]
+
+    class Other(Tool):
+        def step(self, completion):
+            return 1.0
+
+    _, samples, _ = run(tokenizer, Other, n=1)
+    assert "returned float, not an orchestrator.environments.Step" in samples[0]["reward_error"]
+
+
+def test_a_dict_in_skyrl_gyms_shape_is_a_step_and_metrics_keep_each_names_last_value(tokenizer):
+    class Skyrl(Tool):
+        def step(self, completion):
+            self.turn += 1
+            if self.turn == 3:
+                return {"observations": [], "reward": 1.0, "done": True, "metadata": {"calls": 3, "note": "text is left out"}}
+            return {"observations": [{"role": "user", "content": "again"}], "reward": None, "done": False,
+                    "metadata": {"calls": self.turn, "first": 1.0}, "postprocessed_action": "ignored"}
+
+    _, samples, _ = run(tokenizer, Skyrl, n=2, max_turns=5)
+    for s in samples:
+        assert "reward_error" not in s and s["reward"] == 1.0 and len(s["turns"]) == 3
+        assert s["turns"][0]["observation"] == [{"role": "user", "content": "again"}]
+        assert s["metrics"] == {"calls": 3.0, "first": 1.0}
+
+    class Metrics(Tool):
+        done_at = 2
+
+        def step(self, completion):
+            step = super().step(completion)
+            return Step(step.observation, step.reward, step.done, metrics={"turn": float(self.turn)})
+
+    _, samples, _ = run(tokenizer, Metrics, n=1)
+    assert samples[0]["metrics"] == {"turn": 2.0}
+    with pytest.raises(ValueError, match="Step.metrics must map names to finite numbers"):
+        Step(metrics={"x": float("nan")})
+
+
+def test_the_environment_gets_its_arguments_and_max_turns_when_it_takes_them(tokenizer):
+    made = []
+
+    class Args(Tool):
+        def __init__(self, task, *, max_turns, level=1, seed=0):
+            super().__init__(task)
+            made.append((max_turns, level, seed))
+
+    run(tokenizer, Args, n=1, max_turns=3, args={"level": 4})
+    run(tokenizer, Args, n=1, max_turns=2, args={"level": 4, "seed": 7}, task={"environment_args": {"level": 9}})
+    assert made == [(3, 4, 0), (2, 9, 7)], "rl.environment_args, updated by the task's environment_args column; max_turns"
+
+    class Kwargs(Tool):
+        def __init__(self, task, **extras):
+            super().__init__(task)
+            made.append(extras)
+
+    made.clear()
+    run(tokenizer, Kwargs, n=1, max_turns=3, args={"level": 4})
+    run(tokenizer, Kwargs, n=1, max_turns=3, args={"max_turns": 9})
+    assert made == [{"level": 4, "max_turns": 3}, {"max_turns": 9}]
+    run(tokenizer, Tool, n=1, max_turns=3)  # one that takes the task alone is made with it alone
+    _, samples, engine = run(tokenizer, Tool, n=2, args={"level": 4})
+    assert not engine.requests
+    assert all("Tool() takes no argument level (from rl.environment_args or the task's environment_args column)"
+               in s["reward_error"] for s in samples)
+
+
+def test_each_turn_reaches_the_environment_with_its_finish_reason_and_stop_string(tokenizer):
+    seen = []
+
+    class Watch(Tool):
+        done_at = 2
+
+        def step(self, completion):
+            seen.append((str(completion), completion.finish_reason, completion.stop, isinstance(completion, str)))
+            return super().step(completion)
+
+    _, samples, _ = run(tokenizer, Watch, Engine(tokenizer, reply="<sql>x", stop="</sql>"), n=1)
+    assert seen == [("<sql>x", "stop", "</sql>", True)] * 2
+    assert samples[0]["turns"][0]["finish_reason"] == "stop" and samples[0]["turns"][0]["stop"] == "</sql>"
+    seen.clear()
+    _, samples, _ = run(tokenizer, Watch, Engine(tokenizer, cut=True), n=1, max_tokens=4, max_turns=1)
+    assert seen == [(samples[0]["turns"][0]["text"], "length", None, True)] and "stop" not in samples[0]["turns"][0]
+
+
+def test_close_is_called_once_per_sample_however_it_ends_and_a_failing_close_is_the_samples_error(tokenizer):
+    closed = []
+
+    def closing(base):
+        class Closing(base):
+            def close(self):
+                closed.append(self.task["id"])
+        return Closing
+
+    class Raises(Tool):
+        def step(self, completion):
+            raise RuntimeError("step fails")
+
+    class NoReset(Tool):
+        def reset(self):
+            raise RuntimeError("no sandbox")
+
+    class Done(Tool):
+        done_at = 1
+
+    for i, base in enumerate((Tool, Done, Raises, NoReset)):  # max turns, done, a step that raises, a reset that raises
+        run(tokenizer, closing(base), n=3, task_id=f"t{i}")
+    assert sorted(closed) == [f"t{i}" for i in range(4) for _ in range(3)]
+
+    class Different(Tool):
+        opened = 0
+
+        def reset(self):
+            Different.opened += 1
+            return [{"role": "user", "content": f"variant {Different.opened}"}]
+
+    closed.clear()
+    run(tokenizer, closing(Different), n=3, task_id="d")  # two samples never take a turn
+    assert closed == ["d"] * 3
+
+    class BadClose(Done):
+        def close(self):
+            raise OSError("sandbox gone")
+
+    _, samples, _ = run(tokenizer, BadClose, n=2)
+    assert all(s["reward"] == 0.0 and "close() raised" in s["reward_error"] and "OSError: sandbox gone" in s["reward_error"]
+               for s in samples)

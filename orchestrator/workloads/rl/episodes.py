@@ -3,18 +3,21 @@ its own, turn by turn, token-exact (``data/turns.py``).
 
 A task's samples open with the environment's ``reset()`` messages, rendered by the chat
 template; their first turn is one request of ``n`` samples, as a one-turn rollout's. Then each
-sample goes on alone: the environment's ``step`` answers the model's turn; its observation's
-ids join the context, and the whole context is the next turn's token-id prompt. A sample ends
-when the environment says done, at ``rl.max_turns``, or when its ids after the prompt would
-pass ``rl.max_tokens`` (``finish_reason`` "length") or the model's context. Its reward is what
-the environment's last step answered.
+sample goes on alone: the environment's ``step`` answers the model's turn (a
+:class:`~orchestrator.plugins.environments.Turn`: its text, finish reason and stop string);
+its observation's ids join the context, and the whole context is the next turn's token-id
+prompt. A sample ends when the environment says done, at ``rl.max_turns``, or when its ids
+after the prompt would pass ``rl.max_tokens`` (``finish_reason`` "length") or the model's
+context. Its reward is its steps' rewards summed (``rl.step_rewards=sum``) or the last one's;
+its metrics the last value of each name its steps gave. The environment's ``close()``, when
+it has one, is called once as the sample ends, however it ends.
 
 The samples run as coroutines on the rollout's event loop (:class:`inflight.Inflight`), so a
 sample waiting for its environment holds no request slot. The environments' code (the class,
-``reset``, ``step``) runs on threads of its own (:class:`EnvThreads`), never on the loop: a
-slow one stalls only its sample. One that raises, or takes longer than ``rl.env_timeout_s``,
-ends its sample with reward 0 and the error in ``reward_error``, counted against
-``rl.max_reward_error_fraction`` as a failing reward is (``scoring.py``).
+``reset``, ``step``, ``close``) runs on threads of its own (:class:`EnvThreads`), never on the
+loop: a slow one stalls only its sample. One that raises, or takes longer than
+``rl.env_timeout_s``, ends its sample with reward 0 and the error in ``reward_error``, counted
+against ``rl.max_reward_error_fraction`` as a failing reward is (``scoring.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from orchestrator.plugins.environments import OneTurn, Step
+from orchestrator.plugins import environments
+from orchestrator.plugins.environments import OneTurn, Turn
 from orchestrator.workloads.rl.engine_requests import Inflight, Request
 from orchestrator.workloads.rl.scoring import ERROR_CHARS
 from orchestrator.data.turns import Conversation, render
@@ -67,10 +71,10 @@ class EnvThreads:
                 except BaseException as e:  # noqa: BLE001 - the user's code: handed to the sample
                     future.set_exception(e)
 
-    def call(self, fn, *args) -> concurrent.futures.Future:
-        """``fn(*args)`` on a thread; its future's ``started`` is when it began (None while queued)."""
+    def call(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        """``fn(*args, **kwargs)`` on a thread; its future's ``started`` is when it began (None while queued)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.call, future.started = functools.partial(fn, *args), None
+        future.call, future.started = functools.partial(fn, *args, **kwargs), None
         self._calls.put(future)
         return future
 
@@ -128,18 +132,23 @@ class Episode:
     """One sample's conversation with its environment."""
 
     env: object = None
+    """The sample's environment; None before it is made and once it is closed."""
     conversation: Conversation | None = None
     reward: float = 0.0
     finish_reason: str = "stop"
     error: str | None = None
     cut_for_room: bool = False
     """Ended because the next turn had no room, the environment wanting one."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The last value of each name the environment's steps gave (``Step.metrics``)."""
 
     def sample(self, decode) -> dict:
         c = self.conversation
         ids = c.token_ids if c else []
         sample = {"text": decode(ids) if ids else "", "token_ids": ids, "reward": self.reward, "finish_reason": self.finish_reason,
                   "logprobs": c.logprobs if c else [], "loss_mask": c.loss_mask if c else [], "turns": c.turns if c else []}
+        if self.metrics:
+            sample["metrics"] = self.metrics
         if self.error is not None:
             sample["reward_error"] = self.error
         return sample
@@ -159,6 +168,10 @@ class Episodes:
     context: int | None
     """The model's context length (None: unknown)."""
     timeout_s: float
+    args: dict = field(default_factory=dict)
+    """``rl.environment_args``: keyword arguments of every instance (a task's own column updates them)."""
+    step_rewards: str = "sum"
+    """``rl.step_rewards``: a sample's reward is its steps' summed (sum) or its last step's (last)."""
     threads: EnvThreads = field(default_factory=EnvThreads)
     room: RoomWatch = field(default_factory=RoomWatch)
     """Samples cut for room: the workload keeps one across the run's rollouts, to warn once."""
@@ -187,8 +200,9 @@ class Episodes:
             first = (await inflight.complete(request)).groups[0]
             for i, completion in zip(together, first):
                 episodes[i].conversation = Conversation(list(prompt))
-            await asyncio.gather(*(self._turns(inflight, task, episodes[i], completion, f"{seed}:{i}")
+            await asyncio.gather(*(self._episode(inflight, task, episodes[i], completion, f"{seed}:{i}")
                                    for i, completion in zip(together, first)))
+        await asyncio.gather(*(self._close(e) for e in episodes))  # those that opened apart, or not at all
         self.room.count(episodes, spec=self.spec, max_tokens=self.max_tokens, max_turns=self.max_turns)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         return decode(prompt), prompt, [e.sample(decode) for e in episodes], sent_at
@@ -196,7 +210,12 @@ class Episodes:
     async def _open(self, episode: Episode, task: dict) -> list[int] | None:
         """The sample's environment made and reset: the ids of its opening, or None (failed)."""
         try:
-            episode.env = await self._call(self.environment, task)
+            kwargs = environments.arguments(self.environment, task, args=self.args, max_turns=self.max_turns)
+        except ValueError as e:
+            self._fail(episode, f"{self.spec}: {e}")
+            return None
+        try:
+            episode.env = await self._call(self.environment, task, **kwargs)
             messages = await self._call(episode.env.reset)
             return render(self.tokenizer, messages, generation_prompt=True)
         except EnvironmentFailed as e:
@@ -205,20 +224,35 @@ class Episodes:
             self._fail(episode, f"{self.spec}: reset() gave messages the chat template cannot render: {e!r}")
         return None
 
+    async def _episode(self, inflight: Inflight, task: dict, episode: Episode, completion, seed: str) -> None:
+        """The sample's turns, then its environment closed, however they ended (cancelled: the
+        close is sent to a thread and not waited for)."""
+        try:
+            await self._turns(inflight, task, episode, completion, seed)
+        except asyncio.CancelledError:
+            if episode.env is not None and callable(close := getattr(episode.env, "close", None)):
+                self.threads.call(close)
+            episode.env = None
+            raise
+        await self._close(episode)
+
     async def _turns(self, inflight: Inflight, task: dict, episode: Episode, completion, seed: str) -> None:
         c = episode.conversation
         for turn in range(1, self.max_turns + 1):
-            c.sampled(completion.token_ids, completion.token_logprobs, completion.text)
+            stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+            c.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
             episode.finish_reason = completion.finish_reason
             try:
-                step = await self._call(episode.env.step, completion.text)
-                if not isinstance(step, Step):
-                    raise EnvironmentFailed(f"{self.spec}: step() returned {type(step).__name__}, not an "
-                                            f"orchestrator.environments.Step")
+                answer = await self._call(episode.env.step, Turn(completion.text, completion.finish_reason, stop))
+                try:
+                    step = environments.as_step(answer)
+                except ValueError as e:
+                    raise EnvironmentFailed(f"{self.spec}: {e}") from None
             except EnvironmentFailed as e:
                 self._fail(episode, str(e))
                 return
-            episode.reward = step.reward
+            episode.reward = episode.reward + step.reward if self.step_rewards == "sum" else step.reward
+            episode.metrics.update(step.metrics)
             if step.done or turn == self.max_turns:
                 return
             try:
@@ -239,10 +273,22 @@ class Episodes:
         room = self.max_tokens - len(after_prompt)
         return room if self.context is None else min(room, self.context - len(context))
 
-    async def _call(self, fn, *args):
-        """``fn(*args)`` on an environment thread, within ``rl.env_timeout_s`` of its start (a
-        call waiting for a thread is not late: the threads may all be busy with other samples)."""
-        future = self.threads.call(fn, *args)
+    async def _close(self, episode: Episode) -> None:
+        """The sample's environment closed (its ``close()``, when it has one), once: a close that
+        fails is the sample's error, as a failing step is."""
+        env, episode.env = episode.env, None
+        if env is None or not callable(close := getattr(env, "close", None)):
+            return
+        try:
+            await self._call(close)
+        except EnvironmentFailed as e:
+            if episode.error is None:
+                self._fail(episode, str(e))
+
+    async def _call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on an environment thread, within ``rl.env_timeout_s`` of its
+        start (a call waiting for a thread is not late: the threads may all be busy with other samples)."""
+        future = self.threads.call(fn, *args, **kwargs)
         result = asyncio.wrap_future(future)
         name = getattr(fn, "__qualname__", repr(fn))
         while not result.done():

@@ -255,7 +255,8 @@ class RLWorkload:
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
         return Episodes(environments.load(self.rl.environment), self.rl.environment, self._tokenizer, max_turns=self.rl.max_turns,
                         max_tokens=self.rl.max_tokens, context=prompts.context_length(self.config.model_path),
-                        timeout_s=self.rl.env_timeout_s, room=self._room)
+                        timeout_s=self.rl.env_timeout_s, args=self.rl.environment_args, step_rewards=self.rl.step_rewards,
+                        room=self._room)
 
     def prompts_per_request(self, samples: int) -> int:
         """Prompts in one engine request at ``samples`` a prompt: ``rollout.prompts_per_request``,
@@ -288,6 +289,7 @@ class RLWorkload:
 
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
         rewards_all, best, lengths, turns = [], [], [], []
+        env_metrics: dict[str, list[float]] = {}  # rl.environment's Step.metrics, per name
         tokens: dict[int, int] = collections.Counter()  # per rank
         spans: dict[int, list[float]] = {}  # per rank: first request sent, last answered
         with open(eval_records, "rb") as f:
@@ -300,6 +302,8 @@ class RLWorkload:
                     if "loss_mask" in s:  # multi-turn: the ids sampled, not the environment's
                         n_tok = sum(s["loss_mask"])
                         turns.append(len(s.get("turns") or ()))
+                        for name, value in (s.get("metrics") or {}).items():
+                            env_metrics.setdefault(name, []).append(value)
                     else:
                         n_tok = len(s["logprobs"]) if s.get("logprobs") is not None else len(s["text"])
                     lengths.append(n_tok)
@@ -319,7 +323,8 @@ class RLWorkload:
             # Requests overlap: each rank's tokens over its span, added up over the ranks.
             "tokens_per_s": sum(tokens[r] / (end - start) for r, (start, end) in spans.items() if end > start),
             "tasks": len(best),
-        } | ({"turns": sum(turns) / len(turns)} if turns else {})
+        } | ({"turns": sum(turns) / len(turns)} if turns else {}) | {
+            f"env/{name}": sum(values) / len(values) for name, values in sorted(env_metrics.items())}
 
     # -- training ------------------------------------------------------------------------------
 
