@@ -142,7 +142,12 @@ def parse(spec: str) -> tuple[str, str]:
 
 
 def load(spec: str) -> type:
-    """The environment class ``module:Class`` names; ValueError says what is wrong."""
+    """The environment class ``module:Class`` names (``skyrl_gym:<id>``: skyrl-gym's registered
+    environment, plugins/skyrl_gym.py); ValueError says what is wrong."""
+    from orchestrator.plugins import skyrl_gym
+
+    if skyrl_gym.names(spec):
+        return skyrl_gym.environment(spec)
     cls = plugins.resolve(spec, **_SPEC, noun="class", accept=lambda x: isinstance(x, type))
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if missing:

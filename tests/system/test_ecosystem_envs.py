@@ -1,0 +1,128 @@
+"""The ecosystem's environments by name, unchanged: skyrl-gym's ``gsm8k_multi_turn`` and
+``text2sql`` from a task file in skyrl's own format (``prompt``, ``env_class``,
+``reward_spec``, ``extra_info``, and text2sql's ``db_id``/``data`` over a real SQLite
+database), two iterations on two ranks with the chat demo's model. skyrl-gym's own classes are
+watched, not changed (a ``sitecustomize`` on the ranks' PYTHONPATH wraps their methods to log
+each call): every instance made is closed exactly once, is given ``rl.max_turns``, and each
+turn reaches ``step`` as the model wrote it, a stop string that ended it included."""
+
+import collections
+import json
+import os
+import sqlite3
+
+import pytest
+
+from orchestrator.protocol.layout import RunLayout
+from tests.harness import aggregate_records, rl_flags, run_local, status_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+pytest.importorskip("skyrl_gym")
+
+WATCH = '''
+import json
+import os
+import uuid
+
+import skyrl_gym.envs.gsm8k.multi_turn_env as gsm8k
+import skyrl_gym.envs.sql.env as sql
+
+LOG = os.environ["SKYRL_WATCH_LOG"]
+
+
+def _log(**event):
+    with open(os.path.join(LOG, f"{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps(event) + "\\n")
+
+
+def _watch(cls):
+    init, step, close = cls.__init__, cls.step, cls.close
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._watch_id = uuid.uuid4().hex
+        _log(event="made", env=cls.__name__, id=self._watch_id, max_turns=self.max_turns)
+
+    def step_(self, action):
+        _log(event="step", env=cls.__name__, id=self._watch_id, action=action)
+        return step(self, action)
+
+    def close_(self):
+        _log(event="close", env=cls.__name__, id=self._watch_id)
+        return close(self)
+
+    cls.__init__, cls.step, cls.close = __init__, step_, close_
+
+
+_watch(gsm8k.GSM8kMultiTurnEnv)
+_watch(sql.SQLEnv)
+'''
+
+
+def _skyrl_rows(chat_rows: list[dict]) -> list[dict]:
+    """The chat demo's tasks in skyrl's dataset format: even rows gsm8k_multi_turn (by their
+    env_class), odd rows text2sql (no env_class: the run's skyrl_gym:<id>), over the database ``shop``."""
+    rows = []
+    for i, row in enumerate(chat_rows):
+        if i % 2 == 0:
+            rows.append({"data_source": "chat-demo", "prompt": row["prompt"], "env_class": "gsm8k_multi_turn",
+                         "reward_spec": {"method": "rule", "ground_truth": row["answer"]}, "extra_info": {"index": i}})
+        else:
+            question = f"Count items over {i} in <sql>."  # short: the demo model's context is 128 tokens
+            rows.append({"data_source": "synthetic", "prompt": [{"role": "user", "content": question}], "db_id": "shop",
+                         "data": "spider", "reward_spec": {"method": "rule", "ground_truth": f"SELECT count(*) FROM items WHERE price > {i}"},
+                         "extra_info": {"index": i}})
+    return rows
+
+
+@pytest.fixture
+def skyrl_data(chat_demo_data, tmp_path):
+    data = tmp_path / "data"
+    (data / "tasks").mkdir(parents=True)
+    (data / "model").symlink_to(chat_demo_data / "model")
+    for split in ("train", "test"):
+        chat = [json.loads(line) for line in (chat_demo_data / "tasks" / f"{split}.jsonl").read_text().splitlines()[:64]]
+        (data / "tasks" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _skyrl_rows(chat)))
+    db = tmp_path / "sql" / "spider" / "database" / "shop" / "shop.sqlite"
+    db.parent.mkdir(parents=True)
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE items (name TEXT, price INTEGER)")
+        conn.executemany("INSERT INTO items VALUES (?, ?)", [(f"item{k}", k) for k in range(100)])
+    return data, tmp_path / "sql"
+
+
+def test_skyrl_gym_environments_run_unchanged_by_id_on_two_ranks(skyrl_data, tmp_path):
+    data, db_path = skyrl_data
+    watch, log_path = tmp_path / "watch", tmp_path / "run"
+    watch.mkdir()
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(WATCH)
+    env = {**os.environ, "SKYRL_WATCH_LOG": str(watch),
+           "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = run_local(rl_flags(data, log_path, num_nodes=2, weights="1,1", max_iterations=2, extra=[
+        "rl.environment=skyrl_gym:text2sql", f'rl.environment_args={{"db_path": "{db_path}"}}',
+        "data.answer_key=reward_spec.ground_truth", "rl.reward=orchestrator.rewards:math",
+        "rl.max_turns=2", "rl.max_tokens=48", 'rl.stop=["</sql>", "</solution>", "}"]', "rl.eval_tasks=8"]), env=env)
+    assert result.returncode == 0, result.stdout[-6000:]
+
+    events = [json.loads(line) for f in sorted(watch.iterdir()) for line in f.read_text().splitlines()]
+    made = {e["id"]: e for e in events if e["event"] == "made"}
+    closed = collections.Counter(e["id"] for e in events if e["event"] == "close")
+    assert made and set(closed) == set(made) and set(closed.values()) == {1}, "every instance closed, once"
+    assert {e["max_turns"] for e in made.values()} == {2}, "rl.max_turns reaches the environment"
+    assert {e["env"] for e in made.values()} == {"GSM8kMultiTurnEnv", "SQLEnv"}
+
+    layout = RunLayout(log_path)
+    records = [r for i in (1, 2) for split in ("train", "eval") for r in aggregate_records(layout, i, split)]
+    samples = [s for r in records for s in r["samples"]]
+    assert len(made) == len(samples) == 2 * (8 * 4 + 8 * 2), "one instance a sample: 8 train tasks x 4, 8 eval tasks x 2"
+    assert not [s for s in samples if "reward_error" in s], [s["reward_error"] for s in samples if "reward_error" in s][:2]
+    # Each turn reached step() as the model wrote it: the text with the stop string that ended it.
+    written = collections.Counter(t["text"] + t.get("stop", "") for s in samples for t in s["turns"])
+    stepped = collections.Counter(e["action"] for e in events if e["event"] == "step")
+    assert stepped == written
+    assert sum(1 for s in samples for t in s["turns"] if t.get("stop")) >= 8, "turns ended by a stop string"
+    assert layout.checkpoint(2).is_dir()
+    shown = status_json(log_path)["iterations"]
+    assert all("turns" in it["metrics"] and "env/steps" in it["metrics"] for it in shown), "gsm8k_multi_turn's get_metrics, averaged"
