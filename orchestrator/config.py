@@ -342,9 +342,14 @@ class DataConfig:
     """Where the tasks come from (docs/data.md)."""
 
     train_file: NonEmpty = "tasks/train.jsonl"
-    """Train tasks, JSON lines or Parquet (.parquet); relative paths are under --data-path."""
+    """Train tasks, JSON lines or Parquet (.parquet); relative paths are under --data-path.
+    reasoning_gym:<name>[+<name>...]: tasks reasoning-gym generates (docs/environments.md)."""
     test_file: NonEmpty = "tasks/test.jsonl"
     """Eval tasks, in the same formats."""
+    train_size: Count = 1000
+    """With data.train_file=reasoning_gym:...: the train tasks generated, shared by the datasets."""
+    test_size: Count = 200
+    """With data.test_file=reasoning_gym:...: the eval tasks generated (none a train task)."""
     prompt_key: NonEmpty = "prompt"
     """The column of the prompt: a string, or a list of chat messages rendered with the model's chat template."""
     answer_key: NonEmpty = "answer"
@@ -358,6 +363,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check_fields(self, "data")
         for name in ("train_file", "test_file"):
+            if getattr(self, name).startswith("reasoning_gym:"):
+                continue  # its dataset names are checked where it is imported (data/reasoning_gym_tasks.py)
             if Path(getattr(self, name)).suffix not in (".jsonl", ".json", ".parquet"):
                 raise ConfigError(f"data.{name}={getattr(self, name)!r}: task files are JSON lines (.jsonl) or Parquet (.parquet)")
 

@@ -60,7 +60,7 @@ def _check(config: RunConfig) -> None:
             "on a GPU node, or run scripts/setup-vllm.sh for vLLM on CPU"
         )
     model = config.model_path  # a hub id the local Hugging Face cache lacks: ConfigError
-    missing = [p for p in (config.task_file("train"), config.task_file("eval")) if not p.is_file()]
+    missing = [config.task_file(split) for split in ("train", "eval") if not tasks.generated(config, split) and not config.task_file(split).is_file()]
     if not config.model.path and not (model / "config.json").is_file():
         missing.insert(0, model / "config.json")  # no demo data: the message below says how to make it
     else:

@@ -79,10 +79,10 @@ def measure(config: RunConfig, split: str) -> Measured:
     """``split``'s tasks rendered, counted and filtered (ConfigError when none is left)."""
     source = tasks.for_split(config, split)
     tasks.read(source)  # a missing file or a bad row: ConfigError, before the stat below
-    st = source.path.stat()
+    mtime_ns, size = (0, 0) if source.generated else (lambda st: (st.st_mtime_ns, st.st_size))(source.path.stat())
     model = config.model_path
     tokenizer_files = tuple((p.name, p.stat().st_mtime_ns) for p in sorted(model.glob("tokenizer*")) if p.is_file())
-    m = _measure(source, st.st_mtime_ns, st.st_size, model, tokenizer_files, config.data.system_prompt, limit(config))
+    m = _measure(source, mtime_ns, size, model, tokenizer_files, config.data.system_prompt, limit(config))
     if not m.tasks:
         what = "the longest rl.max_prompt_tokens allows" if config.rl.max_prompt_tokens else (
             f"the model's context length less rl.max_tokens={config.rl.max_tokens}")

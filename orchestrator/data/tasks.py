@@ -1,6 +1,7 @@
 """Task files: JSON lines or Parquet, with the columns the config names.
 
-A row becomes a task dict: ``id`` (the ``data.id_key`` column as a string, or the row
+``reasoning_gym:<name>[+<name>...]`` in place of a file generates the tasks
+(data/reasoning_gym_tasks.py). A row becomes a task dict: ``id`` (the ``data.id_key`` column as a string, or the row
 number, 1 for the first row, when the file has no such column), ``prompt`` (the
 ``data.prompt_key`` column: a string, sent as is, or a list of chat messages
 ``[{"role": ..., "content": ...}]``), ``answer`` (the ``data.answer_key`` column; a number
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from orchestrator.config import RunConfig
+from orchestrator.data import reasoning_gym_tasks
 from orchestrator.errors import ConfigError
 
 
@@ -29,18 +31,30 @@ class TaskSource:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     id_key: str = "id"
+    generated: tuple | None = None
+    """``(spec, split, seed, train_size, test_size)`` of tasks that reasoning-gym generates."""
 
 
 def for_split(config: RunConfig, split: str) -> TaskSource:
     """The task file of ``split`` ("train" or "eval") and the columns the config names."""
     d = config.data
+    spec = d.train_file if split == "train" else d.test_file
+    if reasoning_gym_tasks.names(spec) is not None:  # generated rows have their own columns
+        return TaskSource(config.task_file(split), generated=(spec, split, config.seed, d.train_size, d.test_size))
     return TaskSource(config.task_file(split), prompt_key=d.prompt_key, answer_key=d.answer_key, id_key=d.id_key)
+
+
+def generated(config: RunConfig, split: str) -> bool:
+    """Whether ``split``'s tasks are generated (reasoning_gym:<names>), not read from a file."""
+    return reasoning_gym_tasks.names(config.data.train_file if split == "train" else config.data.test_file) is not None
 
 
 def read(source: TaskSource) -> list[dict]:
     """Every task of ``source``, validated (ConfigError naming file, row and key). A rank
     reads its files once: the preflight's read serves the workload too while the file is
     unchanged (the tasks are shared: do not modify them)."""
+    if source.generated:
+        return _read(source, 0, 0)
     try:
         st = source.path.stat()
     except OSError:
@@ -56,7 +70,7 @@ def needs_chat_template(task_lists, system_prompt: str) -> bool:
 @functools.lru_cache(maxsize=4)
 def _read(source: TaskSource, _mtime_ns: int, _size: int) -> list[dict]:
     tasks, seen = [], {}
-    for row_number, row in _rows(source.path):
+    for row_number, row in _generated_rows(source) if source.generated else _rows(source.path):
         where = f"{source.path}, row {row_number}"
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: not an object with named columns")
@@ -69,6 +83,14 @@ def _read(source: TaskSource, _mtime_ns: int, _size: int) -> list[dict]:
     if not tasks:
         raise ConfigError(f"{source.path} holds no tasks")
     return tasks
+
+
+def _generated_rows(source: TaskSource) -> Iterator[tuple[int, object]]:
+    spec, split, seed, train_size, test_size = source.generated
+    try:
+        return enumerate(reasoning_gym_tasks.rows(spec, split, seed=seed, train_size=train_size, test_size=test_size), 1)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _rows(path: Path) -> Iterator[tuple[int, object]]:

@@ -1,7 +1,8 @@
 """Rewards: a plug-in seam. ``rl.reward`` names a ``module:function`` called as
 ``fn(task, completion) -> float``: ``task`` is the task's JSON object (every column of its row,
 ``answer`` included), ``completion`` the generated text. The default is :func:`exact_match`,
-the verifiable reward of the demo tasks; :func:`math` grades a final math answer.
+the verifiable reward of the demo tasks; :func:`math` grades a final math answer;
+:func:`reasoning_gym` scores tasks reasoning-gym generated with the dataset's own scorer.
 docs/rl.md describes the contract."""
 
 from __future__ import annotations
@@ -51,6 +52,34 @@ def math(task: dict, completion: str) -> float:
 _NUMBER = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _CLOSE = 1e-4
 """Two plain numbers nearer than this (relative) go to math-verify, which rounds floats."""
+
+
+def reasoning_gym(task: dict, completion: str) -> float:
+    """The score reasoning-gym's own dataset gives the completion's answer (its
+    ``score_answer``: 1.0 right, 0.0 wrong, and partial credit in between for some datasets),
+    for tasks that ``data.train_file=reasoning_gym:<names>`` generated (their ``metadata``
+    names the dataset). The answer is the completion's last ``<answer>...</answer>`` (as
+    reasoning-gym's prompts ask), else its last ``\\boxed{...}``, else all of it."""
+    from reasoning_gym.utils import extract_answer
+
+    metadata = task.get("metadata") if isinstance(task.get("metadata"), dict) else {}
+    name = metadata.get("source_dataset") or task.get("data_source")
+    if not name:
+        raise ValueError(f"task {task.get('id')!r} has no reasoning-gym dataset in metadata.source_dataset: "
+                         f"orchestrator.rewards:reasoning_gym scores tasks that data.train_file=reasoning_gym:<names> generated")
+    answer = extract_answer(completion)
+    if answer is None:
+        answer = _last_boxed(completion)
+    answer = completion.strip() if answer is None else answer.strip()
+    entry = {"question": task.get("question", ""), "answer": task["answer"], "metadata": metadata}
+    return float(_score_answer(name)(answer=answer, entry=entry) or 0.0)
+
+
+@functools.cache
+def _score_answer(name: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(name)
 
 
 def _plain(value: object, text: str) -> bool:

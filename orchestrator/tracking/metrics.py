@@ -6,7 +6,8 @@ names follow the peers' habits (verl, prime-rl), grouped by a prefix::
 
     reward/mean                        the train rollout's mean reward
     eval/accuracy, eval/pass_at_K      when the iteration was evaluated (also eval/response_length, eval/tokens_per_s,
-                                       and eval/turns with rl.environment, eval/env/<name> for its Step.metrics)
+                                       and eval/turns with rl.environment, eval/env/<name> for its Step.metrics,
+                                       eval/accuracy/<source> and eval/mean_reward/<source> per task data_source)
     train/loss, train/kl, train/entropy, train/clip_fraction, train/grad_norm   means over the update's steps
     train/is_ratio_mean, train/is_ratio_max, train/is_capped_fraction           with rl.is_correction
     rollout/response_length, rollout/tokens_per_s, rollout/zero_advantage_groups, rollout/filtered_groups,
@@ -62,7 +63,8 @@ def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float
         out["eval/tokens_per_s"] = metrics.get("tokens_per_s")
         if "turns" in metrics:  # multi-turn (rl.environment)
             out["eval/turns"] = metrics["turns"]
-        out |= {f"eval/{k}": v for k, v in metrics.items() if k.startswith("env/")}  # the environment's own, averaged
+        # The environment's own metrics, averaged; accuracy and mean reward per data_source.
+        out |= {f"eval/{k}": v for k, v in metrics.items() if k.startswith(("env/", "accuracy/", "mean_reward/"))}
     phases = phases or {}
     rollout_s = phases.get(Phase.ROLLOUT.label)
     sampled = (update.get("response_length") or 0) * (update.get("samples") or 0)

@@ -159,6 +159,10 @@ ROW_CASES = {
     "environment argument the class does not take": ([GOOD], ["rl.environment=orchestrator.demo.calculator:Calculator",
                                                               'rl.environment_args={"db_path": "/data"}'],
                                                      "Calculator() takes no argument db_path (from rl.environment_args"),
+    "reasoning-gym dataset unknown": ([GOOD], ["data.train_file=reasoning_gym:basic_arithmetik"],
+                                      "data.train_file=reasoning_gym:basic_arithmetik: reasoning-gym has no dataset 'basic_arithmetik'; "
+                                      "did you mean basic_arithmetic"),
+    "skyrl-gym environment unknown": ([GOOD], ["rl.environment=skyrl_gym:gsm9k"], "skyrl-gym has no environment 'gsm9k'"),
     "environment arguments not an object": ([GOOD], ['rl.environment_args=["a"]'], "rl.environment_args='[\"a\"]': expected a JSON object"),
 }
 

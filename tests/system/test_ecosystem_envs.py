@@ -126,3 +126,29 @@ def test_skyrl_gym_environments_run_unchanged_by_id_on_two_ranks(skyrl_data, tmp
     assert layout.checkpoint(2).is_dir()
     shown = status_json(log_path)["iterations"]
     assert all("turns" in it["metrics"] and "env/steps" in it["metrics"] for it in shown), "gsm8k_multi_turn's get_metrics, averaged"
+
+
+def test_reasoning_gym_tasks_by_name_on_two_ranks_with_eval_by_source(chat_demo_data, tmp_path):
+    pytest.importorskip("reasoning_gym")
+    data, log_path = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    (data / "model").symlink_to(chat_demo_data / "model")
+    spec = "reasoning_gym:basic_arithmetic+lcm"
+    result = run_local(rl_flags(data, log_path, num_nodes=2, weights="1,1", max_iterations=2, extra=[
+        f"data.train_file={spec}", f"data.test_file={spec}", "data.train_size=64", "data.test_size=16",
+        "rl.reward=orchestrator.rewards:reasoning_gym", "rl.max_tokens=24"]))
+    assert result.returncode == 0, result.stdout[-6000:]
+    layout = RunLayout(log_path)
+    for i in (1, 2):
+        train, evals = aggregate_records(layout, i), aggregate_records(layout, i, "eval")
+        assert len(train) == 8 and len({r["task_id"] for r in train}) == 8
+        assert len(evals) == 16 and {r["data_source"] for r in evals} == {"basic_arithmetic", "lcm"}
+        assert all(r["columns"]["metadata"]["source_dataset"] == r["data_source"] for r in train + evals), "records keep the columns"
+        assert not {r["columns"]["question"] for r in train} & {r["columns"]["question"] for r in evals}
+    shown = status_json(log_path)["iterations"]
+    assert len(shown) == 2
+    for it in shown:
+        m = it["metrics"]
+        assert {"accuracy/basic_arithmetic", "accuracy/lcm", "mean_reward/basic_arithmetic", "mean_reward/lcm"} <= set(m), m
+        assert m["mean_reward"] == pytest.approx((m["mean_reward/basic_arithmetic"] + m["mean_reward/lcm"]) / 2)
+    assert layout.checkpoint(2).is_dir()

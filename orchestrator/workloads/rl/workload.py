@@ -270,7 +270,10 @@ class RLWorkload:
     def _record(self, ctx: PhaseContext, split: str, task: dict, prompt: str, prompt_ids: list[int], samples: list[dict],
                 seconds: float, *, policy: str, policy_iteration: int, sent_at: float) -> dict:
         """One task's trajectory record. The trainer trains on the token ids the engine sampled
-        (``prompt_token_ids``, each sample's ``token_ids``), never on the text re-tokenized."""
+        (``prompt_token_ids``, each sample's ``token_ids``), never on the text re-tokenized. The
+        task's other columns ride along (``columns``; ``data_source`` at the top, for eval's
+        breakdown by source)."""
+        columns = {k: v for k, v in task.items() if k not in _OWN_COLUMNS}
         return {
             "task_id": task["id"],
             "split": split,
@@ -285,11 +288,13 @@ class RLWorkload:
             "seconds": seconds,
             "sent_at": sent_at,
             "samples": samples,
-        }
+        } | ({"data_source": str(task["data_source"])} if task.get("data_source") is not None else {}) | (
+            {"columns": json.loads(json.dumps(columns, default=str))} if columns else {})  # as JSON holds them
 
     def metrics(self, ctx: PhaseContext, eval_records: Path) -> dict:
         rewards_all, best, lengths, turns = [], [], [], []
         env_metrics: dict[str, list[float]] = {}  # rl.environment's Step.metrics, per name
+        by_source: dict[str, list[float]] = {}  # the rewards of each data_source
         tokens: dict[int, int] = collections.Counter()  # per rank
         spans: dict[int, list[float]] = {}  # per rank: first request sent, last answered
         with open(eval_records, "rb") as f:
@@ -297,6 +302,8 @@ class RLWorkload:
                 rec = json.loads(line)
                 rs = [s["reward"] for s in rec["samples"]]
                 rewards_all += rs
+                if rec.get("data_source") is not None:
+                    by_source.setdefault(rec["data_source"], []).extend(rs)
                 best.append(max(rs))
                 for s in rec["samples"]:
                     if "loss_mask" in s:  # multi-turn: the ids sampled, not the environment's
@@ -324,7 +331,9 @@ class RLWorkload:
             "tokens_per_s": sum(tokens[r] / (end - start) for r, (start, end) in spans.items() if end > start),
             "tasks": len(best),
         } | ({"turns": sum(turns) / len(turns)} if turns else {}) | {
-            f"env/{name}": sum(values) / len(values) for name, values in sorted(env_metrics.items())}
+            f"env/{name}": sum(values) / len(values) for name, values in sorted(env_metrics.items())} | {
+            f"{what}/{source}": figure for source, rs in sorted(by_source.items())
+            for what, figure in (("accuracy", sum(1.0 for r in rs if r >= 1.0) / len(rs)), ("mean_reward", sum(rs) / len(rs)))}
 
     # -- training ------------------------------------------------------------------------------
 
@@ -450,6 +459,9 @@ def local_cache(config: RunConfig) -> Path:
     run = hashlib.sha256(str(Path(config.log_path).resolve()).encode()).hexdigest()[:12]
     return root / f"{run}-r{config.rank:05d}"
 
+
+_OWN_COLUMNS = ("id", "prompt", "answer", "data_source")
+"""A task's columns that a record holds under names of its own (``task_id``, ``prompt``, ...)."""
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
                  "fp32": "float32", "float32": "float32", "float": "float32"}
