@@ -14,8 +14,6 @@ environment's ``BaseTextEnvStepOutput`` and ``get_metrics()`` become the step an
 
 from __future__ import annotations
 
-from orchestrator.plugins.environments import Step, Turn, as_step
-
 PREFIX = "skyrl_gym:"
 _NOT_EXTRAS = ("prompt", "env_class")
 
@@ -57,11 +55,14 @@ class SkyrlGymEnvironment:
         prompt, _ = self.env.init(self.prompt)
         return list(prompt)
 
-    def step(self, completion: Turn) -> Step:
-        step = as_step(self.env.step(completion + (getattr(completion, "stop", None) or "")))
+    def step(self, completion: str) -> dict:
+        """skyrl-gym's own ``BaseTextEnvStepOutput`` (the rollout takes it for a Step), its
+        ``metadata`` joined by the episode's ``get_metrics()`` (numbers become the step's metrics)."""
+        output = self.env.step(completion + (getattr(completion, "stop", None) or ""))
         metrics = self.env.get_metrics() if callable(getattr(self.env, "get_metrics", None)) else {}
-        numbers = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and isinstance(k, str)}
-        return Step(step.observation, step.reward, step.done, {**step.metrics, **numbers}) if numbers else step
+        if isinstance(output, dict) and metrics:
+            output = {**output, "metadata": {**(output.get("metadata") or {}), **metrics}}
+        return output
 
     def close(self) -> None:
         self.env.close()
