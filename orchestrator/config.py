@@ -280,6 +280,9 @@ class RLConfig(UpdateSettings):
     """With rl.environment: keyword arguments of every instance, a JSON object on the command
     line (rl.environment_args='{"difficulty": 3}'); a task's own environment_args column
     updates them for its samples."""
+    agent: str = ""
+    """Agents through an OpenAI-compatible endpoint: the agent function, as module:function,
+    called once per sample as function(task, base_url) (docs/environments.md). Empty: none."""
     max_turns: Count = 4
     """With rl.environment: the most turns of the model in a sample (given to the environment
     as max_turns when it takes an argument of that name)."""
@@ -319,8 +322,14 @@ class RLConfig(UpdateSettings):
             rewards.parse(self.reward)  # importing it is the preflight's (it depends on the node)
             if self.environment:
                 environments.parse(self.environment)
+            if self.agent:
+                from orchestrator.plugins import agents
+
+                agents.parse(self.agent)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.agent and self.environment:
+            raise ConfigError(f"rl.agent={self.agent} and rl.environment={self.environment} both say how a sample runs: set one")
 
     @property
     def correction(self) -> str:
@@ -332,6 +341,7 @@ class RLConfig(UpdateSettings):
 
 
 ENGINES = ("embedded", "vllm")
+TOOL_PARSERS = ("hermes", "llama3_json")  # orchestrator/agents/tool_parsers.py
 WEIGHT_UPDATES = ("auto", "restart")
 
 NonEmpty = Annotated[str, _limit("{key} must not be empty", min_length=1)]
@@ -424,6 +434,10 @@ class RolloutConfig:
     rollout.prompts_per_request prompts, so that the engine's continuous batching always has
     work and no completion waits for another request's longest one. 0: the engine's default
     (1024)."""
+    tool_parser: Annotated[str, _one_of(TOOL_PARSERS, "tool parsers")] = "hermes"
+    """With rl.agent: how the model's tool calls are read out of its text for the agent endpoint's
+    structured tool_calls: hermes (<tool_call>{...}</tool_call>, Qwen's and Hermes' templates)
+    or llama3_json (a JSON object, Llama 3.1-3.3)."""
     prompts_per_request: Annotated[int, _limit("{key} must be >= 0 (0: the engine's default), got {value}", ge=0)] = 0
     """Prompts in one request to an engine, each with its samples. 0: the engine's default:
     one for vLLM (a request carries one seed, which every prompt in it would share); for the

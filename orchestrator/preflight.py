@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.plugins import environments, rewards
+from orchestrator.plugins import agents, environments, rewards
 from orchestrator.config import RunConfig, WorkloadKind
 from orchestrator.data import prompts, run_keys, shards, tasks
 from orchestrator.errors import ConfigError
@@ -29,7 +29,7 @@ from orchestrator.protocol.layout import RunLayout
 _TASK_KEYS = {"seed": ("seed",), "workload": ("workload",), "rehearsal.tasks": ("rehearsal", "tasks"),
               "rehearsal.eval_tasks": ("rehearsal", "eval_tasks"), "rl.train_tasks": ("rl", "train_tasks"),
               "rl.eval_tasks": ("rl", "eval_tasks"), "data.train_file": ("data", "train_file"), "data.test_file": ("data", "test_file")}
-_GRADING_KEYS = {"rl.reward": ("rl", "reward"), "rl.environment": ("rl", "environment"),
+_GRADING_KEYS = {"rl.reward": ("rl", "reward"), "rl.environment": ("rl", "environment"), "rl.agent": ("rl", "agent"),
                  "rl.environment_args": ("rl", "environment_args"), "rl.step_rewards": ("rl", "step_rewards")}
 """What scores an iteration's samples: a rollout resumed under another would grade its samples
 two ways (the value may come from the data folder's demo.json, data/run_keys.py)."""
@@ -76,6 +76,8 @@ def _check(config: RunConfig) -> None:
         prompts.measure(config, split)  # every prompt rendered and counted against rl.max_prompt_tokens
     if config.rl.environment:
         check_environment(config)
+    if config.rl.agent:
+        check_agent(config)
     if config.train.lora_rank:
         check_lora_targets(model, config.train.lora_target_modules)
 
@@ -135,6 +137,18 @@ def check_environment(config: RunConfig) -> None:
     except Exception as e:  # noqa: BLE001 - a template or tokenizer that cannot render turns
         raise ConfigError(f"rl.environment={config.rl.environment}: the chat template of {model} cannot render a multi-turn "
                           f"conversation token-exactly: {e}") from None
+
+
+def check_agent(config: RunConfig) -> None:
+    """rl.agent imports here, and the model has a chat template (the endpoint renders the
+    agent's messages with it)."""
+    try:
+        agents.load(config.rl.agent)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not has_chat_template(config.model_path):
+        raise ConfigError(f"rl.agent={config.rl.agent} needs a chat model: its calls are chat messages, but the model "
+                          f"{config.model_path} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja)")
 
 
 def check_resume(config: RunConfig) -> None:

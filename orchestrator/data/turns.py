@@ -22,9 +22,10 @@ _PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"
 """The fixed conversation observations are rendered after."""
 
 
-def render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    """The ids the chat template renders ``messages`` with."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+def render(tokenizer, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    """The ids the chat template renders ``messages`` with (and ``tools``, the OpenAI API's
+    tool schemas, where the template renders them)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True, add_generation_prompt=generation_prompt)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
 
 
@@ -35,16 +36,17 @@ def turn_end(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
-def observation_ids(tokenizer, observation: list[dict]) -> list[int]:
+def observation_ids(tokenizer, observation: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The ids the chat template renders ``observation`` with after a model's turn, its
-    end-of-turn token excluded, up to and including the next turn's generation prompt.
+    end-of-turn token excluded, up to and including the next turn's generation prompt (the
+    conversation's ``tools`` rendered too, as they change what some templates put there).
     ValueError when the template does not render a conversation as a prefix of its continuation."""
     end = turn_end(tokenizer)
-    before = render(tokenizer, _PROBE, generation_prompt=False)
+    before = render(tokenizer, _PROBE, generation_prompt=False, tools=tools)
     if end not in before:
         raise ValueError("the chat template does not end the model's turn with the EOS token")
     prefix = before[: len(before) - before[::-1].index(end)]
-    after = render(tokenizer, _PROBE + observation, generation_prompt=True)
+    after = render(tokenizer, _PROBE + observation, generation_prompt=True, tools=tools)
     if after[: len(prefix)] != prefix:
         raise ValueError("the chat template renders a conversation differently once messages follow it: the observation's "
                          "ids cannot be told apart")
@@ -78,11 +80,11 @@ class Conversation:
         why = {"finish_reason": finish_reason} if finish_reason else {}
         self.turns.append({"text": text, "tokens": len(ids)} | why | ({"stop": stop} if stop is not None else {}))
 
-    def observation(self, tokenizer, observation: list[dict]) -> list[int]:
+    def observation(self, tokenizer, observation: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The context ids the environment's answer adds: the model's turn closed if it was
         not, then the observation as the template renders it."""
         end = turn_end(tokenizer)
-        return ([] if self.token_ids and self.token_ids[-1] == end else [end]) + observation_ids(tokenizer, observation)
+        return ([] if self.token_ids and self.token_ids[-1] == end else [end]) + observation_ids(tokenizer, observation, tools)
 
     def observed(self, observation: list[dict], ids: list[int]) -> None:
         """Append the environment's answer, ``ids`` as :meth:`observation` made them."""

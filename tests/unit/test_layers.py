@@ -16,7 +16,7 @@ LAYERS = [
     {"orchestrator.coordination"},
     {"orchestrator.data", "orchestrator.checkpoints", "orchestrator.preflight"},
     {"orchestrator.runtime"},
-    {"orchestrator.workloads", "orchestrator.engine", "orchestrator.train", "orchestrator.demo"},
+    {"orchestrator.workloads", "orchestrator.engine", "orchestrator.train", "orchestrator.demo", "orchestrator.agents"},
     {"orchestrator.ops", "orchestrator.tracking"},
     {"orchestrator.cli", "orchestrator.__main__"},
 ]

@@ -47,6 +47,10 @@ _WAIT_S = 1.0
 """How often a call still waiting for a thread looks whether it has started."""
 
 
+class CallTimedOut(Exception):
+    """A call on :class:`EnvThreads` ran past its time and was abandoned."""
+
+
 class EnvThreads:
     """Daemon threads that run environments' calls: a call that never returns keeps its thread
     (it cannot be stopped) but not its sample, which the caller abandons; :meth:`abandoned`
@@ -81,6 +85,20 @@ class EnvThreads:
     def abandoned(self) -> None:
         """A call was given up on: its thread may never come back."""
         self._start()
+
+    async def run(self, fn, *args, timeout_s: float, **kwargs):
+        """``fn(*args, **kwargs)`` on a thread, awaited within ``timeout_s`` of its start (a call
+        waiting for a thread is not late: the threads may all be busy with other samples);
+        :class:`CallTimedOut` past it (the call is abandoned to its thread), and what it raised."""
+        future = self.call(fn, *args, **kwargs)
+        result = asyncio.wrap_future(future)
+        while not result.done():
+            left = _WAIT_S if future.started is None else future.started + timeout_s - time.monotonic()
+            if left <= 0:
+                self.abandoned()
+                raise CallTimedOut
+            await asyncio.wait({result}, timeout=left)
+        return result.result()
 
     def close(self) -> None:
         for _ in range(self._threads):
@@ -287,21 +305,14 @@ class Episodes:
 
     async def _call(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on an environment thread, within ``rl.env_timeout_s`` of its
-        start (a call waiting for a thread is not late: the threads may all be busy with other samples)."""
-        future = self.threads.call(fn, *args, **kwargs)
-        result = asyncio.wrap_future(future)
+        start (:meth:`EnvThreads.run`); EnvironmentFailed says which call failed and how."""
         name = getattr(fn, "__qualname__", repr(fn))
-        while not result.done():
-            left = _WAIT_S if future.started is None else future.started + self.timeout_s - time.monotonic()
-            if left <= 0:
-                self.threads.abandoned()
-                raise EnvironmentFailed(f"{self.spec}: {name}() took longer than rl.env_timeout_s={self.timeout_s:g}")
-            await asyncio.wait({result}, timeout=left)
         try:
-            return result.result()
+            return await self.threads.run(fn, *args, timeout_s=self.timeout_s, **kwargs)
+        except CallTimedOut:
+            raise EnvironmentFailed(f"{self.spec}: {name}() took longer than rl.env_timeout_s={self.timeout_s:g}") from None
         except Exception as e:  # noqa: BLE001 - the user's code
-            text = "".join(traceback.format_exception(e))
-            raise EnvironmentFailed(f"{self.spec}: {name}() raised:\n{text}"[-ERROR_CHARS:]) from None
+            raise EnvironmentFailed(failure(f"{self.spec}: {name}()", e)) from None
 
     @staticmethod
     def _fail(episode: Episode, error: str) -> None:
@@ -309,6 +320,12 @@ class Episodes:
 
     def close(self) -> None:
         self.threads.close()
+
+
+def failure(what: str, e: BaseException) -> str:
+    """``what`` raised ``e``: the message a sample's ``reward_error`` keeps (the traceback's end)."""
+    text = "".join(traceback.format_exception(e))
+    return f"{what} raised:\n{text}"[-ERROR_CHARS:]
 
 
 def _seed(name: str) -> int:

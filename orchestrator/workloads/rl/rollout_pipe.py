@@ -104,8 +104,8 @@ class RLRolloutPipe:
 
 class MultiTurnPipe(RLRolloutPipe):
     """The pipe of a multi-turn rollout: each submitted task runs as an episode of ``samples``
-    conversations (``episodes.py``) on the engines' event loop; its record comes when all of
-    them have ended."""
+    conversations (``episodes.py``, or an agent's calls: agents/runner.py, which runs alike)
+    on the engines' event loop; its record comes when all of them have ended."""
 
     def __init__(self, ctx: PhaseContext, split: str, start: Callable[[], Inflight], scorer: Scorer, episodes: Episodes,
                  tasks: dict[str, dict], record: Callable[..., dict], *, samples: int):
@@ -138,5 +138,5 @@ class MultiTurnPipe(RLRolloutPipe):
         return [future.result() for future in drain(self._done, timeout_s)]
 
     def close(self) -> None:
+        self.episodes.close()  # first: an agent rollout stops its endpoint on the loop
         super().close()
-        self.episodes.close()

@@ -71,8 +71,12 @@ class Scorer:
             raise RewardFailed(
                 f"{self.spec} failed on {self.errors} of {self.samples} {self.split} samples, more than "
                 f"rl.max_reward_error_fraction={self.max_fraction:g}; first on task {task_id}: {last_line(error)}. "
-                f"Fix the {'environment' if self.spec.startswith('rl.environment') else 'reward function'}, then re-run the same command: written tasks are kept"
+                f"Fix the {_culprit(self.spec)}, then re-run the same command: written tasks are kept"
             )
+
+
+def _culprit(spec: str) -> str:
+    return "environment" if spec.startswith("rl.environment") else "agent" if spec.startswith("rl.agent") else "reward function"
 
 
 def last_line(error: str) -> str:

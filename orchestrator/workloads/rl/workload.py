@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from orchestrator.phase_table import Phase
-from orchestrator.plugins import environments, rewards
+from orchestrator.plugins import agents, environments, rewards
 from orchestrator.config import RunConfig
 from orchestrator import checkpoints
 from orchestrator.checkpoints import node_copy, retention, store
@@ -243,17 +243,33 @@ class RLWorkload:
         if self.rl.environment:
             scorer = Scorer(None, f"rl.environment={self.rl.environment}", self.rl.max_reward_error_fraction, split)
             return MultiTurnPipe(ctx, split, start, scorer, self._episodes(), self.by_id[tasks], record, samples=sampling["n"])
+        if self.rl.agent:
+            scorer = Scorer(None, f"rl.agent={self.rl.agent}", self.rl.max_reward_error_fraction, split)
+            return MultiTurnPipe(ctx, split, start, scorer, self._agents(), self.by_id[tasks], record, samples=sampling["n"])
         scorer = Scorer(self.reward, f"rl.reward={self.rl.reward}", self.rl.max_reward_error_fraction, split)
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[tasks].texts, self.by_id[tasks], record,
                              prompts_per_request=self.prompts_per_request(sampling["n"]))
 
-    def _episodes(self) -> Episodes:
-        """The multi-turn rollout's runner (``rl.environment``), with the model's tokenizer."""
+    def _chat_tokenizer(self):
+        """The model's tokenizer, for multi-turn rollouts and agents (loaded once)."""
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
-        return Episodes(environments.load(self.rl.environment), self.rl.environment, self._tokenizer, max_turns=self.rl.max_turns,
+        return self._tokenizer
+
+    def _agents(self):
+        """The agent rollout's runner (``rl.agent``): the user's agent against this rollout's
+        endpoint (agents/endpoint.py)."""
+        from orchestrator.agents import endpoint, runner
+
+        serving = endpoint.AgentEndpoint(self._chat_tokenizer(), tool_parser=self.config.rollout.tool_parser,
+                                         max_tokens=self.rl.max_tokens, context=prompts.context_length(self.config.model_path))
+        return runner.Agents(agents.load(self.rl.agent), f"rl.agent={self.rl.agent}", serving, self.reward, self.rl.env_timeout_s)
+
+    def _episodes(self) -> Episodes:
+        """The multi-turn rollout's runner (``rl.environment``), with the model's tokenizer."""
+        return Episodes(environments.load(self.rl.environment), self.rl.environment, self._chat_tokenizer(), max_turns=self.rl.max_turns,
                         max_tokens=self.rl.max_tokens, context=prompts.context_length(self.config.model_path),
                         timeout_s=self.rl.env_timeout_s, args=self.rl.environment_args, step_rewards=self.rl.step_rewards,
                         room=self._room)

@@ -1,0 +1,209 @@
+"""The agent endpoint: an OpenAI-compatible HTTP API in front of a rank's engines, for agents
+written against it (``rl.agent``). Each sample gets a base URL of its own,
+``http://127.0.0.1:PORT/sessions/<id>/v1``, so that every call is attributed to its sample:
+
+    POST /sessions/<id>/v1/chat/completions   messages, tools -> the model's reply (tool calls parsed)
+    GET  /sessions/<id>/v1/models             the one model, ``policy``
+
+The server (starlette under uvicorn) runs on the rollout's event loop, and each call is one
+request through the rollout's in-flight budget (:class:`Inflight`), as an environment's turn
+is. A call's prompt is token ids (``sessions.py``): the sampled ids are never tokenized again.
+Sampling is the run's (``rl.temperature``, ``rl.top_p``; eval's for eval): a request's own
+``temperature`` and the like are ignored, since the update assumes the run's policy; its
+``max_tokens`` (or ``max_completion_tokens``) may only lower the room ``rl.max_tokens`` and
+the model's context leave. A sample has no room left: the reply is empty, ``finish_reason``
+``length``.
+
+Refused, with the OpenAI API's error shape: an unknown session (404), a call for a sample
+whose agent already returned (409), ``stream``, ``n`` > 1, and another model's name (400/404).
+An engine that fails answers 502, and the failure is kept for the rollout to raise when the
+agent returns (an engine's death is the rank's, not the agent's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import socket
+import time
+import uuid
+
+from orchestrator.agents.sessions import Session
+from orchestrator.workloads.rl.engine_requests import Inflight, Request
+
+log = logging.getLogger(__name__)
+
+_ENDED_KEPT = 100_000
+"""Ended sessions remembered, so that a late call is told it is late (409) rather than unknown."""
+
+MODEL = "policy"
+"""The model name agents call: the policy the rollout serves, whichever checkpoint it is."""
+
+
+class CallRefused(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+class AgentEndpoint:
+    """The endpoint of one rank's rollout: its sessions, and the server on the rollout's loop."""
+
+    def __init__(self, tokenizer, *, tool_parser: str, max_tokens: int, context: int | None):
+        self.tokenizer, self.tool_parser, self.max_tokens, self.context = tokenizer, tool_parser, max_tokens, context
+        self.sessions: dict[str, Session] = {}
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent sessions' ids, for a 409
+        self.inflight: Inflight | None = None
+        self.port: int | None = None
+        self._server = None
+        self._serving: asyncio.Task | None = None
+        self.engine_failure: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, inflight: Inflight) -> None:
+        """Serve on 127.0.0.1 (a free port), on the running loop; once."""
+        self.inflight = inflight
+        if self._serving is not None:
+            return
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # the rank owns its signals (uvicorn < 0.29 asks)
+        self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._serving.done():
+                self._serving.result()  # raises what stopped it
+            await asyncio.sleep(0.01)
+        log.info("agent endpoint serving on http://127.0.0.1:%d/sessions/<sample>/v1", self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.wait({self._serving}, timeout=10)
+            self._server = self._serving = None
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def open(self, task: dict, seed: str) -> tuple[Session, str]:
+        """A new sample's session and its base URL."""
+        session = Session(uuid.uuid4().hex, task, seed, tool_parser=self.tool_parser)
+        self.sessions[session.id] = session
+        return session, f"http://127.0.0.1:{self.port}/sessions/{session.id}/v1"
+
+    def close(self, session: Session) -> None:
+        """The sample's agent returned: later calls are refused (409), then forgotten."""
+        session.closed = True
+
+    def forget(self, session: Session) -> None:
+        """Drop the sample's calls (its record has them); a late call still gets a 409."""
+        self.sessions.pop(session.id, None)
+        self._ended[session.id] = None
+        while len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
+
+    # -- the API -----------------------------------------------------------------------------
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def models(request):
+            try:
+                self._session(request.path_params["session"])
+            except CallRefused as e:
+                return _error(e)
+            return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "orchestrator"}]})
+
+        async def chat(request):
+            try:
+                session = self._session(request.path_params["session"])
+                try:
+                    body = await request.json()
+                except ValueError:
+                    raise CallRefused(400, "the request body is not JSON") from None
+                return JSONResponse(await self.chat(session, body))
+            except CallRefused as e:
+                return _error(e)
+
+        return Starlette(routes=[Route("/sessions/{session}/v1/models", models, methods=["GET"]),
+                                 Route("/sessions/{session}/v1/chat/completions", chat, methods=["POST"])])
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None and session_id in self._ended:
+            raise CallRefused(409, f"session {session_id} is over: its agent already returned (or ran out of time)")
+        if session is None:
+            raise CallRefused(404, f"no session {session_id!r} on this endpoint: each sample calls the base URL it was given")
+        if session.closed:
+            raise CallRefused(409, f"session {session_id} is over: its agent already returned (or ran out of time)")
+        return session
+
+    async def chat(self, session: Session, body: object) -> dict:
+        if not isinstance(body, dict):
+            raise CallRefused(400, "the request body must be a JSON object")
+        if body.get("stream"):
+            raise CallRefused(400, "stream is not supported: call without it")
+        if (body.get("n") or 1) != 1:
+            raise CallRefused(400, "n must be 1: each sample is one conversation")
+        if body.get("model", MODEL) != MODEL:
+            raise CallRefused(404, f"the model is {MODEL!r}, not {body.get('model')!r}", "model_not_found")
+        tools = body.get("tools") or None
+        try:
+            prompt = session.prompt(self.tokenizer, body.get("messages"), tools)
+        except ValueError as e:
+            raise CallRefused(400, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a message the chat template cannot render
+            raise CallRefused(400, f"the chat template cannot render these messages: {e!r}") from None
+        room = self._room(session, prompt)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if isinstance(asked, int) and asked > 0:
+            room = min(room, asked)
+        created = int(time.time())
+        if room <= 0:
+            return _response(session, {"role": "assistant", "content": ""}, "length", created, prompt, 0)
+        request = Request([str(session.task["id"])], [prompt], _seed(f"{session.seed}:{session.calls}"), n=1, max_tokens=room)
+        try:
+            completion = (await self.inflight.complete(request)).groups[0][0]
+        except Exception as e:  # noqa: BLE001 - the engine's failure: the rollout's to raise
+            self.engine_failure = self.engine_failure or e
+            raise CallRefused(502, f"the engine failed: {e}", "server_error") from None
+        message, finish = session.answered(completion)
+        return _response(session, message, finish, created, prompt, len(completion.token_ids),
+                         completion.token_logprobs if body.get("logprobs") else None, completion)
+
+    def _room(self, session: Session, prompt: list[int]) -> int:
+        """What rl.max_tokens (all of a segment's ids after its prompt) and the context leave."""
+        c = session.conversation
+        room = self.max_tokens - len(c.token_ids)
+        return room if self.context is None else min(room, self.context - len(prompt))
+
+
+def _response(session: Session, message: dict, finish: str, created: int, prompt: list[int], sampled: int,
+              logprobs: list[float] | None = None, completion=None) -> dict:
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    if logprobs is not None and completion is not None:
+        tokens = completion.tokens or [""] * len(logprobs)
+        choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
+                                          for t, lp in zip(tokens, logprobs)]}
+    return {"id": f"chatcmpl-{session.id[:12]}-{session.calls}", "object": "chat.completion", "created": created, "model": MODEL,
+            "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": sampled,
+                                           "total_tokens": len(prompt) + sampled}}
+
+
+def _error(e: CallRefused):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": str(e), "type": e.kind, "code": e.status}}, status_code=e.status)
+
+
+def _seed(name: str) -> int:
+    return random.Random(name).randrange(2**31)

@@ -1,0 +1,143 @@
+"""``rl.agent=module:function``: the user's agent, called once per sample as
+``function(task, base_url)`` against the agent endpoint (``endpoint.py``), the model named
+``policy``. A coroutine function is awaited on the rollout's event loop; a plain one runs on a
+worker thread (the environments' threads). Either has ``rl.env_timeout_s`` from its start.
+
+It returns the sample's reward: a number, or a dict with ``reward`` and optional ``metrics``
+(numbers, averaged in eval as ``env/<name>``), or text, its final answer, which ``rl.reward``
+scores. An agent that raises, runs past its time, or returns something else scores 0 with
+the error in ``reward_error``, counted against ``rl.max_reward_error_fraction``; its session
+is closed either way, so a call it makes later is refused.
+
+The sample's record is what the model sampled through its calls, token-exact: the ids, the
+engine's log-probs, the loss mask (1 sampled, 0 the messages the agent added), and ``turns``,
+one per call. The record's ``prompt_token_ids`` are what the task's samples' prompts have in
+common; the rest of each sample's prompt opens its ``token_ids``, as context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.agents.endpoint import AgentEndpoint
+from orchestrator.agents.sessions import Session
+from orchestrator.workloads.rl.engine_requests import Inflight
+from orchestrator.workloads.rl.episodes import CallTimedOut, EnvThreads, failure
+
+@dataclass
+class Agents:
+    """Runs a task's samples, each by one call of the agent."""
+
+    agent: object
+    spec: str
+    """``rl.agent``, for messages."""
+    endpoint: AgentEndpoint
+    reward: object
+    """``rl.reward``: scores an agent's text answer."""
+    timeout_s: float
+    threads: EnvThreads = field(default_factory=EnvThreads)
+
+    async def run(self, inflight: Inflight, task: dict, *, n: int, seed: str) -> tuple[str, list[int], list[dict], float]:
+        await self.endpoint.start(inflight)
+        sent_at = time.time()
+        sessions = await asyncio.gather(*(self._sample(task, f"{seed}:{i}") for i in range(n)))
+        if self.endpoint.engine_failure is not None:
+            raise self.endpoint.engine_failure
+        prompts = [s.conversation.prompt_ids if s.conversation else [] for s, _ in sessions]
+        common = _common_prefix(prompts)
+        samples = [_sample(session, outcome, len(common), self.endpoint.tokenizer) for session, outcome in sessions]
+        decode = self.endpoint.tokenizer.decode(common, skip_special_tokens=False) if common else ""
+        return decode, common, samples, sent_at
+
+    async def _sample(self, task: dict, seed: str) -> tuple[Session, dict]:
+        session, base_url = self.endpoint.open(task, seed)
+        try:
+            outcome = self._outcome(task, await self._call(dict(task), base_url))
+        except CallTimedOut:
+            outcome = {"reward": 0.0, "error": f"{self.spec}: the agent took longer than rl.env_timeout_s={self.timeout_s:g}"}
+        except Exception as e:  # noqa: BLE001 - the user's code
+            outcome = {"reward": 0.0, "error": failure(f"{self.spec}: the agent", e)}
+        finally:
+            self.endpoint.close(session)
+        self.endpoint.forget(session)
+        return session, outcome
+
+    async def _call(self, task: dict, base_url: str):
+        if inspect.iscoroutinefunction(self.agent):
+            try:
+                return await asyncio.wait_for(self.agent(task, base_url), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise CallTimedOut from None
+        return await self.threads.run(self.agent, task, base_url, timeout_s=self.timeout_s)
+
+    def _outcome(self, task: dict, result: object) -> dict:
+        """The sample's reward (and metrics, or error) out of what the agent returned."""
+        if isinstance(result, str):
+            try:
+                value = float(self.reward(task, result))
+            except Exception as e:  # noqa: BLE001 - the user's reward
+                return {"reward": 0.0, "error": failure("rl.reward on the agent's answer", e)}
+            result = value
+        metrics = {}
+        if isinstance(result, dict):
+            metrics = result.get("metrics") or {}
+            if not isinstance(metrics, dict) or not all(isinstance(k, str) and _number(v) for k, v in metrics.items()):
+                return {"reward": 0.0, "error": f"{self.spec}: the agent's metrics must map names to finite numbers, got {metrics!r:.200}"}
+            result = result.get("reward")
+        if not _number(result):
+            return {"reward": 0.0, "error": f"{self.spec}: the agent returned {result!r:.200}: a reward (a finite number), a dict "
+                                            f"with reward and metrics, or its answer as text for rl.reward"}
+        return {"reward": float(result), "metrics": {k: float(v) for k, v in metrics.items()}}
+
+    def close(self) -> None:
+        """Stop the endpoint (on the rollout's loop, still running: the pipe closes this first)."""
+        inflight = self.endpoint.inflight
+        if inflight is not None:
+            try:
+                inflight.spawn(self.endpoint.stop()).result(timeout=15)
+            except Exception:  # noqa: BLE001 - a loop already stopped: nothing serves
+                pass
+        self.threads.close()
+
+
+def _number(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _common_prefix(lists: list[list[int]]) -> list[int]:
+    if not lists:
+        return []
+    first = lists[0]
+    n = len(first)
+    for other in lists[1:]:
+        n = min(n, len(other))
+        n = next((i for i in range(n) if first[i] != other[i]), n)
+    return list(first[:n])
+
+
+def _sample(session: Session, outcome: dict, common: int, tokenizer) -> dict:
+    """The sample as records hold it: its last segment (earlier ones under ``segments``), the
+    part of its prompt past the group's common prefix opening its ids, as context."""
+    c = session.conversation
+    if c is None:  # the agent never called the model
+        sample = {"text": "", "token_ids": [], "logprobs": [], "loss_mask": [], "turns": [], "reward": outcome["reward"],
+                  "finish_reason": "stop"}
+    else:
+        own = c.prompt_ids[common:]
+        ids = own + c.token_ids
+        last = c.turns[-1] if c.turns else {}
+        sample = {"text": tokenizer.decode(ids, skip_special_tokens=False) if ids else "", "token_ids": ids,
+                  "logprobs": [0.0] * len(own) + c.logprobs, "loss_mask": [0] * len(own) + c.loss_mask, "turns": c.turns,
+                  "reward": outcome["reward"], "finish_reason": last.get("finish_reason", "stop")}
+        if session.segments:
+            sample["segments"] = [{"prompt_token_ids": s.prompt_ids, "token_ids": s.token_ids, "logprobs": s.logprobs,
+                                   "loss_mask": s.loss_mask, "turns": s.turns} for s in session.segments]
+    if outcome.get("metrics"):
+        sample["metrics"] = outcome["metrics"]
+    if outcome.get("error"):
+        sample["reward"], sample["reward_error"] = 0.0, outcome["error"]
+    return sample

@@ -1,0 +1,121 @@
+"""One sample's calls through the agent endpoint, token-exact: what each call's prompt is, as
+token ids, and what the sample's record holds.
+
+A call's messages either extend what the sample has so far (every message it sent before,
+then the assistant's replies as the endpoint gave them, then new messages: the common case of
+an agent loop) or they do not (the agent rewrote its history: dropped, edited or summarised
+messages). Extending, the sampled ids stay as the engine sampled them and only the new
+messages are rendered, after the model's turn, as context (``data/turns.py``: never the
+conversation rendered again and re-tokenized). Otherwise the call starts a new segment: its
+messages rendered whole as a new prompt; the sample's record then holds each segment as a
+sequence of its own (``segments``), trained with the sample's reward.
+
+Messages are compared by what the model sees: role, content (text parts joined; None is ""),
+a tool call's name and arguments (parsed), not ids or fields the client adds (``refusal``,
+``annotations``), so an OpenAI client that sends back the message object it got matches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from orchestrator.agents import tool_parsers
+from orchestrator.data.turns import Conversation, render
+
+
+def content_text(content: object) -> str:
+    """A message's content as text: a string, None (""), or the OpenAI API's list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in ("text", "input_text", None))
+    raise ValueError(f"a message's content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _arguments(arguments: object) -> object:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def seen_as(message: dict) -> tuple:
+    """What the model sees of ``message``: the key messages are compared by."""
+    calls = tuple((c.get("function", {}).get("name"), json.dumps(_arguments(c.get("function", {}).get("arguments")), sort_keys=True))
+                  for c in message.get("tool_calls") or ())
+    return message.get("role"), content_text(message.get("content")), calls
+
+
+def template_message(message: dict) -> dict:
+    """``message`` as chat templates take it: text content, and tool calls' arguments as objects
+    (Qwen's and Hermes' templates write them with ``tojson``)."""
+    out = {"role": message["role"], "content": content_text(message.get("content"))}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"type": "function", "id": c.get("id"),
+                              "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
+                             for c in message["tool_calls"]]
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    return out
+
+
+@dataclass
+class Session:
+    """One sample's conversation with the model through the endpoint."""
+
+    id: str
+    task: dict
+    seed: str
+    """Names the sample's random streams: each call's seed is drawn from it and the call's number."""
+    tool_parser: str = "hermes"
+    conversation: Conversation | None = None
+    """The current segment."""
+    segments: list[Conversation] = field(default_factory=list)
+    """The segments before the current one (an agent that rewrote its history)."""
+    seen: list[tuple] = field(default_factory=list)
+    """The current segment's messages as the model saw them (:func:`seen_as`), its replies included."""
+    tools: list[dict] | None = None
+    calls: int = 0
+    closed: bool = False
+
+    def prompt(self, tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """The call's prompt ids: the sample's ids so far and the new messages rendered after
+        them when ``messages`` extend the segment, else a new segment's prompt."""
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a non-empty list of chat messages with a role")
+        keys = [seen_as(m) for m in messages]
+        extends = (self.conversation is not None and tools == self.tools and len(keys) > len(self.seen)
+                   and keys[: len(self.seen)] == self.seen)
+        if extends:
+            new = [template_message(m) for m in messages[len(self.seen):]]
+            c = self.conversation
+            c.observed(new, c.observation(tokenizer, new, tools))
+        else:
+            if self.conversation is not None:
+                self.segments.append(self.conversation)
+            self.conversation = Conversation(render(tokenizer, [template_message(m) for m in messages], generation_prompt=True,
+                                                    tools=tools))
+        self.seen, self.tools = keys, tools
+        self.calls += 1
+        return self.conversation.context
+
+    def answered(self, completion) -> tuple[dict, str]:
+        """The model's reply to the call, recorded (its ids, log-probs, why it ended): the
+        assistant message in the OpenAI API's shape and the call's finish reason
+        (``tool_calls`` when it called tools)."""
+        stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+        self.conversation.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
+        content, calls = tool_parsers.parse(self.tool_parser, completion.text)
+        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        self.seen.append(seen_as(message))
+        return message, "tool_calls" if calls else completion.finish_reason
+
+    @property
+    def every_segment(self) -> list[Conversation]:
+        return self.segments + ([self.conversation] if self.conversation is not None else [])

@@ -1,0 +1,178 @@
+"""The agent endpoint (agents/endpoint.py, sessions.py, runner.py) with the real openai client
+over real HTTP, in front of a scripted engine: an agent's tool-calling loop recorded
+token-exact, what the record holds, and the calls and agents that are refused or fail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from orchestrator.agents.endpoint import AgentEndpoint  # noqa: E402
+from orchestrator.agents.runner import Agents  # noqa: E402
+from orchestrator.data import turns  # noqa: E402
+from orchestrator.engine.client import Completion  # noqa: E402
+from orchestrator.plugins import rewards  # noqa: E402
+from orchestrator.workloads.rl.engine_requests import Answer  # noqa: E402
+
+CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
+                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+TASK = {"id": "t1", "prompt": [{"role": "user", "content": "What is 2*3?"}], "answer": "6"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from orchestrator.demo import chat_tokenizer, tasks, warm_start
+
+    return chat_tokenizer.fast(chat_tokenizer.corpus(tasks.make_tasks(0, chat=True)["train"][:200], warm_start.CHAT.target))
+
+
+class Engine:
+    """Answers a sample's k-th call with ``replies[k]`` (its ids, then EOS); keeps the requests."""
+
+    def __init__(self, tokenizer, replies, by_call=False):
+        self.tokenizer, self.replies, self.by_call, self.requests = tokenizer, replies, by_call, []
+
+    def ids(self, text):
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+
+    async def complete(self, request):
+        self.requests.append(request)
+        turn = request.prompts[0].count(self.tokenizer.eos_token_id) - 1  # the first prompt closes the user's turn
+        if self.by_call:  # the k-th request overall (one sample)
+            turn = len(self.requests) - 1
+        text = self.replies[min(turn, len(self.replies) - 1)]
+        ids = self.ids(text)
+        return Answer(request, [[Completion(text, "stop", [-0.5] * len(ids), None, ids, request.prompts[0])]], 0.0, 0.0)
+
+
+async def calculator_agent(task, base_url):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    messages = list(task["prompt"])
+    for _ in range(3):
+        reply = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)).choices[0]
+        messages.append(reply.message.model_dump())  # sent back as the client got it
+        if reply.finish_reason != "tool_calls":
+            return reply.message.content
+        for call in reply.message.tool_calls:
+            result = str(eval(json.loads(call.function.arguments)["expression"]))  # noqa: S307 - the test's own arithmetic
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return ""
+
+
+def run(tokenizer, agent, replies=(CALL, "\\boxed{6}"), *, n=2, timeout_s=5.0, max_tokens=200, context=None, by_call=False):
+    engine = Engine(tokenizer, list(replies), by_call)
+    endpoint = AgentEndpoint(tokenizer, tool_parser="hermes", max_tokens=max_tokens, context=context)
+    agents = Agents(agent, "rl.agent=my:agent", endpoint, rewards.math, timeout_s)
+
+    async def main():
+        try:
+            return await agents.run(engine, TASK, n=n, seed="s")
+        finally:
+            await endpoint.stop()
+
+    try:
+        prompt, prompt_ids, samples, _ = asyncio.run(main())
+    finally:
+        agents.threads.close()
+    return prompt_ids, samples, engine, endpoint
+
+
+def test_a_tool_calling_agent_is_recorded_token_exact_with_the_tools_answer_as_context(tokenizer):
+    prompt_ids, samples, engine, _ = run(tokenizer, calculator_agent)
+    assert prompt_ids == turns.render(tokenizer, TASK["prompt"], generation_prompt=True)
+    call, answer = engine.ids(CALL), engine.ids("\\boxed{6}")
+    obs = turns.observation_ids(tokenizer, [{"role": "tool", "content": "6", "tool_call_id": "x"}])
+    assert len(engine.requests) == 4 and all(r.n == 1 for r in engine.requests)
+    assert engine.requests[-1].prompts[0] in (prompt_ids + call + obs,), "the second call extends the first: ids as sampled"
+    for s in samples:
+        assert s["token_ids"] == call + obs + answer and "reward_error" not in s, s.get("reward_error")
+        assert s["loss_mask"] == [1] * len(call) + [0] * len(obs) + [1] * len(answer)
+        assert s["logprobs"] == [-0.5] * len(call) + [0.0] * len(obs) + [-0.5] * len(answer)
+        assert s["reward"] == 1.0 and len(s["turns"]) == 2 and s["turns"][0]["text"] == CALL
+        assert s["turns"][0]["observation"][0]["content"] == "6" and "segments" not in s
+    assert len({r.seed for r in engine.requests}) == 4, "each call of each sample has a seed of its own"
+
+
+def test_an_agent_that_rewrites_its_history_starts_a_new_segment(tokenizer):
+    async def forgetful(task, base_url):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        first = await client.chat.completions.create(model="policy", messages=task["prompt"], tools=TOOLS)
+        assert first.choices[0].finish_reason == "tool_calls"
+        again = [{"role": "user", "content": "What is 2*3? It is 6."}]  # the history summarised, not extended
+        return (await client.chat.completions.create(model="policy", messages=again)).choices[0].message.content
+
+    _, samples, engine, _ = run(tokenizer, forgetful, n=1, by_call=True)
+    (s,) = samples
+    assert s["reward"] == 1.0 and [len(seg["turns"]) for seg in s["segments"]] == [1]
+    assert s["segments"][0]["token_ids"] == engine.ids(CALL)
+    assert engine.requests[1].prompts[0] == turns.render(tokenizer, [{"role": "user", "content": "What is 2*3? It is 6."}], True)
+
+
+def test_replies_rewards_and_failures_of_agents(tokenizer):
+    def sync_agent(task, base_url):  # a plain function runs on a worker thread
+        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="policy", messages=task["prompt"])
+        return {"reward": 0.5, "metrics": {"calls": 1}} if reply.choices[0].message.content else 0.0
+
+    _, samples, _, _ = run(tokenizer, sync_agent, replies=["\\boxed{6}"])
+    assert all(s["reward"] == 0.5 and s["metrics"] == {"calls": 1.0} for s in samples)
+
+    async def raises(task, base_url):
+        raise RuntimeError("agent bug")
+
+    async def hangs(task, base_url):
+        await asyncio.sleep(60)
+
+    async def wrong(task, base_url):
+        return [1]
+
+    for agent, error in ((raises, "RuntimeError: agent bug"), (hangs, "took longer than rl.env_timeout_s=0.5"),
+                         (wrong, "the agent returned [1]")):
+        began = time.monotonic()
+        _, samples, _, _ = run(tokenizer, agent, timeout_s=0.5)
+        assert time.monotonic() - began < 5
+        assert all(s["reward"] == 0.0 and error in s["reward_error"] and s["token_ids"] == [] for s in samples), samples[0]
+
+
+def test_calls_that_are_refused(tokenizer):
+    kept = {}
+
+    async def probe(task, base_url):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        kept["url"] = base_url
+        with pytest.raises(openai.BadRequestError, match="stream is not supported"):
+            await client.chat.completions.create(model="policy", messages=task["prompt"], stream=True)
+        with pytest.raises(openai.NotFoundError, match="the model is 'policy'"):
+            await client.chat.completions.create(model="gpt-4o", messages=task["prompt"])
+        unknown = openai.AsyncOpenAI(base_url=base_url.rsplit("/sessions/", 1)[0] + "/sessions/nobody/v1", api_key="none",
+                                     max_retries=0)
+        with pytest.raises(openai.NotFoundError, match="no session 'nobody'"):
+            await unknown.chat.completions.create(model="policy", messages=task["prompt"])
+        assert [m.id for m in (await client.models.list()).data] == ["policy"]
+        return 1.0
+
+    _, samples, _, endpoint = run(tokenizer, probe, n=1)
+    assert samples[0]["reward"] == 1.0 and "reward_error" not in samples[0], samples[0].get("reward_error")
+
+    # a call after the agent returned: 409, before the rollout forgets the session and after
+    async def late():
+        await endpoint.start(Engine(tokenizer, ["x"]))
+        session, url = endpoint.open(TASK, "late")
+        endpoint.close(session)
+        client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+        try:
+            with pytest.raises(openai.ConflictError, match="its agent already returned"):
+                await client.chat.completions.create(model="policy", messages=TASK["prompt"])
+            endpoint.forget(session)
+            with pytest.raises(openai.ConflictError, match="its agent already returned"):
+                await client.chat.completions.create(model="policy", messages=TASK["prompt"])
+        finally:
+            await endpoint.stop()
+
+    asyncio.run(late())
