@@ -239,8 +239,12 @@ def part_engine(check: Check) -> dict:
 
 
 def part_engine_cpu(check: Check) -> dict:
-    out = {s: _engine_setting(check, "engine-cpu", s, "cpu", 1) for s in ("arith", "chat")}
     gpu = check.results.get("engine")
+    if check.device == "cpu" and gpu:  # --allow-cpu without CUDA: the engine part ran on the CPU already
+        out = {s: {**r, "same_as_engine_part": True} for s, r in gpu.items()}
+        console.print("engine-cpu: no GPU, so the engine part's CPU figures stand for it", markup=False)
+    else:
+        out = {s: _engine_setting(check, "engine-cpu", s, "cpu", 1) for s in ("arith", "chat")}
     for s, r in out.items():
         r["engine_over_cpu"] = round(gpu[s]["one_tokens_per_s"] / r["one_tokens_per_s"], 2) if gpu else None
     _engine_table("embedded engine on cpu (the comparison): completion tokens/s, one round", out)

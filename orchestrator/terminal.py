@@ -134,7 +134,7 @@ def setup_logging(rank: int | None, host: str) -> None:
     who = f"rank {rank} {host}" if rank is not None else host
     fmt = f"%(asctime)s.%(msecs)03d [{who}] %(levelname)s %(message)s"
     logging.basicConfig(level=os.environ.get("ORCHESTRATOR_LOG_LEVEL", "INFO"), format=fmt, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
-    for chatty in ("httpx", "httpcore"):  # a line for every request in flight: the engine's log has them
+    for chatty in ("httpx", "httpcore", "httpx2", "httpcore2", "openai"):  # a line for every request in flight (an agent's too): the engine's log has them
         logging.getLogger(chatty).setLevel(logging.WARNING)
 
 

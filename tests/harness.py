@@ -412,3 +412,29 @@ def assert_default_three_iteration_run(log_path: Path) -> None:
     for i in (1, 2, 3):
         ids = aggregate_task_ids(RunLayout(log_path), i)
         assert sorted(ids) == sorted(set(ids)) and len(ids) == 12
+
+
+def kill_rank_0_mid_rollout_then_rerun(flags: list[str], env: dict, *, tasks: int) -> None:
+    """Two ranks of ``flags`` (one iteration, ``tasks`` train tasks, no work stealing): rank 0
+    held once its first batch is durable, killed (SIGKILL), rank 1 then exits 3 seeing it
+    dead; the same command again on both finishes. Asserts that every task was aggregated
+    once and that rank 0's durable records stayed as they were."""
+    log_path = next(Path(f.split("=", 1)[1]) for f in flags if f.startswith("--log-path="))
+    procs = start_ranks(flags, 2, env_for={r: {**env, **e} for r, e in hold_after_first_batch(0).items()} | {1: env})
+    layout = RunLayout(log_path)
+    try:
+        wait_held_mid_rollout(layout, 0)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(timeout=10)
+        assert procs[1].wait(timeout=NODE_TIMEOUT_S + 60) == 3
+        partial = layout.iteration(1).shard("train", 0).read_text().splitlines()
+        assert 0 < len(partial) < tasks // 2
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    result = run_local([*flags, "--num-nodes=2"], env=env)
+    assert result.returncode == 0, result.stdout[-6000:]
+    records = aggregate_records(layout, 1)
+    assert len(records) == tasks and len({r["task_id"] for r in records}) == tasks
+    kept = [json.loads(line) for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
+    assert kept[: len(partial)] == [json.loads(line) for line in partial], "what was durable stays as it was"

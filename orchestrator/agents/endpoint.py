@@ -12,7 +12,8 @@ Sampling is the run's (``rl.temperature``, ``rl.top_p``; eval's for eval): a req
 ``temperature`` and the like are ignored, since the update assumes the run's policy; its
 ``max_tokens`` (or ``max_completion_tokens``) may only lower the room ``rl.max_tokens`` and
 the model's context leave. A sample has no room left: the reply is empty, ``finish_reason``
-``length``.
+``length``. The time a call takes is the endpoint's, not the agent's (``Session.busy_s``):
+``rl.env_timeout_s`` bounds the agent's own time only.
 
 Refused, with the OpenAI API's error shape: an unknown session (404), a call for a sample
 whose agent already returned (409), ``stream``, ``n`` > 1, and another model's name (400/404).
@@ -59,23 +60,40 @@ class AgentEndpoint:
         self.port: int | None = None
         self._server = None
         self._serving: asyncio.Task | None = None
+        self._ready: asyncio.Future | None = None
         self.engine_failure: BaseException | None = None
+        # Imported here, on the rollout's own thread, not on its event loop: importing blocks,
+        # and the agents' clocks run on the loop.
+        import uvicorn
+
+        self._app = self.app()
+        self._config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
+        self._config.load()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self, inflight: Inflight) -> None:
-        """Serve on 127.0.0.1 (a free port), on the running loop; once."""
+        """Serve on 127.0.0.1 (a free port), on the running loop; once. Every caller returns
+        when the server listens (no agent starts before its endpoint serves)."""
         self.inflight = inflight
-        if self._serving is not None:
-            return
+        if self._ready is None:
+            self._ready = asyncio.get_running_loop().create_future()
+            try:
+                await self._serve()
+            except BaseException as e:
+                self._ready.set_exception(e)
+                raise
+            self._ready.set_result(None)
+        await asyncio.shield(self._ready)
+
+    async def _serve(self) -> None:
         import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn.Server(self._config)
         self._server.install_signal_handlers = lambda: None  # the rank owns its signals (uvicorn < 0.29 asks)
         self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -88,7 +106,7 @@ class AgentEndpoint:
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.wait({self._serving}, timeout=10)
-            self._server = self._serving = None
+        self._server = self._serving = self._ready = None
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -171,11 +189,15 @@ class AgentEndpoint:
         if room <= 0:
             return _response(session, {"role": "assistant", "content": ""}, "length", created, prompt, 0)
         request = Request([str(session.task["id"])], [prompt], _seed(f"{session.seed}:{session.calls}"), n=1, max_tokens=room)
+        session.call_began = time.monotonic()
         try:
             completion = (await self.inflight.complete(request)).groups[0][0]
         except Exception as e:  # noqa: BLE001 - the engine's failure: the rollout's to raise
             self.engine_failure = self.engine_failure or e
             raise CallRefused(502, f"the engine failed: {e}", "server_error") from None
+        finally:
+            session.in_calls_s += time.monotonic() - session.call_began
+            session.call_began = None
         message, finish = session.answered(completion)
         return _response(session, message, finish, created, prompt, len(completion.token_ids),
                          completion.token_logprobs if body.get("logprobs") else None, completion)

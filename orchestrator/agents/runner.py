@@ -1,7 +1,9 @@
 """``rl.agent=module:function``: the user's agent, called once per sample as
 ``function(task, base_url)`` against the agent endpoint (``endpoint.py``), the model named
 ``policy``. A coroutine function is awaited on the rollout's event loop; a plain one runs on a
-worker thread (the environments' threads). Either has ``rl.env_timeout_s`` from its start.
+worker thread (the environments' threads). Either has ``rl.env_timeout_s`` of its own time:
+from its start, less the time its calls spend in the endpoint (waiting for the engines is not
+the agent's doing; a rank's samples share them).
 
 It returns the sample's reward: a number, or a dict with ``reward`` and optional ``metrics``
 (numbers, averaged in eval as ``env/<name>``), or text, its final answer, which ``rl.reward``
@@ -11,8 +13,9 @@ is closed either way, so a call it makes later is refused.
 
 The sample's record is what the model sampled through its calls, token-exact: the ids, the
 engine's log-probs, the loss mask (1 sampled, 0 the messages the agent added), and ``turns``,
-one per call. The record's ``prompt_token_ids`` are what the task's samples' prompts have in
-common; the rest of each sample's prompt opens its ``token_ids``, as context.
+one per call. The record's ``prompt_token_ids`` are what the task's samples' first prompts have in
+common (the task's prompt rendered when no agent called the model); the rest of each
+sample's prompt opens its ``token_ids``, as context.
 """
 
 from __future__ import annotations
@@ -25,8 +28,14 @@ from dataclasses import dataclass, field
 
 from orchestrator.agents.endpoint import AgentEndpoint
 from orchestrator.agents.sessions import Session
+from orchestrator.data.turns import render
+from orchestrator.plugins.environments import OneTurn
 from orchestrator.workloads.rl.engine_requests import Inflight
 from orchestrator.workloads.rl.episodes import CallTimedOut, EnvThreads, failure
+
+_WAIT_S = 1.0
+"""How often a running agent's own time is looked at against rl.env_timeout_s."""
+
 
 @dataclass
 class Agents:
@@ -47,16 +56,23 @@ class Agents:
         sessions = await asyncio.gather(*(self._sample(task, f"{seed}:{i}") for i in range(n)))
         if self.endpoint.engine_failure is not None:
             raise self.endpoint.engine_failure
-        prompts = [s.conversation.prompt_ids if s.conversation else [] for s, _ in sessions]
-        common = _common_prefix(prompts)
-        samples = [_sample(session, outcome, len(common), self.endpoint.tokenizer) for session, outcome in sessions]
-        decode = self.endpoint.tokenizer.decode(common, skip_special_tokens=False) if common else ""
-        return decode, common, samples, sent_at
+        tokenizer = self.endpoint.tokenizer
+        called = [s.conversation.prompt_ids for s, _ in sessions if s.conversation is not None]
+        if not called:  # no agent called the model: the task's own prompt stands for the record's
+            common = render(tokenizer, OneTurn(task).reset(), generation_prompt=True)
+        else:
+            for session, outcome in sessions:  # a sample that shares not one token with the first is not of the group
+                if session.conversation is not None and session.conversation.prompt_ids[:1] != called[0][:1]:
+                    session.segments, session.conversation = [], None
+                    outcome.update(reward=0.0, error=f"{self.spec}: its first call's prompt shares no token with the first sample's")
+            common = _common_prefix([s.conversation.prompt_ids for s, _ in sessions if s.conversation is not None])
+        samples = [_sample(session, outcome, len(common), tokenizer) for session, outcome in sessions]
+        return tokenizer.decode(common, skip_special_tokens=False), common, samples, sent_at
 
     async def _sample(self, task: dict, seed: str) -> tuple[Session, dict]:
         session, base_url = self.endpoint.open(task, seed)
         try:
-            outcome = self._outcome(task, await self._call(dict(task), base_url))
+            outcome = self._outcome(task, await self._call(dict(task), base_url, session))
         except CallTimedOut:
             outcome = {"reward": 0.0, "error": f"{self.spec}: the agent took longer than rl.env_timeout_s={self.timeout_s:g}"}
         except Exception as e:  # noqa: BLE001 - the user's code
@@ -66,13 +82,31 @@ class Agents:
         self.endpoint.forget(session)
         return session, outcome
 
-    async def _call(self, task: dict, base_url: str):
+    async def _call(self, task: dict, base_url: str, session: Session):
+        """The agent's answer; CallTimedOut once its own time (its calls' time left out) passes
+        rl.env_timeout_s: a coroutine is cancelled, a thread abandoned (it cannot be stopped)."""
         if inspect.iscoroutinefunction(self.agent):
-            try:
-                return await asyncio.wait_for(self.agent(task, base_url), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise CallTimedOut from None
-        return await self.threads.run(self.agent, task, base_url, timeout_s=self.timeout_s)
+            running = asyncio.ensure_future(self.agent(task, base_url))
+            started = time.monotonic()
+            began = lambda: started  # noqa: E731
+        else:
+            future = self.threads.call(self.agent, task, base_url)
+            running = asyncio.wrap_future(future)
+            began = lambda: future.started  # noqa: E731 - None while it waits for a thread
+        try:
+            while not running.done():
+                start = began()
+                now = time.monotonic()
+                left = _WAIT_S if start is None else start + self.timeout_s + session.busy_s(now) - now
+                if left <= 0:
+                    if not isinstance(running, asyncio.Task):
+                        self.threads.abandoned()
+                    raise CallTimedOut
+                await asyncio.wait({running}, timeout=min(left, _WAIT_S))
+        finally:
+            if isinstance(running, asyncio.Task) and not running.done():  # timed out, or the rollout cancelled
+                running.cancel()
+        return running.result()
 
     def _outcome(self, task: dict, result: object) -> dict:
         """The sample's reward (and metrics, or error) out of what the agent returned."""

@@ -83,6 +83,14 @@ class Session:
     tools: list[dict] | None = None
     calls: int = 0
     closed: bool = False
+    in_calls_s: float = 0.0
+    """Seconds the sample's calls spent in the endpoint so far (waiting for and on the engine)."""
+    call_began: float | None = None
+    """``time.monotonic()`` when the call in progress began; None between calls."""
+
+    def busy_s(self, now: float) -> float:
+        """Seconds the sample spent in calls, the one in progress included: not the agent's own time."""
+        return self.in_calls_s + (now - self.call_began if self.call_began is not None else 0.0)
 
     def prompt(self, tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The call's prompt ids: the sample's ids so far and the new messages rendered after

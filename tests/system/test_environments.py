@@ -5,14 +5,12 @@ killed mid-conversation cost only their samples."""
 
 import json
 import os
-import signal
 
 import pytest
 
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.data import turns
-from tests.harness import (NODE_TIMEOUT_S, aggregate_records, hold_after_first_batch, kill_tree, rl_flags, run_local, start_ranks,
-                           status_json, wait_held_mid_rollout)
+from tests.harness import aggregate_records, kill_rank_0_mid_rollout_then_rerun, rl_flags, run_local, status_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -131,24 +129,8 @@ def test_kill_9_mid_conversations_then_rerun_keeps_every_written_task_and_runs_e
     # batch is durable rank 0 still has conversations mid-way. Without work stealing, so its share stays its own.
     flags = rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=1,
                      extra=[*_turns("Slow"), "rl.train_tasks=64", "coordination.work_stealing=false"])
-    procs = start_ranks(flags, 2, env_for={r: {**user_envs, **e} for r, e in hold_after_first_batch(0).items()} | {1: user_envs})
-    try:
-        layout = RunLayout(log_path)
-        wait_held_mid_rollout(layout, 0)
-        os.kill(procs[0].pid, signal.SIGKILL)
-        procs[0].wait(timeout=10)
-        assert procs[1].wait(timeout=NODE_TIMEOUT_S + 60) == 3
-        partial = layout.iteration(1).shard("train", 0).read_text().splitlines()
-        assert 0 < len(partial) < 32
-    finally:
-        for p in procs:
-            kill_tree(p.pid)
-    result = run_local([*flags, "--num-nodes=2"], env=user_envs)
-    assert result.returncode == 0, result.stdout[-6000:]
-    records = aggregate_records(layout, 1)
-    assert len(records) == 64 and len({r["task_id"] for r in records}) == 64
-    kept = [json.loads(line) for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
-    assert kept[: len(partial)] == [json.loads(line) for line in partial], "what was durable stays as it was"
+    kill_rank_0_mid_rollout_then_rerun(flags, user_envs, tasks=64)
+    records = aggregate_records(RunLayout(log_path), 1)
     assert all(len(s["turns"]) == 2 for r in records for s in r["samples"] if s["finish_reason"] == "stop")
 
 

@@ -6,8 +6,9 @@ which makes torch use other kernels (as another CPU would), so a figure that hol
 one machine's floating point fails here. docs/rl.md has the table for seeds 0-4.
 
 The README's chat demo (a Qwen2 with a BPE tokenizer and a chat template, the math reward)
-lifts it by at least 10 points: one case here, seed 1 with this CPU's kernels, the smallest
-gain measured; docs/demo.md has the others, under the default kernels too.
+lifts it by at least 10 points by iteration 4: one case here, seed 1 with this CPU's kernels,
+the smallest gain measured (+0.19 at iteration 4, +0.34 at 10), four iterations rather than
+ten to spare the suite's time; docs/demo.md has the others, under the default kernels too.
 """
 
 import json
@@ -34,9 +35,10 @@ def _main_job_steps() -> list[str]:
     return command.split(" && ")[1:]
 
 
-def _chat_demo_steps() -> list[str]:
+def _chat_demo_steps(iterations: int) -> list[str]:
     command = re.search(r"^    (python3 -m orchestrator demo-data --chat .*)$", README.read_text(), re.M).group(1)
-    return command.split(" && ")
+    assert command.endswith(" --max-iterations 10"), command
+    return (command.removesuffix("10") + str(iterations)).split(" && ")
 
 
 def _run_steps(steps, tmp_path, seed, kernels, paths):
@@ -53,9 +55,9 @@ def _run_steps(steps, tmp_path, seed, kernels, paths):
         assert result.returncode == 0, result.stderr[-4000:]
 
 
-def _curve(log):
+def _curve(log, evaluated_at=(1, 4, 7, 10)):
     evaluated = [it for it in status_json(log)["iterations"] if it["evaluated"]]
-    assert [it["iteration"] for it in evaluated] == [1, 4, 7, 10]
+    assert [it["iteration"] for it in evaluated] == list(evaluated_at)
     return [round(it["metrics"]["accuracy"], 3) for it in evaluated]
 
 
@@ -82,17 +84,17 @@ def test_readme_main_job_lands_in_the_band_and_lifts_eval_accuracy_by_twenty_poi
 
 def test_readme_chat_demo_lifts_eval_accuracy_by_ten_points_with_the_math_reward(tmp_path):
     data, log = tmp_path / "chat", tmp_path / "chat-run"
-    _run_steps(_chat_demo_steps(), tmp_path, 1, None, {"/tmp/orch-chat-run": "chat-run", "/tmp/orch-chat": "chat"})
+    _run_steps(_chat_demo_steps(iterations=4), tmp_path, 1, None, {"/tmp/orch-chat-run": "chat-run", "/tmp/orch-chat": "chat"})
     demo = json.loads((data / "demo.json").read_text())
     low, high = demo["settings"]["accuracy_band"]
     assert demo["settings"]["chat"] and low <= demo["validation_accuracy"] <= high, demo
-    curve = _curve(log)
+    curve = _curve(log, (1, 4))
     assert curve[-1] - curve[0] >= 0.10, f"chat demo, seed 1: eval accuracy {curve}"
     layout = RunLayout(log)
-    records = aggregate_records(layout, 10)
+    records = aggregate_records(layout, 4)
     assert all(r["prompt"].startswith("<|im_start|>user\n") and r["prompt_token_ids"] for r in records)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    final = layout.checkpoint(10)
-    assert AutoModelForCausalLM.from_pretrained(final).config.model_type == "qwen2"
+    final = layout.checkpoint(4)  # its weights may be a delta (publish.delta): its config and tokenizer are whole
+    assert AutoConfig.from_pretrained(final).model_type == "qwen2"
     assert AutoTokenizer.from_pretrained(final).chat_template, "the final checkpoint keeps the chat template"

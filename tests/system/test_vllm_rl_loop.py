@@ -198,6 +198,33 @@ def test_a_multi_turn_rollout_runs_through_vllm_on_token_id_prompts(chat_demo_da
     assert worst < 2e-3, worst
 
 
+def test_an_openai_client_agent_runs_through_vllm_token_exact(chat_demo_data, tmp_path):
+    """rl.agent through vLLM: the agent endpoint sends each call as token ids and keeps the ids
+    vLLM sampled (no re-tokenization): the logprobs vLLM reported for every sampled id are the
+    base model's on exactly the recorded ids, the agent's second message in between as context."""
+    import os
+
+    from tests.system.test_agents import AGENTS
+
+    (tmp_path / "user_agents.py").write_text(AGENTS)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log_path = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", f"--data-path={chat_demo_data}", f"--log-path={log_path}", "--rl-phase=both",
+         "--eval-interval=1", "--max-iterations=1", "--engine=vllm", *SETTINGS, "rl.agent=user_agents:two_calls",
+         "rl.reward=orchestrator.rewards:math", "rl.max_tokens=48"],
+        capture_output=True, text=True, timeout=840, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    records = [json.loads(line) for line in RunLayout(log_path).iteration(1).aggregate("train").read_text().splitlines()]
+    two = [s for r in records for s in r["samples"] if len(s["turns"]) == 2]
+    assert len(two) >= 8 and all("<|im_start|>user\ncheck it<|im_end|>" in s["text"] for s in two)
+    expected = _forward_logprobs(chat_demo_data / "model", records)
+    worst = max(abs(a - b) for r, exp in zip(records, expected) for s, e in zip(r["samples"], exp)
+                for a, b, m in zip(s["logprobs"], e, s["loss_mask"]) if m)
+    assert worst < 2e-3, worst
+
+
 def test_vllm_moved_by_deltas_serves_the_weights_the_trainer_published(demo_data, tmp_path):
     """publish.delta: each node rebuilds the version in its local cache and vLLM reloads from
     there in place; the logprobs vLLM reports for iterations 2 and 3 (served from iteration 1,
