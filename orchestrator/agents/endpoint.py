@@ -3,6 +3,7 @@ written against it (``rl.agent``). Each sample gets a base URL of its own,
 ``http://127.0.0.1:PORT/sessions/<id>/v1``, so that every call is attributed to its sample:
 
     POST /sessions/<id>/v1/chat/completions   messages, tools -> the model's reply (tool calls parsed)
+    POST /sessions/<id>/v1/completions        a prompt (text or token ids) -> its continuation
     GET  /sessions/<id>/v1/models             the one model, ``policy``
 
 The server (starlette under uvicorn) runs on the rollout's event loop, and each call is one
@@ -141,19 +142,22 @@ class AgentEndpoint:
                 return _error(e)
             return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "orchestrator"}]})
 
-        async def chat(request):
-            try:
-                session = self._session(request.path_params["session"])
+        def call(method):
+            async def handle(request):
                 try:
-                    body = await request.json()
-                except ValueError:
-                    raise CallRefused(400, "the request body is not JSON") from None
-                return JSONResponse(await self.chat(session, body))
-            except CallRefused as e:
-                return _error(e)
+                    session = self._session(request.path_params["session"])
+                    try:
+                        body = await request.json()
+                    except ValueError:
+                        raise CallRefused(400, "the request body is not JSON") from None
+                    return JSONResponse(await method(session, body))
+                except CallRefused as e:
+                    return _error(e)
+            return handle
 
         return Starlette(routes=[Route("/sessions/{session}/v1/models", models, methods=["GET"]),
-                                 Route("/sessions/{session}/v1/chat/completions", chat, methods=["POST"])])
+                                 Route("/sessions/{session}/v1/chat/completions", call(self.chat), methods=["POST"]),
+                                 Route("/sessions/{session}/v1/completions", call(self.complete), methods=["POST"])])
 
     def _session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -165,7 +169,8 @@ class AgentEndpoint:
             raise CallRefused(409, f"session {session_id} is over: its agent already returned (or ran out of time)")
         return session
 
-    async def chat(self, session: Session, body: object) -> dict:
+    @staticmethod
+    def _check(body: object) -> None:
         if not isinstance(body, dict):
             raise CallRefused(400, "the request body must be a JSON object")
         if body.get("stream"):
@@ -174,6 +179,46 @@ class AgentEndpoint:
             raise CallRefused(400, "n must be 1: each sample is one conversation")
         if body.get("model", MODEL) != MODEL:
             raise CallRefused(404, f"the model is {MODEL!r}, not {body.get('model')!r}", "model_not_found")
+
+    async def complete(self, session: Session, body: object) -> dict:
+        """``/v1/completions``: a prompt's continuation, recorded as the sample's turn."""
+        self._check(body)
+        try:
+            prompt = session.text_prompt(self.tokenizer, body.get("prompt"))
+        except ValueError as e:
+            raise CallRefused(400, str(e)) from None
+        created = int(time.time())
+        completion = await self._sample(session, prompt, body)
+        if completion is None:
+            text, finish, sampled = "", "length", 0
+        else:
+            session.answered_text(completion)
+            text, finish, sampled = completion.text, completion.finish_reason, len(completion.token_ids)
+        return {"id": f"cmpl-{session.id[:12]}-{session.calls}", "object": "text_completion", "created": created, "model": MODEL,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": sampled, "total_tokens": len(prompt) + sampled}}
+
+    async def _sample(self, session: Session, prompt: list[int], body: dict):
+        """The engine's completion of ``prompt`` for the sample, within its room (None: no room)."""
+        room = self._room(session, prompt)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if isinstance(asked, int) and asked > 0:
+            room = min(room, asked)
+        if room <= 0:
+            return None
+        request = Request([str(session.task["id"])], [prompt], _seed(f"{session.seed}:{session.calls}"), n=1, max_tokens=room)
+        session.call_began = time.monotonic()
+        try:
+            return (await self.inflight.complete(request)).groups[0][0]
+        except Exception as e:  # noqa: BLE001 - the engine's failure: the rollout's to raise
+            self.engine_failure = self.engine_failure or e
+            raise CallRefused(502, f"the engine failed: {e}", "server_error") from None
+        finally:
+            session.in_calls_s += time.monotonic() - session.call_began
+            session.call_began = None
+
+    async def chat(self, session: Session, body: object) -> dict:
+        self._check(body)
         tools = body.get("tools") or None
         try:
             prompt = session.prompt(self.tokenizer, body.get("messages"), tools)
@@ -181,23 +226,10 @@ class AgentEndpoint:
             raise CallRefused(400, str(e)) from None
         except Exception as e:  # noqa: BLE001 - a message the chat template cannot render
             raise CallRefused(400, f"the chat template cannot render these messages: {e!r}") from None
-        room = self._room(session, prompt)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        if isinstance(asked, int) and asked > 0:
-            room = min(room, asked)
         created = int(time.time())
-        if room <= 0:
+        completion = await self._sample(session, prompt, body)
+        if completion is None:
             return _response(session, {"role": "assistant", "content": ""}, "length", created, prompt, 0)
-        request = Request([str(session.task["id"])], [prompt], _seed(f"{session.seed}:{session.calls}"), n=1, max_tokens=room)
-        session.call_began = time.monotonic()
-        try:
-            completion = (await self.inflight.complete(request)).groups[0][0]
-        except Exception as e:  # noqa: BLE001 - the engine's failure: the rollout's to raise
-            self.engine_failure = self.engine_failure or e
-            raise CallRefused(502, f"the engine failed: {e}", "server_error") from None
-        finally:
-            session.in_calls_s += time.monotonic() - session.call_began
-            session.call_began = None
         message, finish = session.answered(completion)
         return _response(session, message, finish, created, prompt, len(completion.token_ids),
                          completion.token_logprobs if body.get("logprobs") else None, completion)

@@ -83,6 +83,9 @@ class Session:
     tools: list[dict] | None = None
     calls: int = 0
     closed: bool = False
+    text: str | None = None
+    """With ``/v1/completions``: the current segment as text (its prompt, then what was sampled
+    and added), which a next prompt that extends it starts with."""
     in_calls_s: float = 0.0
     """Seconds the sample's calls spent in the endpoint so far (waiting for and on the engine)."""
     call_began: float | None = None
@@ -98,20 +101,55 @@ class Session:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a non-empty list of chat messages with a role")
         keys = [seen_as(m) for m in messages]
-        extends = (self.conversation is not None and tools == self.tools and len(keys) > len(self.seen)
+        extends = (self.conversation is not None and bool(self.seen) and tools == self.tools and len(keys) > len(self.seen)
                    and keys[: len(self.seen)] == self.seen)
         if extends:
             new = [template_message(m) for m in messages[len(self.seen):]]
             c = self.conversation
             c.observed(new, c.observation(tokenizer, new, tools))
         else:
-            if self.conversation is not None:
-                self.segments.append(self.conversation)
-            self.conversation = Conversation(render(tokenizer, [template_message(m) for m in messages], generation_prompt=True,
-                                                    tools=tools))
-        self.seen, self.tools = keys, tools
+            self._segment(Conversation(render(tokenizer, [template_message(m) for m in messages], generation_prompt=True,
+                                              tools=tools)))
+        self.seen, self.tools, self.text = keys, tools, None
         self.calls += 1
         return self.conversation.context
+
+    def text_prompt(self, tokenizer, prompt: object) -> list[int]:
+        """The prompt ids of a ``/v1/completions`` call: a text that extends the segment's text
+        keeps the segment's ids and adds only the new text's (as context); token ids that
+        extend its ids likewise; otherwise a new segment."""
+        c = self.conversation
+        if isinstance(prompt, str):
+            if c is not None and self.text is not None and prompt.startswith(self.text) and len(prompt) > len(self.text):
+                new = tokenizer(prompt[len(self.text):], add_special_tokens=False)["input_ids"]
+                c.observed([{"role": "text", "content": prompt[len(self.text):]}], new)
+            else:
+                self._segment(Conversation(list(tokenizer(prompt)["input_ids"])))
+            self.text = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if c is not None and len(prompt) > len(c.context) and prompt[: len(c.context)] == c.context:
+                new = prompt[len(c.context):]
+                c.observed([{"role": "ids", "content": f"{len(new)} ids"}], new)
+            else:
+                self._segment(Conversation(list(prompt)))
+            self.text = None
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        self.seen, self.tools = [], None  # a chat call after this one starts a segment
+        self.calls += 1
+        return self.conversation.context
+
+    def answered_text(self, completion) -> None:
+        """The model's continuation of a ``/v1/completions`` call, recorded."""
+        stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+        self.conversation.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
+        if self.text is not None:
+            self.text += completion.text + (stop or "")
+
+    def _segment(self, conversation: Conversation) -> None:
+        if self.conversation is not None:
+            self.segments.append(self.conversation)
+        self.conversation = conversation
 
     def answered(self, completion) -> tuple[dict, str]:
         """The model's reply to the call, recorded (its ids, log-probs, why it ended): the

@@ -176,3 +176,22 @@ def test_calls_that_are_refused(tokenizer):
             await endpoint.stop()
 
     asyncio.run(late())
+
+
+def test_the_completions_route_extends_a_text_or_ids_prompt_token_exact(tokenizer):
+    async def writer(task, base_url):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        prompt = "Q: 2*3?\nA:"
+        first = (await client.completions.create(model="policy", prompt=prompt)).choices[0]
+        prompt += first.text + "\nCheck:"  # extends what was sent and sampled: the same ids, then the new text's
+        second = (await client.completions.create(model="policy", prompt=prompt)).choices[0]
+        return second.text
+
+    _, samples, engine, _ = run(tokenizer, writer, replies=["\\boxed{5}", "\\boxed{6}"], n=1, by_call=True)
+    (s,) = samples
+    first, second = engine.ids("\\boxed{5}"), engine.ids("\\boxed{6}")
+    check = tokenizer("\nCheck:", add_special_tokens=False)["input_ids"]
+    prompt = tokenizer("Q: 2*3?\nA:")["input_ids"]
+    assert engine.requests[1].prompts[0] == prompt + first + check
+    assert s["token_ids"] == first + check + second and s["loss_mask"] == [1] * len(first) + [0] * len(check) + [1] * len(second)
+    assert s["reward"] == 1.0 and "segments" not in s
