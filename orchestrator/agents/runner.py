@@ -154,8 +154,9 @@ def _common_prefix(lists: list[list[int]]) -> list[int]:
 
 
 def _sample(session: Session, outcome: dict, common: int, tokenizer) -> dict:
-    """The sample as records hold it: its last segment (earlier ones under ``segments``), the
-    part of its prompt past the group's common prefix opening its ids, as context."""
+    """The sample as records hold it: its last segment (earlier ones under ``segments``, each
+    trained as a sequence of its own with the sample's advantage: train/grpo.py), the part of
+    its prompt past the group's common prefix opening its ids, as context."""
     c = session.conversation
     if c is None:  # the agent never called the model
         sample = {"text": "", "token_ids": [], "logprobs": [], "loss_mask": [], "turns": [], "reward": outcome["reward"],

@@ -34,7 +34,8 @@ def _check_vocabulary(records: list[grpo.Record], vocab: int, model: Path) -> No
     for r in records:
         if r.prompt_token_ids is None:
             continue
-        if max(max(r.prompt_token_ids), *(max(s.token_ids, default=0) for s in r.samples)) >= vocab:
+        segments = [max(*seg.prompt_ids, *seg.token_ids) for s in r.samples for seg in s.segments]
+        if max(max(r.prompt_token_ids), *(max(s.token_ids, default=0) for s in r.samples), *segments) >= vocab:
             raise BadTrainInput(f"trajectory record {r.task_id} holds a token id past the model's vocabulary of {vocab}: "
                                 f"it was sampled from another model than {model}")
 
@@ -115,7 +116,7 @@ def _check_behaviour_logprobs(records: list[grpo.Record], what: str) -> None:
     default = {"is_correction": "none", "old_logprobs": "trainer"}[key]
     for r in records:
         for i, sample in enumerate(r.samples):
-            if sample.logprobs is None:
+            if sample.logprobs is None or any(seg.logprobs is None for seg in sample.segments):
                 raise BadTrainInput(f"{what} needs the engine's log-prob of every sampled token, and trajectory "
                                     f"record {r.task_id} sample {i} has none that fit its token_ids (a record written by "
                                     f"hand, or by an engine asked without logprobs): set rl.{key}={default}")

@@ -53,6 +53,17 @@ STD_EPS = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
+class Segment:
+    """An earlier part of a sample that its agent did not extend (it rewrote its history):
+    trained as a sequence of its own, with its sample's advantage."""
+
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    loss_mask: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     text: str
     reward: float
@@ -64,6 +75,8 @@ class Sample:
     loss_mask: tuple[int, ...] | None = None
     """Per id of ``token_ids``: 1 where the engine sampled it (trained), 0 where it is context
     the rollout put there (an environment's observation in a multi-turn sample); None: all 1."""
+    segments: tuple[Segment, ...] = ()
+    """The sample's earlier segments (an agent's rewritten history), before its own ids."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +116,22 @@ def _loss_mask(value, ids: tuple[int, ...] | None, i: int) -> tuple[int, ...] | 
     return None if all(value) else tuple(value)
 
 
+def _segments(value, prompt_ids: tuple[int, ...] | None, i: int) -> tuple[Segment, ...]:
+    if not value:
+        return ()
+    if prompt_ids is None or not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"samples[{i}].segments must be a list of objects, in a record with prompt_token_ids")
+    out = []
+    for j, seg in enumerate(value):
+        where = f"samples[{i}].segments[{j}]"
+        prompt = _token_ids(seg.get("prompt_token_ids"), f"{where}.prompt_token_ids")
+        if not prompt:
+            raise ValueError(f"{where}.prompt_token_ids must not be empty")
+        ids = _token_ids(seg.get("token_ids"), f"{where}.token_ids")
+        out.append(Segment(prompt, ids, _logprobs(seg.get("logprobs"), ids), _loss_mask(seg.get("loss_mask"), ids, i)))
+    return tuple(out)
+
+
 def parse_record(obj: object) -> Record:
     """A record from one decoded JSON line; raises ValueError saying which field is wrong."""
     if not isinstance(obj, dict):
@@ -133,7 +162,7 @@ def parse_record(obj: object) -> Record:
                 raise ValueError(f"samples[{i}].token_ids is missing, but the record has prompt_token_ids")
             ids = _token_ids(s["token_ids"], f"samples[{i}].token_ids")
         samples.append(Sample(s["text"], float(reward), s["finish_reason"], ids, _logprobs(s.get("logprobs"), ids),
-                              _loss_mask(s.get("loss_mask"), ids, i)))
+                              _loss_mask(s.get("loss_mask"), ids, i), _segments(s.get("segments"), prompt_ids, i)))
     return Record(obj["task_id"], obj["prompt"], tuple(samples), prompt_ids)
 
 
@@ -252,9 +281,12 @@ def encode_record(tokenizer, record: Record, advantage: str = "grpo", shaping: S
     if shaping.overlong == "penalty":
         rewards = [r + overlong_penalty(len(i), max_tokens=shaping.max_tokens, buffer=shaping.buffer) for r, i in zip(rewards, ids)]
     advantages = group_advantages(rewards, advantage)
-    return [Completion(prompt, i, a, s.logprobs, trained=not (shaping.overlong == "mask" and s.finish_reason == "length"),
-                       loss_mask=s.loss_mask)
-            for s, i, a in zip(record.samples, ids, advantages)]
+    completions = [Completion(prompt, i, a, s.logprobs, trained=not (shaping.overlong == "mask" and s.finish_reason == "length"),
+                              loss_mask=s.loss_mask)
+                   for s, i, a in zip(record.samples, ids, advantages)]
+    # An agent's earlier segments: sequences of their own after the group's samples, each with its sample's advantage.
+    return completions + [Completion(seg.prompt_ids, seg.token_ids, a, seg.logprobs, loss_mask=seg.loss_mask)
+                          for s, a in zip(record.samples, advantages) for seg in s.segments]
 
 
 

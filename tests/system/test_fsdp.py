@@ -278,6 +278,15 @@ def _observed(sample: dict) -> None:
         sample["logprobs"][1] = 0.0
 
 
+def _segmented(sample: dict) -> None:
+    """An agent's sample whose history was rewritten: of 3 tokens or more, an earlier segment
+    of its own prompt (its ids reversed, after a BOS) trained beside it."""
+    ids = sample["token_ids"]
+    if len(ids) >= 3:
+        sample["segments"] = [{"prompt_token_ids": [1, *ids[::-1]], "token_ids": ids[:2], "logprobs": sample["logprobs"][:2],
+                               "loss_mask": [1, 1]}]
+
+
 OPTIONS = {
     "rloo-k2-clip-higher": {"advantage": "rloo", "kl_estimator": "k2", "clip_eps_high": 0.28},
     "dr-grpo-k1-engine-old": {"advantage": "dr_grpo", "kl_estimator": "k1", "old_logprobs": "engine"},
@@ -285,6 +294,7 @@ OPTIONS = {
     "gspo-seq-mean-penalty": {"ratio_level": "sequence", "loss_agg": "seq_mean_token_mean", "clip_eps_low": 0.003, "clip_eps_high": 0.004,
                               "overlong": "penalty", "max_tokens": 4, "overlong_buffer": 2},
     "multi-turn-gspo-tis": {"ratio_level": "sequence", "loss_agg": "seq_mean_token_mean", "is_correction": "tis"},
+    "agent-segments-tis": {"is_correction": "tis"},
 }
 UNREPORTED = ("clip_eps_low", "clip_eps_high", "max_tokens")  # "clip" says the first two
 
@@ -293,7 +303,8 @@ UNREPORTED = ("clip_eps_low", "clip_eps_high", "max_tokens")  # "clip" says the 
 def test_each_update_option_gives_the_same_update_at_any_worker_count_packed_or_padded(work, trained, ddp_two, name):
     """Two DDP workers, sequences padded, against three FSDP workers, sequences packed."""
     data = _derived(work, "agg-cut.jsonl", _cut) if "overlong" in OPTIONS[name] else \
-        _derived(work, "agg-turns.jsonl", _observed) if "multi-turn" in name else _with_engine_logprobs(work)
+        _derived(work, "agg-turns.jsonl", _observed) if "multi-turn" in name else \
+        _derived(work, "agg-segments.jsonl", _segmented) if "segments" in name else _with_engine_logprobs(work)
     options = {**OPTIONS[name], "data": str(data)}
     two = trained(f"{name}-ddp-2", 2, strategy="ddp", packing=False, **options)
     three = trained(f"{name}-fsdp-3-24-packed", 3, strategy="fsdp", micro_batch_tokens=24, packing=True, **options)

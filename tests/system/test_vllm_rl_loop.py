@@ -171,58 +171,47 @@ def test_the_chat_demo_runs_through_vllm_and_vllm_serves_its_final_checkpoint(ch
     assert _max_error(records, _forward_logprobs(final, records)) < 2e-3, "vLLM serves the final checkpoint's weights"
 
 
-def test_a_multi_turn_rollout_runs_through_vllm_on_token_id_prompts(chat_demo_data, tmp_path):
-    """rl.environment through vLLM: each later turn is a token-id prompt of everything so far,
-    and the logprobs vLLM reports for every sampled id are the base model's on exactly those
-    ids (so vLLM continued the ids as sent, not a re-tokenized text)."""
+def _two_turns_through_vllm(data, tmp_path, module: str, source: str, flags: list[str], between: str) -> None:
+    """One iteration through vLLM with ``module`` (``source``) on the path and ``flags``: at
+    least 8 samples of two turns with ``between`` (the rendered message between them) in
+    their text, and the logprobs vLLM reported for every sampled id are the base model's on
+    exactly the recorded ids (vLLM continued the ids as sent, not a re-tokenized text)."""
     import os
 
-    from tests.system.test_environments import ENVS
-
-    (tmp_path / "user_envs.py").write_text(ENVS)
+    (tmp_path / f"{module}.py").write_text(source)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log_path = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", f"--data-path={chat_demo_data}", f"--log-path={log_path}", "--rl-phase=both",
-         "--eval-interval=1", "--max-iterations=1", "--engine=vllm", *SETTINGS, "rl.environment=user_envs:Retry",
-         "rl.reward=orchestrator.rewards:math", "rl.max_tokens=48", "rl.max_turns=3"],
-        capture_output=True, text=True, timeout=840, env=env,
-    )
-    assert result.returncode == 0, result.stderr[-5000:]
-    records = [json.loads(line) for line in RunLayout(log_path).iteration(1).aggregate("train").read_text().splitlines()]
-    multi = [s for r in records for s in r["samples"] if len(s["turns"]) == 2]
-    assert len(multi) >= 8 and all("<|im_start|>tool\ncheck it<|im_end|>" in s["text"] for s in multi)
-    expected = _forward_logprobs(chat_demo_data / "model", records)
-    worst = max(abs(a - b) for r, exp in zip(records, expected) for s, e in zip(r["samples"], exp)
-                for a, b, m in zip(s["logprobs"], e, s["loss_mask"]) if m)
-    assert worst < 2e-3, worst
-
-
-def test_an_openai_client_agent_runs_through_vllm_token_exact(chat_demo_data, tmp_path):
-    """rl.agent through vLLM: the agent endpoint sends each call as token ids and keeps the ids
-    vLLM sampled (no re-tokenization): the logprobs vLLM reported for every sampled id are the
-    base model's on exactly the recorded ids, the agent's second message in between as context."""
-    import os
-
-    from tests.system.test_agents import AGENTS
-
-    (tmp_path / "user_agents.py").write_text(AGENTS)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    log_path = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", f"--data-path={chat_demo_data}", f"--log-path={log_path}", "--rl-phase=both",
-         "--eval-interval=1", "--max-iterations=1", "--engine=vllm", *SETTINGS, "rl.agent=user_agents:two_calls",
-         "rl.reward=orchestrator.rewards:math", "rl.max_tokens=48"],
+        [sys.executable, "-m", "orchestrator", "run", f"--data-path={data}", f"--log-path={log_path}", "--rl-phase=both",
+         "--eval-interval=1", "--max-iterations=1", "--engine=vllm", *SETTINGS, "rl.reward=orchestrator.rewards:math",
+         "rl.max_tokens=48", *flags],
         capture_output=True, text=True, timeout=840, env=env,
     )
     assert result.returncode == 0, result.stderr[-5000:]
     records = [json.loads(line) for line in RunLayout(log_path).iteration(1).aggregate("train").read_text().splitlines()]
     two = [s for r in records for s in r["samples"] if len(s["turns"]) == 2]
-    assert len(two) >= 8 and all("<|im_start|>user\ncheck it<|im_end|>" in s["text"] for s in two)
-    expected = _forward_logprobs(chat_demo_data / "model", records)
+    assert len(two) >= 8 and all(between in s["text"] for s in two)
+    expected = _forward_logprobs(data / "model", records)
     worst = max(abs(a - b) for r, exp in zip(records, expected) for s, e in zip(r["samples"], exp)
                 for a, b, m in zip(s["logprobs"], e, s["loss_mask"]) if m)
     assert worst < 2e-3, worst
+
+
+def test_a_multi_turn_rollout_runs_through_vllm_on_token_id_prompts(chat_demo_data, tmp_path):
+    """rl.environment through vLLM: each later turn is a token-id prompt of everything so far."""
+    from tests.system.test_environments import ENVS
+
+    _two_turns_through_vllm(chat_demo_data, tmp_path, "user_envs", ENVS, ["rl.environment=user_envs:Retry", "rl.max_turns=3"],
+                            "<|im_start|>tool\ncheck it<|im_end|>")
+
+
+def test_an_openai_client_agent_runs_through_vllm_token_exact(chat_demo_data, tmp_path):
+    """rl.agent through vLLM: the agent endpoint sends each call as token ids and keeps the ids
+    vLLM sampled (no re-tokenization), the agent's second message in between as context."""
+    from tests.system.test_agents import AGENTS
+
+    _two_turns_through_vllm(chat_demo_data, tmp_path, "user_agents", AGENTS, ["rl.agent=user_agents:two_calls"],
+                            "<|im_start|>user\ncheck it<|im_end|>")
 
 
 def test_vllm_moved_by_deltas_serves_the_weights_the_trainer_published(demo_data, tmp_path):

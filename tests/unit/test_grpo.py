@@ -342,6 +342,23 @@ def test_a_records_engine_logprobs_reach_its_completions_when_they_fit_its_token
     assert [c.behaviour_logprobs for c in completions] == [(-0.1, -0.2), None, None]
 
 
+def test_an_agents_earlier_segments_are_sequences_of_their_own_with_their_samples_advantage():
+    seg = {"prompt_token_ids": [1, 9, 9], "token_ids": [4, 4, 2], "logprobs": [-0.3, -0.3, -0.1], "loss_mask": [1, 0, 1]}
+    record = grpo.parse_record({"task_id": "t", "prompt": "q", "prompt_token_ids": [1, 5],
+                                "samples": [{"text": "a", "token_ids": [7, 2], "reward": 1.0, "finish_reason": "stop",
+                                             "logprobs": [-0.1, -0.2], "segments": [seg]},
+                                            {"text": "b", "token_ids": [8, 2], "reward": 0.0, "finish_reason": "stop"}]})
+    assert record.samples[0].segments == (grpo.Segment((1, 9, 9), (4, 4, 2), (-0.3, -0.3, -0.1), (1, 0, 1)),)
+    first, second, segment = grpo.encode_record(None, record)
+    assert (first.prompt_ids, second.prompt_ids) == ((1, 5), (1, 5)) and first.advantage > 0 > second.advantage
+    assert segment.prompt_ids == (1, 9, 9) and segment.completion_ids == (4, 4, 2) and segment.advantage == first.advantage
+    assert segment.loss_mask == (1, 0, 1) and segment.behaviour_logprobs == (-0.3, -0.3, -0.1)
+    with pytest.raises(ValueError, match=r"samples\[0\].segments\[0\].prompt_token_ids must not be empty"):
+        grpo.parse_record({"task_id": "t", "prompt": "q", "prompt_token_ids": [1],
+                           "samples": [{"text": "a", "token_ids": [2], "reward": 1.0, "finish_reason": "stop",
+                                        "segments": [{**seg, "prompt_token_ids": []}]}]})
+
+
 # --- the update's options -----------------------------------------------------------------------
 
 
