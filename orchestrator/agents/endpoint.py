@@ -27,13 +27,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import random
 import socket
 import time
 import uuid
 
 from orchestrator.agents.sessions import Session
 from orchestrator.workloads.rl.engine_requests import Inflight, Request
+from orchestrator.workloads.rl.episodes import request_seed
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class AgentEndpoint:
             room = min(room, asked)
         if room <= 0:
             return None
-        request = Request([str(session.task["id"])], [prompt], _seed(f"{session.seed}:{session.calls}"), n=1, max_tokens=room)
+        request = Request([str(session.task["id"])], [prompt], request_seed(f"{session.seed}:{session.calls}"), n=1, max_tokens=room)
         session.call_began = time.monotonic()
         try:
             return (await self.inflight.complete(request)).groups[0][0]
@@ -257,7 +257,3 @@ def _error(e: CallRefused):
     from starlette.responses import JSONResponse
 
     return JSONResponse({"error": {"message": str(e), "type": e.kind, "code": e.status}}, status_code=e.status)
-
-
-def _seed(name: str) -> int:
-    return random.Random(name).randrange(2**31)

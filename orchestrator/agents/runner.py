@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
+import os
 import time
 from dataclasses import dataclass, field
 
 from orchestrator.agents.endpoint import AgentEndpoint
 from orchestrator.agents.sessions import Session
 from orchestrator.data.turns import render
-from orchestrator.plugins.environments import OneTurn
+from orchestrator.plugins.environments import OneTurn, finite_number
 from orchestrator.workloads.rl.engine_requests import Inflight
 from orchestrator.workloads.rl.episodes import CallTimedOut, EnvThreads, failure
 
@@ -65,7 +65,7 @@ class Agents:
                 if session.conversation is not None and session.conversation.prompt_ids[:1] != called[0][:1]:
                     session.segments, session.conversation = [], None
                     outcome.update(reward=0.0, error=f"{self.spec}: its first call's prompt shares no token with the first sample's")
-            common = _common_prefix([s.conversation.prompt_ids for s, _ in sessions if s.conversation is not None])
+            common = list(os.path.commonprefix([s.conversation.prompt_ids for s, _ in sessions if s.conversation is not None]))
         samples = [_sample(session, outcome, len(common), tokenizer) for session, outcome in sessions]
         return tokenizer.decode(common, skip_special_tokens=False), common, samples, sent_at
 
@@ -119,10 +119,10 @@ class Agents:
         metrics = {}
         if isinstance(result, dict):
             metrics = result.get("metrics") or {}
-            if not isinstance(metrics, dict) or not all(isinstance(k, str) and _number(v) for k, v in metrics.items()):
+            if not isinstance(metrics, dict) or not all(isinstance(k, str) and finite_number(v) for k, v in metrics.items()):
                 return {"reward": 0.0, "error": f"{self.spec}: the agent's metrics must map names to finite numbers, got {metrics!r:.200}"}
             result = result.get("reward")
-        if not _number(result):
+        if not finite_number(result):
             return {"reward": 0.0, "error": f"{self.spec}: the agent returned {result!r:.200}: a reward (a finite number), a dict "
                                             f"with reward and metrics, or its answer as text for rl.reward"}
         return {"reward": float(result), "metrics": {k: float(v) for k, v in metrics.items()}}
@@ -138,19 +138,6 @@ class Agents:
         self.threads.close()
 
 
-def _number(x: object) -> bool:
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _common_prefix(lists: list[list[int]]) -> list[int]:
-    if not lists:
-        return []
-    first = lists[0]
-    n = len(first)
-    for other in lists[1:]:
-        n = min(n, len(other))
-        n = next((i for i in range(n) if first[i] != other[i]), n)
-    return list(first[:n])
 
 
 def _sample(session: Session, outcome: dict, common: int, tokenizer) -> dict:

@@ -141,7 +141,7 @@ class Session:
 
     def answered_text(self, completion) -> None:
         """The model's continuation of a ``/v1/completions`` call, recorded."""
-        stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+        stop = completion.stop_string
         self.conversation.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
         if self.text is not None:
             self.text += completion.text + (stop or "")
@@ -155,7 +155,7 @@ class Session:
         """The model's reply to the call, recorded (its ids, log-probs, why it ended): the
         assistant message in the OpenAI API's shape and the call's finish reason
         (``tool_calls`` when it called tools)."""
-        stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+        stop = completion.stop_string
         self.conversation.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
         content, calls = tool_parsers.parse(self.tool_parser, completion.text)
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})

@@ -58,6 +58,11 @@ class Completion:
     """What ended a "stop": the stop string (cut from ``text``), or the stop token's id (vLLM);
     None for EOS or "length"."""
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the completion; None when none did."""
+        return self.stop_reason if isinstance(self.stop_reason, str) else None
+
 
 def _server_message(raw: bytes) -> str:
     """The message out of an error body: OpenAI/vLLM ``{"error": {...}}``, older vLLM's flat

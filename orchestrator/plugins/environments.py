@@ -45,9 +45,9 @@ class Step:
         if not isinstance(self.observation, list) or not all(_message(m) for m in self.observation):
             raise ValueError(f"Step.observation must be a list of chat messages {{'role': str, 'content': str}}, got "
                              f"{self.observation!r:.200}")
-        if not _number(self.reward):
+        if not finite_number(self.reward):
             raise ValueError(f"Step.reward must be a finite number, got {self.reward!r}")
-        if not isinstance(self.metrics, dict) or not all(isinstance(k, str) and _number(v) for k, v in self.metrics.items()):
+        if not isinstance(self.metrics, dict) or not all(isinstance(k, str) and finite_number(v) for k, v in self.metrics.items()):
             raise ValueError(f"Step.metrics must map names to finite numbers, got {self.metrics!r:.200}")
 
 
@@ -85,13 +85,14 @@ def as_step(value: object) -> Step:
         raise ValueError(f"step() returned a dict with keys {sorted(value)}: skyrl-gym's BaseTextEnvStepOutput has "
                          f"observations, reward, done (required) and metadata")
     metadata = value.get("metadata") or {}
-    metrics = {k: float(v) for k, v in metadata.items() if isinstance(k, str) and _number(v)} if isinstance(metadata, dict) else {}
+    metrics = {k: float(v) for k, v in metadata.items() if isinstance(k, str) and finite_number(v)} if isinstance(metadata, dict) else {}
     reward = value.get("reward")
     return Step(observation=list(value.get("observations") or []), reward=0.0 if reward is None else reward,
                 done=bool(value["done"]), metrics=metrics)
 
 
-def _number(x: object) -> bool:
+def finite_number(x: object) -> bool:
+    """A finite int or float, not a bool: what rewards and metrics must be."""
     return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 

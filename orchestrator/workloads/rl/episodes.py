@@ -214,7 +214,7 @@ class Episodes:
                                         f"the model's context of {self.context}")
             together = []
         if together:
-            request = Request([task["id"]], [prompt], _seed(seed), n=len(together), max_tokens=self._room(prompt, []))
+            request = Request([task["id"]], [prompt], request_seed(seed), n=len(together), max_tokens=self._room(prompt, []))
             first = (await inflight.complete(request)).groups[0]
             for i, completion in zip(together, first):
                 episodes[i].conversation = Conversation(list(prompt))
@@ -257,7 +257,7 @@ class Episodes:
     async def _turns(self, inflight: Inflight, task: dict, episode: Episode, completion, seed: str) -> None:
         c = episode.conversation
         for turn in range(1, self.max_turns + 1):
-            stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+            stop = completion.stop_string
             c.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
             episode.finish_reason = completion.finish_reason
             try:
@@ -283,7 +283,7 @@ class Episodes:
                 episode.finish_reason, episode.cut_for_room = "length", True
                 return
             c.observed(step.observation, ids)
-            request = Request([task["id"]], [c.context], _seed(f"{seed}:{turn + 1}"), n=1, max_tokens=room)
+            request = Request([task["id"]], [c.context], request_seed(f"{seed}:{turn + 1}"), n=1, max_tokens=room)
             completion = (await inflight.complete(request)).groups[0][0]
 
     def _room(self, context: list[int], after_prompt: list[int]) -> int:
@@ -328,7 +328,7 @@ def failure(what: str, e: BaseException) -> str:
     return f"{what} raised:\n{text}"[-ERROR_CHARS:]
 
 
-def _seed(name: str) -> int:
+def request_seed(name: str) -> int:
     """A request's seed, named by what it samples: the same whatever else is in flight."""
     return random.Random(name).randrange(2**31)
 
