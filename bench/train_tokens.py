@@ -53,7 +53,7 @@ ROLLOUT = {  # the README's commands, one iteration rolled out
     "chat": ["--chat"],
     "tools": ["--tools"],
 }
-ROLLOUT_FLAGS = {"chat": [], "tools": ["rl.max_tokens=48", "rl.max_turns=3"]}
+ROLLOUT_FLAGS = {"chat": [], "tools": ["rl.max_tokens=64", "rl.max_turns=3"]}
 
 
 # -- inputs --------------------------------------------------------------------------------------

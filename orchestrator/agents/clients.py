@@ -4,8 +4,14 @@ agent, ``sync_client(base_url)`` for a plain one.
 Making an ``openai.AsyncOpenAI`` builds a TLS context (its CA bundle read and parsed: some
 20 ms here), on the rollout's event loop, where every sample's agent runs: an agent that makes
 one per sample holds up every other for that long, thousands of times a rollout. These share
-one client per event loop (the rollout of each split has its own) and per process, and give
-each sample a copy for its base URL (``with_options``: the same HTTP connection pool).
+clients per event loop (the rollout of each split has its own) and per process, and give each
+sample a copy for its base URL (``with_options``: the same HTTP connection pool).
+
+A loop's agents are spread over :data:`SHARDS` clients by base URL: httpcore's pool looks at
+every connection it holds on each request and response, so that one pool of the 1,024
+connections of as many agents at once spends most of the loop's time there (13.7 ms a call
+with 512 agents, measured); a pool of 64 does not. The endpoint is plain HTTP on loopback: no
+certificates are loaded.
 """
 
 from __future__ import annotations
@@ -13,21 +19,34 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+import zlib
 
-_ASYNC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its AsyncOpenAI
+SHARDS = 16
+_ASYNC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {shard: its AsyncOpenAI}
 _SYNC: list = []
+_POOL = {"max_connections": None, "max_keepalive_connections": None}
+"""The agents running at once bound the connections (agents/runner.py); openai's default pool
+of 1,000 would keep the agents beyond it waiting, their time running."""
+_TIMEOUT = None
+"""None: the runner bounds an agent's own time (rl.env_timeout_s) and the endpoint its calls'
+(the engine's request timeout); openai's 5 s to connect passes on a loop as busy as a
+rollout's (1,024 agents starting at once, 2 cores), failing calls that would have been served."""
 _LOCK = threading.Lock()
 
 
 def client(base_url: str, **options):
-    """An ``openai.AsyncOpenAI`` for ``base_url`` (a sample's), sharing this event loop's
-    connection pool; ``options`` as ``with_options`` takes them (``timeout``, ``max_retries``)."""
+    """An ``openai.AsyncOpenAI`` for ``base_url`` (a sample's), sharing one of this event loop's
+    connection pools; ``options`` as ``with_options`` takes them (``timeout``, ``max_retries``)."""
     import openai
 
-    loop = asyncio.get_running_loop()
-    shared = _ASYNC.get(loop)
+    shards = _ASYNC.setdefault(asyncio.get_running_loop(), {})
+    shard = zlib.crc32(base_url.encode()) % SHARDS
+    shared = shards.get(shard)
     if shared is None:
-        shared = _ASYNC[loop] = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        limits = type(openai.DEFAULT_CONNECTION_LIMITS)(**_POOL)  # the Limits of the httpx openai is built on
+        http = openai.DefaultAsyncHttpxClient(limits=limits, verify=False)
+        shared = shards[shard] = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=_TIMEOUT,
+                                                    http_client=http)
     return shared.with_options(base_url=base_url, **options)
 
 

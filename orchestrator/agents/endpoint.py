@@ -16,8 +16,12 @@ the model's context leave. A sample has no room left: the reply is empty, ``fini
 ``length``. The time a call takes is the endpoint's, not the agent's (``Session.busy_s``):
 ``rl.env_timeout_s`` bounds the agent's own time only.
 
+A call with ``stream`` is answered as server-sent events: the whole reply in one chunk (its
+``delta`` the message, tool calls included), a usage chunk when ``stream_options.include_usage``
+asks for one, then ``data: [DONE]``; the model's turn is sampled whole either way.
+
 Refused, with the OpenAI API's error shape: an unknown session (404), a call for a sample
-whose agent already returned (409), ``stream``, ``n`` > 1, and another model's name (400/404).
+whose agent already returned (409), ``n`` > 1, and another model's name (400/404).
 An engine that fails answers 502, and the failure is kept for the rollout to raise when the
 agent returns (an engine's death is the rank's, not the agent's).
 """
@@ -90,6 +94,8 @@ class AgentEndpoint:
     async def _serve(self) -> None:
         import uvicorn
 
+        _raise_open_files_limit()
+
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
@@ -150,7 +156,8 @@ class AgentEndpoint:
                         body = await request.json()
                     except ValueError:
                         raise CallRefused(400, "the request body is not JSON") from None
-                    return JSONResponse(await method(session, body))
+                    reply = await method(session, body)
+                    return _events(reply, body) if body.get("stream") else JSONResponse(reply)
                 except CallRefused as e:
                     return _error(e)
             return handle
@@ -173,8 +180,6 @@ class AgentEndpoint:
     def _check(body: object) -> None:
         if not isinstance(body, dict):
             raise CallRefused(400, "the request body must be a JSON object")
-        if body.get("stream"):
-            raise CallRefused(400, "stream is not supported: call without it")
         if (body.get("n") or 1) != 1:
             raise CallRefused(400, "n must be 1: each sample is one conversation")
         if body.get("model", MODEL) != MODEL:
@@ -251,6 +256,46 @@ def _response(session: Session, message: dict, finish: str, created: int, prompt
     return {"id": f"chatcmpl-{session.id[:12]}-{session.calls}", "object": "chat.completion", "created": created, "model": MODEL,
             "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": sampled,
                                            "total_tokens": len(prompt) + sampled}}
+
+
+def _events(reply: dict, body: dict):
+    """``reply`` (a chat completion or a completion) as a stream: one chunk holding all of it,
+    the usage when asked for, then ``[DONE]``."""
+    import json
+
+    from starlette.responses import Response
+
+    chunk = {k: v for k, v in reply.items() if k != "usage"}
+    if reply["object"] == "chat.completion":
+        chunk["object"] = "chat.completion.chunk"
+        chunk["choices"] = [{"index": c["index"], "delta": _delta(c["message"]), "finish_reason": c["finish_reason"],
+                             "logprobs": c["logprobs"]} for c in reply["choices"]]
+    events = [chunk]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append({**{k: chunk[k] for k in ("id", "object", "created", "model")}, "choices": [], "usage": reply["usage"]})
+    text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return Response(text, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _delta(message: dict) -> dict:
+    delta = dict(message)
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    return delta
+
+
+def _raise_open_files_limit() -> None:
+    """The soft limit on open files raised to the hard one, as vLLM's server raises it: every
+    agent running holds two sockets here (its client's and the endpoint's), up to the in-flight
+    budget's 1,024 an engine, where a soft limit is often 1,024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # not allowed here: the soft limit stands
+            pass
 
 
 def _error(e: CallRefused):

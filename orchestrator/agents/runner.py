@@ -3,7 +3,11 @@
 ``policy``. A coroutine function is awaited on the rollout's event loop; a plain one runs on a
 worker thread (the environments' threads). Either has ``rl.env_timeout_s`` of its own time:
 from its start, less the time its calls spend in the endpoint (waiting for the engines is not
-the agent's doing; a rank's samples share them).
+the agent's doing; a rank's samples share them). As many coroutine agents run at once as the
+rank's engines hold sequences in flight (``Inflight.capacity``: ``rollout.max_inflight`` a
+engine); the others wait to start, their time not running, since more would only wait for the
+engines, each holding a connection meanwhile (an eval of 3,200 samples through an OpenAI
+client's pool of 1,000 connections had most agents' time pass in that pool).
 
 It returns the sample's reward: a number, or a dict with ``reward`` and optional ``metrics``
 (numbers, averaged in eval as ``env/<name>``), or text, its final answer, which ``rl.reward``
@@ -24,6 +28,7 @@ import asyncio
 import inspect
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from orchestrator.agents.endpoint import AgentEndpoint
@@ -49,11 +54,15 @@ class Agents:
     """``rl.reward``: scores an agent's text answer."""
     timeout_s: float
     threads: EnvThreads = field(default_factory=EnvThreads)
+    _slots: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    """Event loop -> the semaphore of the agents running on it at once."""
 
     async def run(self, inflight: Inflight, task: dict, *, n: int, seed: str) -> tuple[str, list[int], list[dict], float]:
         await self.endpoint.start(inflight)
         sent_at = time.time()
-        sessions = await asyncio.gather(*(self._sample(task, f"{seed}:{i}") for i in range(n)))
+        loop = asyncio.get_running_loop()
+        slots = self._slots.get(loop) or self._slots.setdefault(loop, asyncio.Semaphore(inflight.capacity))
+        sessions = await asyncio.gather(*(self._sample(task, f"{seed}:{i}", slots) for i in range(n)))
         if self.endpoint.engine_failure is not None:
             raise self.endpoint.engine_failure
         tokenizer = self.endpoint.tokenizer
@@ -69,16 +78,17 @@ class Agents:
         samples = [_sample(session, outcome, len(common), tokenizer) for session, outcome in sessions]
         return tokenizer.decode(common, skip_special_tokens=False), common, samples, sent_at
 
-    async def _sample(self, task: dict, seed: str) -> tuple[Session, dict]:
-        session, base_url = self.endpoint.open(task, seed)
-        try:
-            outcome = self._outcome(task, await self._call(dict(task), base_url, session))
-        except CallTimedOut:
-            outcome = {"reward": 0.0, "error": f"{self.spec}: the agent took longer than rl.env_timeout_s={self.timeout_s:g}"}
-        except Exception as e:  # noqa: BLE001 - the user's code
-            outcome = {"reward": 0.0, "error": failure(f"{self.spec}: the agent", e)}
-        finally:
-            self.endpoint.close(session)
+    async def _sample(self, task: dict, seed: str, slots: asyncio.Semaphore) -> tuple[Session, dict]:
+        async with slots:
+            session, base_url = self.endpoint.open(task, seed)
+            try:
+                outcome = self._outcome(task, await self._call(dict(task), base_url, session))
+            except CallTimedOut:
+                outcome = {"reward": 0.0, "error": f"{self.spec}: the agent took longer than rl.env_timeout_s={self.timeout_s:g}"}
+            except Exception as e:  # noqa: BLE001 - the user's code
+                outcome = {"reward": 0.0, "error": failure(f"{self.spec}: the agent", e)}
+            finally:
+                self.endpoint.close(session)
         self.endpoint.forget(session)
         return session, outcome
 

@@ -6,7 +6,8 @@ command line sets them.
     "run_keys": {"rl.reward": "orchestrator.rewards:math", "rl.environment": "orchestrator.demo.calculator:Calculator"}
 
 A run takes each of :data:`KEYS` from there when its command line does not set it; a key
-given on the command line wins. The values taken are the config's like any other, so they
+given on the command line wins, and an ``rl.agent`` given there stands for the folder's
+``rl.environment`` (both say how a sample runs). The values taken are the config's like any other, so they
 enter the config fingerprint: every rank (and a resume) must reach the same effective reward.
 """
 
@@ -54,6 +55,8 @@ def apply(sections: dict[str, dict[str, object]], data_path: Path) -> tuple[str,
     taken = []
     for key, value in read(data_path).items():
         section, _, name = key.partition(".")
+        if key == "rl.environment" and "agent" in sections.get("rl", {}):
+            continue
         if name not in sections.setdefault(section, {}):
             sections[section][name] = value
             taken.append(f"{key}={value}")

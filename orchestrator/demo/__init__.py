@@ -21,7 +21,7 @@ CHAT_MAX_WARM_STEPS = 1500
 # sample after the prompt, both turns and the calculator's answer (docs/demo.md).
 TOOLS_ACCURACY_BAND = (0.30, 0.40)
 TOOLS_MAX_WARM_STEPS = 1500
-TOOLS_MAX_TOKENS = 48
+TOOLS_MAX_TOKENS = 64
 
 
 def defaults(*, chat: bool = False, tools: bool = False) -> tuple[tuple[float, float], int]:

@@ -80,7 +80,8 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
         made_tokenizer = chat_tokenizer.fast(chat_tokenizer.corpus(splits["train"], fmt.target))
         model = demo_model.create_chat(seed, made_tokenizer)
     elif tools:  # from the whole conversations: calls, the calculator's answers, boxed answers
-        made_tokenizer = chat_tokenizer.fast(chat_tokenizer.conversations_corpus([fmt.conversation(t) for t in splits["train"]]))
+        made_tokenizer = chat_tokenizer.fast(chat_tokenizer.conversations_corpus([fmt.conversation(t) for t in splits["train"]], fmt.tools),
+                                             tools=True)
         model = demo_model.create_chat(seed, made_tokenizer)
     else:
         made_tokenizer, model = None, demo_model.create(seed)

@@ -8,7 +8,13 @@ template), so that ``transformers.AutoTokenizer`` and vLLM load exactly what the
 - Special tokens ``<|endoftext|>`` (padding), ``<|im_start|>``, ``<|im_end|>`` (the end of a
   turn: generation ends there); no BOS is added.
 - The ChatML template: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, and
-  ``<|im_start|>assistant\\n`` when the generation prompt is asked for.
+  ``<|im_start|>assistant\\n`` when the generation prompt is asked for. ``tools`` (the OpenAI
+  API's schemas) come first as a system turn naming each function and its parameters,
+  ``Tools: calc(expression)``: the tiny model's context holds no JSON schema. An assistant
+  message's ``tool_calls`` are written in the hermes format of Qwen's templates,
+  ``<tool_call>{"name": "calc", "arguments": {"expression": "123*45"}}</tool_call>``.
+- The tool demo's tokenizer has ``<tool_call>`` and ``</tool_call>`` as tokens of their own
+  (added, not special: decoded text keeps them), as Qwen2.5's has.
 
 Deterministic: the same corpus gives a byte-identical ``tokenizer.json``.
 """
@@ -17,28 +23,47 @@ from __future__ import annotations
 
 import re
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIALS = [ENDOFTEXT, IM_START, IM_END]
 PAD, EOS = ENDOFTEXT, IM_END
-VOCAB_SIZE = 320
-"""An upper bound: the demo's corpus runs out of pairs to merge before it (256 bytes, 3
-special tokens and a few dozen merges)."""
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+VOCAB_SIZE = 400
+"""An upper bound: the demos' corpora run out of pairs to merge before it (256 bytes, 3
+special tokens and some dozens of merges)."""
 SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 """Qwen2's pre-tokenizer pattern."""
 CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools: ' }}"
+    "{%- for tool in tools %}{%- set f = tool.function if tool.function is defined else tool %}"
+    "{{- f.name + '(' + (f.parameters.properties if f.parameters is defined and f.parameters.properties is defined else {}) | join(', ') + ')' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] %}{%- for call in message['tool_calls'] %}"
+    "{%- set f = call.function if call.function is defined else call %}"
+    "{{- '<tool_call>{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{{- f.arguments if f.arguments is string else f.arguments | tojson }}{{- '}</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
-def chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """What :data:`CHAT_TEMPLATE` renders (the corpus is made before there is a tokenizer)."""
-    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+def chatml(messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+    """What :data:`CHAT_TEMPLATE` renders of messages with text content (the corpus is made
+    before there is a tokenizer)."""
+    text = f"{IM_START}system\nTools: {', '.join(map(_signature, tools))}{IM_END}\n" if tools else ""
+    text += "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
+def _signature(tool: dict) -> str:
+    function = tool.get("function", tool)
+    return f"{function['name']}({', '.join(function.get('parameters', {}).get('properties', {}))})"
 
 
 def corpus(tasks: list[dict], target) -> list[str]:
@@ -47,17 +72,17 @@ def corpus(tasks: list[dict], target) -> list[str]:
     return conversations_corpus([[*task["prompt"], {"role": "assistant", "content": target(task)}] for task in tasks])
 
 
-def conversations_corpus(conversations: list[list[dict]]) -> list[str]:
-    """The texts BPE learns from whole conversations (the tool demo's: several turns each),
-    rendered and cut at the special tokens."""
-    special = re.compile("|".join(map(re.escape, SPECIALS)))
+def conversations_corpus(conversations: list[list[dict]], tools: list[dict] | None = None) -> list[str]:
+    """The texts BPE learns from whole conversations (the tool demo's: several turns each,
+    with its ``tools``), rendered and cut at the special and tool-call tokens."""
+    special = re.compile("|".join(map(re.escape, SPECIALS + TOOL_TOKENS)))
     texts = []
     for messages in conversations:
-        texts += [piece for piece in special.split(chatml(messages)) if piece]
+        texts += [piece for piece in special.split(chatml(messages, tools=tools)) if piece]
     return texts
 
 
-def build(texts: list[str]) -> Tokenizer:
+def build(texts: list[str], added: list[str] = ()) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -69,13 +94,14 @@ def build(texts: list[str]) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=2, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return tok
 
 
-def fast(texts: list[str]) -> "PreTrainedTokenizerFast":  # noqa: F821
+def fast(texts: list[str], *, tools: bool = False) -> "PreTrainedTokenizerFast":  # noqa: F821
     """The trained tokenizer as ``transformers`` uses it: EOS ``<|im_end|>``, padding
-    ``<|endoftext|>``, no BOS, the ChatML template."""
+    ``<|endoftext|>``, no BOS, the ChatML template; with ``tools``, the tool-call tokens."""
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=build(texts), eos_token=EOS, pad_token=PAD,
+    return PreTrainedTokenizerFast(tokenizer_object=build(texts, TOOL_TOKENS if tools else []), eos_token=EOS, pad_token=PAD,
                                    additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE)

@@ -17,9 +17,10 @@ answers, as chat messages; the model answers ``\\boxed{42}``, graded by
 
 The tool demo (``demo-data --tools``) asks products of a three-digit and a two-digit number,
 beyond the tiny model's arithmetic, to be worked out with the calculator of
-``orchestrator.demo.calculator`` and answered in ``\\boxed{}``; other pairs, same format:
+``orchestrator.demo.calculator`` (the tool ``calc``) and answered in ``\\boxed{}``; other pairs,
+same format:
 
-    {"id": "train-000042", "prompt": [{"role": "user", "content": "What is 123*45? Use <calc></calc> and put the answer in \\\\boxed{}."}], "answer": "5535"}
+    {"id": "train-000042", "prompt": [{"role": "user", "content": "What is 123*45? Use calc and put the answer in \\\\boxed{}."}], "answer": "5535"}
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from orchestrator.data import tasks as data_tasks
 
 MAX_OPERAND = 49
 CHAT_QUESTION = "What is {a}+{b}? Put the answer in \\boxed{{}}."
-TOOL_QUESTION = "What is {a}*{b}? Use <calc></calc> and put the answer in \\boxed{{}}."
+TOOL_QUESTION = "What is {a}*{b}? Use calc and put the answer in \\boxed{{}}."
 TOOL_TRAIN, TOOL_TEST = 4000, 500
 """Tasks of the tool demo: of 81,000 (a, b) pairs, a in 100..999 and b in 10..99."""
 
@@ -65,9 +66,11 @@ def make_tool_tasks(seed: int) -> dict[str, list[dict]]:
 
 
 def tool_call(task: dict) -> str:
-    """The tool demo's target first turn: the question's product, as a calculator call."""
+    """The tool demo's target first turn: the question's product, as a call of the calculator
+    in the hermes format (``<tool_call>{"name": "calc", "arguments": {"expression": "123*45"}}</tool_call>``)."""
     a, b = _PRODUCT.search(task["prompt"][0]["content"]).groups()
-    return f"<calc>{a}*{b}</calc>"
+    return f'<tool_call>{json.dumps({"name": "calc", "arguments": {"expression": f"{a}*{b}"}})}</tool_call>'
+
 
 
 _PRODUCT = re.compile(r"(\d+)\*(\d+)")

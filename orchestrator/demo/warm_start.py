@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from orchestrator.plugins import rewards
+from orchestrator.plugins import environments, rewards
 from orchestrator.data import tasks as data_tasks
 from orchestrator.data.turns import Conversation, observation_ids, render
 from orchestrator.demo import calculator
@@ -120,8 +120,14 @@ class Turns:
     temperature: float = 0.0
     """The check's sampling temperature; 0: greedy."""
 
+    @property
+    def tools(self) -> list[dict] | None:
+        """The environment's function schemas, which the chat template renders with its messages."""
+        return environments.tools(self.environment)
+
     def conversation(self, task: dict) -> list[dict]:
-        """The whole target conversation as chat messages (what the tokenizer learns from)."""
+        """The whole target conversation as chat messages (what the tokenizer learns from,
+        with :attr:`tools`)."""
         env = self.environment(task)
         messages = list(env.reset())
         for turn in self.targets(task):
@@ -178,10 +184,10 @@ class _Calculator(calculator.Calculator):
 
 
 TOOLS = Turns(_Calculator, lambda task: [demo_tasks.tool_call(task), demo_tasks.boxed(task["answer"])],
-              max_new_tokens=16, temperature=0.5)
-"""The tool demo: ``<calc>123*45</calc>``, the calculator's ``5535``, then ``\\boxed{5535}``,
-graded by the calculator (the math reward's final answer, compared exactly); 16 tokens a
-turn, room for the longest (12). Checked at the run's eval temperature (rl.eval_temperature,
+              max_new_tokens=32, temperature=0.5)
+"""The tool demo: ``<tool_call>{"name": "calc", "arguments": {"expression": "123*45"}}</tool_call>``,
+the calculator's ``5535``, then ``\\boxed{5535}``, graded by the calculator (the math reward's
+final answer, compared exactly); 32 tokens a turn, room for the longest. Checked at the run's eval temperature (rl.eval_temperature,
 0.5), not greedily: copying the digits is learned along a cliff, and where greedy accuracy is
 0.35 each digit is still nearly a coin toss, so that the run's eval (and its rollouts, at 1.0)
 would find almost nothing right (docs/demo.md)."""
@@ -230,12 +236,12 @@ class _TurnExamples(_Examples):
         self.pad, self.rows, self.labels = tokenizer.pad_token_id, [], []
         for task in tasks:
             env = fmt.environment(task)
-            row = render(tokenizer, env.reset(), generation_prompt=True)
+            row = render(tokenizer, env.reset(), generation_prompt=True, tools=fmt.tools)
             labels = [-100] * len(row)
             for turn in fmt.targets(task):
                 ids = tokenizer(turn, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                 observation = env.step(turn).observation
-                context = observation_ids(tokenizer, observation) if observation else []
+                context = observation_ids(tokenizer, observation, fmt.tools) if observation else []
                 row, labels = row + ids + context, labels + ids + [-100] * len(context)
             self.add(row, labels)
 
@@ -385,7 +391,7 @@ def turns_accuracy(model, tokenizer, tasks: list[dict], fmt: Turns) -> float:
 
 def _turns_reward(model, tokenizer, tasks: list[dict], fmt: Turns) -> float:
     envs = [fmt.environment(t) for t in tasks]
-    conversations = [Conversation(render(tokenizer, env.reset(), generation_prompt=True)) for env in envs]
+    conversations = [Conversation(render(tokenizer, env.reset(), generation_prompt=True, tools=fmt.tools)) for env in envs]
     reward = [0.0] * len(tasks)
     active = list(range(len(tasks)))
     for _ in range(fmt.max_turns):
@@ -399,7 +405,7 @@ def _turns_reward(model, tokenizer, tasks: list[dict], fmt: Turns) -> float:
                 continue
             c = conversations[i]  # the turn closed and the observation appended as the rollout does
             c.sampled(ids, [0.0] * len(ids), text)
-            c.observed(step.observation, c.observation(tokenizer, step.observation))
+            c.observed(step.observation, c.observation(tokenizer, step.observation, fmt.tools))
             going.append(i)
         active = going
     return sum(reward)

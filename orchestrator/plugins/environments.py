@@ -7,11 +7,14 @@ class named as ``module:Class``; the rollout makes a new instance per sample::
         def reset(self) -> list[dict]: ...             # the opening chat messages
         def step(self, completion: Turn) -> Step: ...  # the model's turn: a str, with why it ended
         def close(self): ...                           # optional: called once when the sample ends
+        tools: list[dict]                              # optional: function schemas the chat template renders
 
 ``Step.observation`` holds the messages to append before the model's next turn (a tool's
 result, feedback); a sample's reward is its steps' rewards summed (``rl.step_rewards=sum``) or
 its last step's (``last``). A dict in skyrl-gym's ``BaseTextEnvStepOutput`` shape is taken for
-a Step (:func:`as_step`). These names are a contract: users' environments depend on them.
+a Step (:func:`as_step`). ``tools`` (the OpenAI API's function schemas, as an agent passes
+them) are rendered by the chat template with the opening messages and every observation, as
+the model's tool-calling format wants (:func:`tools`). These names are a contract: users' environments depend on them.
 
 :class:`OneTurn` is a reward function (``rl.reward``) as an environment: the task's prompt as
 the opening message, one turn, scored.
@@ -98,6 +101,19 @@ def finite_number(x: object) -> bool:
 
 def _message(m: object) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def tools(env: object) -> list[dict] | None:
+    """The function schemas an environment offers the model (its ``tools`` attribute), which
+    the chat template renders with its messages; None when it has none. ValueError when they are
+    not a list of schemas."""
+    offered = getattr(env, "tools", None)
+    if offered is None or (isinstance(offered, (list, tuple)) and not offered):
+        return None
+    if not isinstance(offered, (list, tuple)) or not all(isinstance(t, dict) for t in offered):
+        raise ValueError(f"{type(env).__name__}.tools must be a list of function schemas as the OpenAI API takes them "
+                         f"({{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}), got {offered!r:.200}")
+    return list(offered)
 
 
 class Environment(Protocol):

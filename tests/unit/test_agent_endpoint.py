@@ -35,6 +35,9 @@ def tokenizer():
 class Engine:
     """Answers a sample's k-th call with ``replies[k]`` (its ids, then EOS); keeps the requests."""
 
+    capacity = 64
+    """Sequences in flight at once (Inflight.capacity): as many agents run at once."""
+
     def __init__(self, tokenizer, replies, by_call=False):
         self.tokenizer, self.replies, self.by_call, self.requests = tokenizer, replies, by_call, []
 
@@ -43,7 +46,7 @@ class Engine:
 
     async def complete(self, request):
         self.requests.append(request)
-        turn = request.prompts[0].count(self.tokenizer.eos_token_id) - 1  # the first prompt closes the user's turn
+        turn = self.tokenizer.decode(request.prompts[0]).count("<|im_start|>assistant") - 1  # the model's turns so far
         if self.by_call:  # the k-th request overall (one sample)
             turn = len(self.requests) - 1
         text = self.replies[min(turn, len(self.replies) - 1)]
@@ -85,9 +88,10 @@ def run(tokenizer, agent, replies=(CALL, "\\boxed{6}"), *, n=2, timeout_s=5.0, m
 
 def test_a_tool_calling_agent_is_recorded_token_exact_with_the_tools_answer_as_context(tokenizer):
     prompt_ids, samples, engine, _ = run(tokenizer, calculator_agent)
-    assert prompt_ids == turns.render(tokenizer, TASK["prompt"], generation_prompt=True)
+    assert prompt_ids == turns.render(tokenizer, TASK["prompt"], generation_prompt=True, tools=TOOLS)
+    assert tokenizer.decode(prompt_ids).startswith("<|im_start|>system\nTools: calc(expression)<|im_end|>"), "the template renders tools"
     call, answer = engine.ids(CALL), engine.ids("\\boxed{6}")
-    obs = turns.observation_ids(tokenizer, [{"role": "tool", "content": "6", "tool_call_id": "x"}])
+    obs = turns.observation_ids(tokenizer, [{"role": "tool", "content": "6", "tool_call_id": "x"}], TOOLS)
     assert len(engine.requests) == 4 and all(r.n == 1 for r in engine.requests)
     assert engine.requests[-1].prompts[0] in (prompt_ids + call + obs,), "the second call extends the first: ids as sampled"
     for s in samples:
@@ -97,6 +101,29 @@ def test_a_tool_calling_agent_is_recorded_token_exact_with_the_tools_answer_as_c
         assert s["reward"] == 1.0 and len(s["turns"]) == 2 and s["turns"][0]["text"] == CALL
         assert s["turns"][0]["observation"][0]["content"] == "6" and "segments" not in s
     assert len({r.seed for r in engine.requests}) == 4, "each call of each sample has a seed of its own"
+
+
+def test_the_tool_demos_example_agent_calls_the_calculator_and_answers(tokenizer):
+    """examples/agents/calculator_agent.py: the model's hermes call answered by calc, its boxed
+    number returned for the math reward; a boxed expression is no answer."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "agents" / "calculator_agent.py"
+    spec = importlib.util.spec_from_file_location("calculator_agent", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    prompt_ids, samples, engine, _ = run(tokenizer, example.solve)
+    assert prompt_ids == turns.render(tokenizer, TASK["prompt"], generation_prompt=True, tools=[example.CALC_TOOL])
+    obs = turns.observation_ids(tokenizer, [{"role": "tool", "content": "6"}], [example.CALC_TOOL])
+    assert all(s["reward"] == 1.0 and s["token_ids"] == engine.ids(CALL) + obs + engine.ids("\\boxed{6}") for s in samples)
+    _, samples, _, _ = run(tokenizer, example.solve, replies=(CALL, "\\boxed{2*3}"))
+    assert all(s["reward"] == 0.0 and "reward_error" not in s for s in samples)
+    malformed = CALL.replace("}}", "}")  # the model's JSON does not parse: plain content, the agent's to judge
+    _, samples, engine, _ = run(tokenizer, example.solve, replies=(malformed,))
+    assert len(engine.requests) == 2 and all(
+        s["reward"] == 0.0 and "reward_error" not in s and s["turns"][0]["text"] == malformed and s["token_ids"] == engine.ids(malformed)
+        for s in samples)
 
 
 def test_an_agent_that_rewrites_its_history_starts_a_new_segment(tokenizer):
@@ -140,14 +167,63 @@ def test_replies_rewards_and_failures_of_agents(tokenizer):
         assert all(s["reward"] == 0.0 and error in s["reward_error"] and s["token_ids"] == [] for s in samples), samples[0]
 
 
+def test_as_many_agents_run_at_once_as_the_engines_hold_sequences_and_a_waiting_ones_time_does_not_run(tokenizer, monkeypatch):
+    """The others wait to start: their rl.env_timeout_s counts from their start, so an agent that
+    waited longer than it for a slot is not timed out."""
+    running, most = [], []
+    from orchestrator.agents.clients import client
+
+    async def slow(task, base_url):
+        running.append(base_url)
+        most.append(len(running))
+        await asyncio.sleep(0.4)
+        reply = await client(base_url).chat.completions.create(model="policy", messages=task["prompt"])
+        running.remove(base_url)
+        return reply.choices[0].message.content
+
+    monkeypatch.setattr(Engine, "capacity", 2)
+    _, samples, _, _ = run(tokenizer, slow, replies=["\\boxed{6}"], n=6, timeout_s=0.7)
+    assert max(most) == 2 and len(most) == 6
+    assert all(s["reward"] == 1.0 and "reward_error" not in s for s in samples), samples[0]
+
+
+def test_a_streamed_call_is_its_whole_reply_in_one_chunk_then_done(tokenizer):
+    """As verifiers' interception server and streaming agents call: the openai client's stream
+    gives the message (tool calls included), the usage when asked for, and ends."""
+    seen = {}
+
+    async def streaming(task, base_url):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        messages = list(task["prompt"])
+        for _ in range(3):
+            chunks = [c async for c in await client.chat.completions.create(
+                model="policy", messages=messages, tools=TOOLS, stream=True, stream_options={"include_usage": True})]
+            [reply] = [c for c in chunks if c.choices]
+            seen.setdefault("usage", [c.usage for c in chunks if c.usage])
+            choice = reply.choices[0]
+            if choice.finish_reason != "tool_calls":
+                return choice.delta.content
+            calls = [{"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": t.function.arguments}}
+                     for t in choice.delta.tool_calls]
+            messages.append({"role": "assistant", "content": choice.delta.content, "tool_calls": calls})
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": "6"} for c in calls]
+        return ""
+
+    prompt_ids, samples, engine, _ = run(tokenizer, streaming)
+    obs = turns.observation_ids(tokenizer, [{"role": "tool", "content": "6"}], TOOLS)
+    assert all(s["reward"] == 1.0 and s["token_ids"] == engine.ids(CALL) + obs + engine.ids("\\boxed{6}") for s in samples)
+    [usage] = seen["usage"]
+    assert usage.prompt_tokens == len(prompt_ids) and usage.completion_tokens == len(engine.ids(CALL))
+
+
 def test_calls_that_are_refused(tokenizer):
     kept = {}
 
     async def probe(task, base_url):
         client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
         kept["url"] = base_url
-        with pytest.raises(openai.BadRequestError, match="stream is not supported"):
-            await client.chat.completions.create(model="policy", messages=task["prompt"], stream=True)
+        with pytest.raises(openai.BadRequestError, match="n must be 1"):
+            await client.chat.completions.create(model="policy", messages=task["prompt"], n=2)
         with pytest.raises(openai.NotFoundError, match="the model is 'policy'"):
             await client.chat.completions.create(model="gpt-4o", messages=task["prompt"])
         unknown = openai.AsyncOpenAI(base_url=base_url.rsplit("/sessions/", 1)[0] + "/sessions/nobody/v1", api_key="none",
@@ -155,6 +231,8 @@ def test_calls_that_are_refused(tokenizer):
         with pytest.raises(openai.NotFoundError, match="no session 'nobody'"):
             await unknown.chat.completions.create(model="policy", messages=task["prompt"])
         assert [m.id for m in (await client.models.list()).data] == ["policy"]
+        streamed = [c async for c in await client.completions.create(model="policy", prompt="2*3=", stream=True)]
+        assert len(streamed) == 1 and streamed[0].choices[0].finish_reason == "stop" and streamed[0].choices[0].text
         return 1.0
 
     _, samples, _, endpoint = run(tokenizer, probe, n=1)

@@ -330,3 +330,25 @@ def test_close_is_called_once_per_sample_however_it_ends_and_a_failing_close_is_
     _, samples, _ = run(tokenizer, BadClose, n=2)
     assert all(s["reward"] == 0.0 and "close() raised" in s["reward_error"] and "OSError: sandbox gone" in s["reward_error"]
                for s in samples)
+
+
+def test_an_environments_tools_are_rendered_with_its_prompt_and_observations(tokenizer):
+    schema = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {"expression": {}}}}}
+
+    class WithTools(Tool):
+        tools = [schema]
+
+    prompt_ids, samples, engine = run(tokenizer, WithTools, max_turns=2)
+    opening = [{"role": "user", "content": "1+1?"}]
+    assert prompt_ids == turns.render(tokenizer, opening, generation_prompt=True, tools=[schema])
+    assert tokenizer.decode(prompt_ids).startswith("<|im_start|>system\nTools: calc(expression)<|im_end|>\n<|im_start|>user")
+    observation = turns.observation_ids(tokenizer, [{"role": "tool", "content": "42"}], [schema])
+    sampled = samples[0]["token_ids"][: samples[0]["loss_mask"].index(0)]
+    assert engine.requests[-1].prompts[0] == prompt_ids + sampled + observation, "observations rendered with the tools too"
+
+    class BadTools(Tool):
+        tools = "calc"
+
+    _, samples, _ = run(tokenizer, BadTools)
+    assert all(s["reward"] == 0.0 and "WithTools" not in s["reward_error"] and "BadTools.tools must be a list of function schemas"
+               in s["reward_error"] for s in samples), samples[0].get("reward_error")

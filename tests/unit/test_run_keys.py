@@ -57,6 +57,13 @@ def test_a_key_on_the_command_line_wins_over_the_data_folder(tmp_path):
     assert config.keys_from_data == ()
 
 
+def test_an_agent_on_the_command_line_stands_for_the_folders_environment(tmp_path):
+    data = _folder(tmp_path, {"rl.reward": MATH, "rl.environment": CALCULATOR})
+    config = run_options.build_config(_params(data, "rl.agent=orchestrator.rewards:math"), rank=0)  # any module:function parses
+    assert (config.rl.reward, config.rl.environment, config.rl.agent) == (MATH, "", "orchestrator.rewards:math")
+    assert config.keys_from_data == (f"rl.reward={MATH}",)
+
+
 def test_a_folder_without_run_keys_keeps_the_defaults(tmp_path):
     config = run_options.build_config(_params(_folder(tmp_path, None)), rank=0)
     assert (config.rl.reward, config.rl.environment, config.keys_from_data) == ("orchestrator.rewards:exact_match", "", ())

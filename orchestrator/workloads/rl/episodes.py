@@ -159,6 +159,8 @@ class Episode:
     """Ended because the next turn had no room, the environment wanting one."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The last value of each name the environment's steps gave (``Step.metrics``)."""
+    tools: list[dict] | None = None
+    """The environment's function schemas, rendered with its messages (``environments.tools``)."""
 
     def sample(self, decode) -> dict:
         c = self.conversation
@@ -235,9 +237,16 @@ class Episodes:
         try:
             episode.env = await self._call(self.environment, task, **kwargs)
             messages = await self._call(episode.env.reset)
-            return render(self.tokenizer, messages, generation_prompt=True)
         except EnvironmentFailed as e:
             self._fail(episode, str(e))
+            return None
+        try:
+            episode.tools = environments.tools(episode.env)
+        except ValueError as e:  # tools that are not schemas
+            self._fail(episode, f"{self.spec}: {e}")
+            return None
+        try:
+            return render(self.tokenizer, messages, generation_prompt=True, tools=episode.tools)
         except Exception as e:  # noqa: BLE001 - messages the template cannot render
             self._fail(episode, f"{self.spec}: reset() gave messages the chat template cannot render: {e!r}")
         return None
@@ -274,7 +283,7 @@ class Episodes:
             if step.done or turn == self.max_turns:
                 return
             try:
-                ids = c.observation(self.tokenizer, step.observation)
+                ids = c.observation(self.tokenizer, step.observation, episode.tools)
             except Exception as e:  # noqa: BLE001 - a role or content the template refuses
                 self._fail(episode, f"{self.spec}: step()'s observation cannot be rendered by the chat template: {e!r}")
                 return
