@@ -1,11 +1,13 @@
 """Eval of the tool demo through the agent endpoint against the same eval on the native
 environment path, in one run: the sampled tokens a second of each.
 
-    python bench/agent_endpoint.py                    # about 6 minutes on 2 cores
+    python bench/agent_endpoint.py                    # about 3 minutes on 2 cores
     python bench/agent_endpoint.py --rounds 1 --data /tmp/orch-tools
 
 Both paths evaluate the tool demo's base model (``demo-data --tools``, made here unless
-``--data`` names one) on the same eval tasks, samples and seeds, one rank, the embedded engine:
+``--data`` names one) on the same eval tasks and samples a task, one rank, the embedded engine
+(the draws differ: a task's first turns are one request on the environment path, one call a
+sample through the endpoint):
 
 - ``native``: the calculator environment (``orchestrator.demo.calculator:Calculator``), each
   turn a request of the rollout's, the environment's step in the rank's threads;
@@ -13,12 +15,12 @@ Both paths evaluate the tool demo's base model (``demo-data --tools``, made here
   (examples/agents/calculator_agent.py, ``rl.agent``): every model call an HTTP request to the
   rank's agent endpoint, rendered there by the chat template, its tool calls parsed (hermes).
 
-Each run is ``orchestrator run --rl-phase rollout --max-iterations 1`` with the base model's
-eval at iteration 1 and a train rollout of ``rl.train_tasks=8`` (the eval is what is
-measured). The figure is the eval's ``tokens_per_s`` (tokens the model sampled, over the span
+Each run is ``orchestrator run --rl-phase rollout --rollout-split eval-only --max-iterations 1``:
+the base model's eval alone. The figure is the eval's ``tokens_per_s`` (tokens the model sampled, over the span
 of the eval's requests; status --json and metrics.jsonl have it), with the eval phase's
 seconds beside it; the paths alternate, ``--rounds`` times each, and the median of each is
-compared. Eval accuracy is printed too: the two paths sample alike, so it should agree.
+compared. Eval accuracy is printed too: the two paths sample the same policy, so it should
+agree within the draws' noise.
 
 Writes JSON (default bench/results/agent_endpoint.json).
 """
@@ -58,23 +60,22 @@ def measure(path: str, data: Path, log: Path, eval_tasks: int, timeout_s: float)
     env = python_env()
     env["PYTHONPATH"] = f"{REPO / 'examples' / 'agents'}:{env['PYTHONPATH']}"
     argv = [sys.executable, "-m", "orchestrator", "run", f"--data-path={data}", f"--log-path={log}", "--rl-phase=rollout",
-            "--max-iterations=1", "--eval-interval=1", f"rl.max_tokens={TOOLS_MAX_TOKENS}", "rl.train_tasks=8",
+            "--rollout-split=eval-only", "--max-iterations=1", "--eval-interval=1", f"rl.max_tokens={TOOLS_MAX_TOKENS}",
             f"rl.eval_tasks={eval_tasks}", *PATHS[path]]
     _, iterations = run_iterations(argv, log, iterations=1, env=env, timeout_s=timeout_s, what=path)
     lines = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not lines:
         raise BenchError(f"{path}: no eval metrics in {log / 'metrics.jsonl'}")
-    metrics = lines[-1]
-    found = metrics.get("metrics", metrics)
-    timing = iterations[0]["timing"] or {}
+    found = lines[-1]
+    phases = (iterations[0]["timing"] or {}).get("phases") or {}
     return {"tokens_per_s": found["tokens_per_s"], "accuracy": found["accuracy"], "response_length": found["response_length"],
-            "turns": found.get("turns"), "eval_s": (timing.get("phases") or timing).get("eval")}
+            "turns": found.get("turns"), "eval_s": next((s for name, s in phases.items() if name.endswith(":eval")), None)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="the tool demo's data folder (made here when not given)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each path, alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each path, alternating")
     parser.add_argument("--eval-tasks", type=int, default=200)
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", type=Path, default=RESULTS / "agent_endpoint.json")
@@ -89,8 +90,10 @@ def main() -> int:
                 runs[path].append(measure(path, data, work / f"{path}-{r}", args.eval_tasks, args.timeout_s))
     median = {p: statistics.median(run["tokens_per_s"] for run in rs) for p, rs in runs.items()}
     ratio = median["endpoint"] / median["native"]
-    table("eval of the tool demo: sampled tokens a second", ["path", "tokens/s (each run)", "median", "eval accuracy", "turns"],
+    table("eval of the tool demo: sampled tokens a second", ["path", "tokens/s (each run)", "median", "eval phase s", "eval accuracy",
+                                                            "turns"],
           [[p, ", ".join(f"{run['tokens_per_s']:.0f}" for run in rs), f"{median[p]:.0f}",
+            ", ".join(f"{run['eval_s']:.1f}" for run in rs if run["eval_s"] is not None),
             ", ".join(f"{run['accuracy']:.3f}" for run in rs), f"{rs[0]['turns']:.2f}" if rs[0]["turns"] else "-"]
            for p, rs in runs.items()])
     console.print(f"endpoint over native: {ratio:.2f}x", markup=False)

@@ -433,7 +433,7 @@ class RolloutConfig:
     """Sequences (prompts x samples) a rank keeps in flight on each engine, in requests of
     rollout.prompts_per_request prompts, so that the engine's continuous batching always has
     work and no completion waits for another request's longest one. 0: the engine's default
-    (1024)."""
+    (1024). With rl.agent, also how many agents run at once, per engine."""
     tool_parser: Annotated[str, _one_of(TOOL_PARSERS, "tool parsers")] = "hermes"
     """With rl.agent: how the model's tool calls are read out of its text for the agent endpoint's
     structured tool_calls: hermes (<tool_call>{...}</tool_call>, Qwen's and Hermes' templates)
