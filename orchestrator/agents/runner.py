@@ -4,7 +4,7 @@
 worker thread (the environments' threads). Either has ``rl.env_timeout_s`` of its own time:
 from its start, less the time its calls spend in the endpoint (waiting for the engines is not
 the agent's doing; a rank's samples share them). As many coroutine agents run at once as the
-rank's engines hold sequences in flight (``Inflight.capacity``: ``rollout.max_inflight`` a
+rank's engines hold sequences in flight (``Inflight.capacity``: ``rollout.max_inflight`` an
 engine); the others wait to start, their time not running, since more would only wait for the
 engines, each holding a connection meanwhile (an eval of 3,200 samples through an OpenAI
 client's pool of 1,000 connections had most agents' time pass in that pool).
