@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import socket
 import time
@@ -261,8 +262,6 @@ def _response(session: Session, message: dict, finish: str, created: int, prompt
 def _events(reply: dict, body: dict):
     """``reply`` (a chat completion or a completion) as a stream: one chunk holding all of it,
     the usage when asked for, then ``[DONE]``."""
-    import json
-
     from starlette.responses import Response
 
     chunk = {k: v for k, v in reply.items() if k != "usage"}

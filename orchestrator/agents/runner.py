@@ -61,7 +61,9 @@ class Agents:
         await self.endpoint.start(inflight)
         sent_at = time.time()
         loop = asyncio.get_running_loop()
-        slots = self._slots.get(loop) or self._slots.setdefault(loop, asyncio.Semaphore(inflight.capacity))
+        if loop not in self._slots:
+            self._slots[loop] = asyncio.Semaphore(inflight.capacity)
+        slots = self._slots[loop]
         sessions = await asyncio.gather(*(self._sample(task, f"{seed}:{i}", slots) for i in range(n)))
         if self.endpoint.engine_failure is not None:
             raise self.endpoint.engine_failure

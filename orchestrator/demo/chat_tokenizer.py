@@ -21,6 +21,7 @@ Deterministic: the same corpus gives a byte-identical ``tokenizer.json``.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -54,16 +55,20 @@ CHAT_TEMPLATE = (
 
 
 def chatml(messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
-    """What :data:`CHAT_TEMPLATE` renders of messages with text content (the corpus is made
-    before there is a tokenizer)."""
-    text = f"{IM_START}system\nTools: {', '.join(map(_signature, tools))}{IM_END}\n" if tools else ""
-    text += "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
-    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+    """What :data:`CHAT_TEMPLATE` renders (the corpus is made before there is a tokenizer to
+    render it): the template itself, through jinja2 as ``transformers`` runs it."""
+    return _template().render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
 
-def _signature(tool: dict) -> str:
-    function = tool.get("function", tool)
-    return f"{function['name']}({', '.join(function.get('parameters', {}).get('properties', {}))})"
+@functools.cache
+def _template():
+    import json
+
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+    return env.from_string(CHAT_TEMPLATE)
 
 
 def corpus(tasks: list[dict], target) -> list[str]:
