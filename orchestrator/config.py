@@ -279,10 +279,11 @@ class RLConfig(UpdateSettings):
     environment_args: dict[str, typing.Any] = field(default_factory=dict)
     """With rl.environment: keyword arguments of every instance, a JSON object on the command
     line (rl.environment_args='{"difficulty": 3}'); a task's own environment_args column
-    updates them for its samples."""
+    updates them for its samples. With rl.agent=verifiers:<id>: the taskset's config."""
     agent: str = ""
     """Agents through an OpenAI-compatible endpoint: the agent function, as module:function,
-    called once per sample as function(task, base_url) (docs/environments.md). Empty: none."""
+    called once per sample as function(task, base_url) (docs/environments.md); verifiers:<id>:
+    a verifiers environment's episodes. Empty: none."""
     max_turns: Count = 4
     """With rl.environment: the most turns of the model in a sample (given to the environment
     as max_turns when it takes an argument of that name)."""
@@ -328,6 +329,9 @@ class RLConfig(UpdateSettings):
                 agents.parse(self.agent)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.environment.startswith("verifiers:"):
+            raise ConfigError(f"rl.environment={self.environment}: a verifiers environment drives the model itself, through the "
+                              f"agent endpoint: set rl.agent={self.environment} instead (docs/environments.md)")
         if self.agent and self.environment:
             raise ConfigError(f"rl.agent={self.agent} and rl.environment={self.environment} both say how a sample runs: set one")
 
@@ -353,13 +357,14 @@ class DataConfig:
 
     train_file: NonEmpty = "tasks/train.jsonl"
     """Train tasks, JSON lines or Parquet (.parquet); relative paths are under --data-path.
-    reasoning_gym:<name>[+<name>...]: tasks reasoning-gym generates (docs/environments.md)."""
+    reasoning_gym:<name>[+<name>...]: tasks reasoning-gym generates; verifiers:<id>: a verifiers
+    taskset's tasks (docs/environments.md)."""
     test_file: NonEmpty = "tasks/test.jsonl"
     """Eval tasks, in the same formats."""
     train_size: Count = 1000
-    """With data.train_file=reasoning_gym:...: the train tasks generated, shared by the datasets."""
+    """With data.train_file=reasoning_gym:... (or verifiers:<id>): the train tasks generated, shared by the datasets."""
     test_size: Count = 200
-    """With data.test_file=reasoning_gym:...: the eval tasks generated (none a train task)."""
+    """With data.test_file=reasoning_gym:... (or verifiers:<id>): the eval tasks generated (none a train task)."""
     prompt_key: NonEmpty = "prompt"
     """The column of the prompt: a string, or a list of chat messages rendered with the model's chat template."""
     answer_key: NonEmpty = "answer"
@@ -373,8 +378,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check_fields(self, "data")
         for name in ("train_file", "test_file"):
-            if getattr(self, name).startswith("reasoning_gym:"):
-                continue  # its dataset names are checked where it is imported (data/reasoning_gym_tasks.py)
+            if getattr(self, name).startswith(("reasoning_gym:", "verifiers:")):
+                continue  # generated: checked where it is imported (data/reasoning_gym_tasks.py, data/verifiers_tasks.py)
             if Path(getattr(self, name)).suffix not in (".jsonl", ".json", ".parquet"):
                 raise ConfigError(f"data.{name}={getattr(self, name)!r}: task files are JSON lines (.jsonl) or Parquet (.parquet)")
 

@@ -143,7 +143,7 @@ def check_agent(config: RunConfig) -> None:
     """rl.agent imports here, and the model has a chat template (the endpoint renders the
     agent's messages with it)."""
     try:
-        agents.load(config.rl.agent)
+        agents.load(config.rl.agent, config.rl.environment_args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not has_chat_template(config.model_path):

@@ -140,13 +140,15 @@ class Agents:
         return {"reward": float(result), "metrics": {k: float(v) for k, v in metrics.items()}}
 
     def close(self) -> None:
-        """Stop the endpoint (on the rollout's loop, still running: the pipe closes this first)."""
+        """Stop the endpoint, and what the agent holds open on the loop (its ``aclose``, where it
+        has one), on the rollout's loop, still running: the pipe closes this first."""
         inflight = self.endpoint.inflight
         if inflight is not None:
-            try:
-                inflight.spawn(self.endpoint.stop()).result(timeout=15)
-            except Exception:  # noqa: BLE001 - a loop already stopped: nothing serves
-                pass
+            for closing in filter(None, (getattr(self.agent, "aclose", None), self.endpoint.stop)):
+                try:
+                    inflight.spawn(closing()).result(timeout=15)
+                except Exception:  # noqa: BLE001 - a loop already stopped: nothing serves; or the agent's own failure
+                    pass
         self.threads.close()
 
 

@@ -1,7 +1,8 @@
 """Task files: JSON lines or Parquet, with the columns the config names.
 
 ``reasoning_gym:<name>[+<name>...]`` in place of a file generates the tasks
-(data/reasoning_gym_tasks.py). A row becomes a task dict: ``id`` (the ``data.id_key`` column as a string, or the row
+(data/reasoning_gym_tasks.py), ``verifiers:<id>`` loads a verifiers taskset's
+(data/verifiers_tasks.py). A row becomes a task dict: ``id`` (the ``data.id_key`` column as a string, or the row
 number, 1 for the first row, when the file has no such column), ``prompt`` (the
 ``data.prompt_key`` column: a string, sent as is, or a list of chat messages
 ``[{"role": ..., "content": ...}]``), ``answer`` (the ``data.answer_key`` column; a number
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from orchestrator.config import RunConfig
-from orchestrator.data import reasoning_gym_tasks
+from orchestrator.data import reasoning_gym_tasks, verifiers_tasks
 from orchestrator.errors import ConfigError
 
 
@@ -32,21 +33,28 @@ class TaskSource:
     answer_key: str = "answer"
     id_key: str = "id"
     generated: tuple | None = None
-    """``(spec, split, seed, train_size, test_size)`` of tasks that reasoning-gym generates."""
+    """``(spec, split, seed, train_size, test_size, args)`` of tasks that reasoning-gym generates or a
+    verifiers taskset loads (``args``: ``rl.environment_args`` as JSON, the taskset's config)."""
 
 
 def for_split(config: RunConfig, split: str) -> TaskSource:
     """The task file of ``split`` ("train" or "eval") and the columns the config names."""
     d = config.data
     spec = d.train_file if split == "train" else d.test_file
-    if reasoning_gym_tasks.names(spec) is not None:  # generated rows have their own columns
-        return TaskSource(config.task_file(split), generated=(spec, split, config.seed, d.train_size, d.test_size))
+    if _generator(spec) is not None:  # generated rows have their own columns
+        args = json.dumps(config.rl.environment_args, sort_keys=True)
+        return TaskSource(config.task_file(split), generated=(spec, split, config.seed, d.train_size, d.test_size, args))
     return TaskSource(config.task_file(split), prompt_key=d.prompt_key, answer_key=d.answer_key, id_key=d.id_key)
 
 
 def generated(config: RunConfig, split: str) -> bool:
-    """Whether ``split``'s tasks are generated (reasoning_gym:<names>), not read from a file."""
-    return reasoning_gym_tasks.names(config.data.train_file if split == "train" else config.data.test_file) is not None
+    """Whether ``split``'s tasks are generated (reasoning_gym:<names>, verifiers:<id>), not read from a file."""
+    return _generator(config.data.train_file if split == "train" else config.data.test_file) is not None
+
+
+def _generator(spec: str):
+    """The module that makes the rows of ``spec`` when it names generated tasks, else None."""
+    return next((m for m in (reasoning_gym_tasks, verifiers_tasks) if m.names(spec) is not None), None)
 
 
 def read(source: TaskSource) -> list[dict]:
@@ -86,9 +94,12 @@ def _read(source: TaskSource, _mtime_ns: int, _size: int) -> list[dict]:
 
 
 def _generated_rows(source: TaskSource) -> Iterator[tuple[int, object]]:
-    spec, split, seed, train_size, test_size = source.generated
+    spec, split, seed, train_size, test_size, args = source.generated
+    sizes = {"seed": seed, "train_size": train_size, "test_size": test_size}
     try:
-        return enumerate(reasoning_gym_tasks.rows(spec, split, seed=seed, train_size=train_size, test_size=test_size), 1)
+        if verifiers_tasks.names(spec) is not None:
+            return enumerate(verifiers_tasks.rows(spec, split, **sizes, args=json.loads(args)), 1)
+        return enumerate(reasoning_gym_tasks.rows(spec, split, **sizes), 1)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -9,6 +9,7 @@ turn reaches ``step`` as the model wrote it, a stop string that ended it include
 import collections
 import json
 import os
+import re
 import sqlite3
 
 import pytest
@@ -152,3 +153,49 @@ def test_reasoning_gym_tasks_by_name_on_two_ranks_with_eval_by_source(chat_demo_
         assert {"accuracy/basic_arithmetic", "accuracy/lcm", "mean_reward/basic_arithmetic", "mean_reward/lcm"} <= set(m), m
         assert m["mean_reward"] == pytest.approx((m["mean_reward/basic_arithmetic"] + m["mean_reward/lcm"]) / 2)
     assert layout.checkpoint(2).is_dir()
+
+
+def test_a_verifiers_taskset_runs_unchanged_as_an_agent_through_the_endpoint(chat_demo_data, tmp_path):
+    """examples/verifiers/demo_sums.py, a verifiers.v1 taskset, by name: its tasks
+    (data.*_file=verifiers:demo_sums, its config from rl.environment_args) and its episodes
+    (rl.agent=verifiers:demo_sums: verifiers' own chat program calls the sample's base URL),
+    one iteration on two ranks; the records are what the engine sampled, the reward the taskset's."""
+    pytest.importorskip("verifiers")
+    from transformers import AutoTokenizer
+
+    from orchestrator.data import verifiers_tasks
+
+    examples = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verifiers")
+    env = {**os.environ, "PYTHONPATH": f"{os.path.abspath(examples)}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    data, log_path = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    (data / "model").symlink_to(chat_demo_data / "model")
+    spec = "verifiers:demo_sums"
+    result = run_local(rl_flags(data, log_path, num_nodes=2, weights="1,1", max_iterations=1, extra=[
+        f"rl.agent={spec}", f"data.train_file={spec}", f"data.test_file={spec}", "data.test_size=8", "data.train_size=64",
+        "rl.environment_args={\"seed\": 3}", "rl.train_tasks=4", "rl.eval_tasks=8", "rl.eval_samples=1", "rl.max_tokens=24",
+        "rl.env_timeout_s=120"]), timeout=280, env=env)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    layout = RunLayout(log_path)
+    tokenizer = AutoTokenizer.from_pretrained(chat_demo_data / "model")
+    train, evals = aggregate_records(layout, 1), aggregate_records(layout, 1, "eval")
+    import sys
+    sys.path.insert(0, examples)
+    try:
+        expected = {r["id"]: r for r in verifiers_tasks.rows(spec, "eval", seed=0, train_size=64, test_size=8, args={"seed": 3})}
+    finally:
+        sys.path.remove(examples)
+    assert {r["task_id"] for r in evals} == set(expected), "the taskset's tasks, with rl.environment_args as its config"
+    assert len(train) == 4 and not {r["task_id"] for r in train} & set(expected)
+    samples = [(r, s) for r in train + evals for s in r["samples"]]
+    for record, s in samples:
+        assert "reward_error" not in s, s["reward_error"]
+        assert record["columns"]["verifiers_task"]["answer"] == record["answer"] and record["data_source"] == "demo_sums"
+        (turn,) = s["turns"]
+        assert len(s["token_ids"]) == turn["tokens"] == len(s["logprobs"]) and all(s["loss_mask"]), "one call: what it sampled"
+        assert tokenizer.decode(s["token_ids"], skip_special_tokens=True) == turn["text"]
+        boxed = re.findall(r"\\boxed\{([^{}]*)\}", turn["text"])
+        assert s["reward"] == float(bool(boxed) and boxed[-1].strip() == record["answer"]), (turn["text"], s["reward"])
+    (shown,) = status_json(log_path)["iterations"]
+    assert "accuracy/demo_sums" in shown["metrics"]
+    assert layout.checkpoint(1).is_dir()

@@ -265,7 +265,7 @@ class RLWorkload:
 
         serving = endpoint.AgentEndpoint(self._chat_tokenizer(), tool_parser=self.config.rollout.tool_parser,
                                          max_tokens=self.rl.max_tokens, context=prompts.context_length(self.config.model_path))
-        return runner.Agents(agents.load(self.rl.agent), f"rl.agent={self.rl.agent}", serving, self.reward, self.rl.env_timeout_s)
+        return runner.Agents(agents.load(self.rl.agent, self.rl.environment_args), f"rl.agent={self.rl.agent}", serving, self.reward, self.rl.env_timeout_s)
 
     def _episodes(self) -> Episodes:
         """The multi-turn rollout's runner (``rl.environment``), with the model's tokenizer."""
