@@ -1,7 +1,7 @@
 """Eval of the tool demo through the agent endpoint against the same eval on the native
 environment path, in one run: the sampled tokens a second of each.
 
-    python bench/agent_endpoint.py                    # about 3 minutes on 2 cores
+    python bench/agent_endpoint.py                    # about 5 minutes on 2 cores
     python bench/agent_endpoint.py --rounds 1 --data /tmp/orch-tools
 
 Both paths evaluate the tool demo's base model (``demo-data --tools``, made here unless
@@ -12,8 +12,10 @@ sample through the endpoint):
 - ``native``: the calculator environment (``orchestrator.demo.calculator:Calculator``), each
   turn a request of the rollout's, the environment's step in the rank's threads;
 - ``endpoint``: the same calculator as an agent written with the ``openai`` client
-  (examples/agents/calculator_agent.py, ``rl.agent``): every model call an HTTP request to the
-  rank's agent endpoint, rendered there by the chat template, its tool calls parsed (hermes).
+  (examples/agents/calculator_agent.py, ``rl.agent``): every model call a request to the
+  rank's agent endpoint, rendered there by the chat template, its tool calls parsed (hermes);
+  the example's client (orchestrator.agents.clients) calls the endpoint's app in-process;
+- ``endpoint-http``: the same agent with its client over HTTP to the endpoint.
 
 Each run is ``orchestrator run --rl-phase rollout --rollout-split eval-only --max-iterations 1``:
 the base model's eval alone. The figure is the eval's ``tokens_per_s`` (tokens the model sampled, over the span
@@ -43,7 +45,18 @@ from orchestrator.demo import TOOLS_MAX_TOKENS  # noqa: E402
 PATHS = {
     "native": ["rl.max_turns=3"],
     "endpoint": ["rl.agent=calculator_agent:solve"],
+    "endpoint-http": ["rl.agent=calculator_agent_http:solve"],
 }
+HTTP_AGENT = """
+import functools
+
+import calculator_agent
+from calculator_agent import solve
+from orchestrator.agents import clients
+
+calculator_agent.client = functools.partial(clients.client, in_process=False)
+"""
+"""The example agent with its client over HTTP to the endpoint (the helper's in-process route off)."""
 
 
 def tool_demo(data: Path | None, work: Path) -> Path:
@@ -58,7 +71,8 @@ def tool_demo(data: Path | None, work: Path) -> Path:
 
 def measure(path: str, data: Path, log: Path, eval_tasks: int, timeout_s: float) -> dict:
     env = python_env()
-    env["PYTHONPATH"] = f"{REPO / 'examples' / 'agents'}:{env['PYTHONPATH']}"
+    (log.parent / "calculator_agent_http.py").write_text(HTTP_AGENT)
+    env["PYTHONPATH"] = f"{REPO / 'examples' / 'agents'}:{log.parent}:{env['PYTHONPATH']}"
     argv = [sys.executable, "-m", "orchestrator", "run", f"--data-path={data}", f"--log-path={log}", "--rl-phase=rollout",
             "--rollout-split=eval-only", "--max-iterations=1", "--eval-interval=1", f"rl.max_tokens={TOOLS_MAX_TOKENS}",
             f"rl.eval_tasks={eval_tasks}", *PATHS[path]]
@@ -90,15 +104,16 @@ def main() -> int:
                 runs[path].append(measure(path, data, work / f"{path}-{r}", args.eval_tasks, args.timeout_s))
     median = {p: statistics.median(run["tokens_per_s"] for run in rs) for p, rs in runs.items()}
     ratio = median["endpoint"] / median["native"]
+    http_ratio = median["endpoint-http"] / median["native"]
     table("eval of the tool demo: sampled tokens a second", ["path", "tokens/s (each run)", "median", "eval phase s", "eval accuracy",
                                                             "turns"],
           [[p, ", ".join(f"{run['tokens_per_s']:.0f}" for run in rs), f"{median[p]:.0f}",
             ", ".join(f"{run['eval_s']:.1f}" for run in rs if run["eval_s"] is not None),
             ", ".join(f"{run['accuracy']:.3f}" for run in rs), f"{rs[0]['turns']:.2f}" if rs[0]["turns"] else "-"]
            for p, rs in runs.items()])
-    console.print(f"endpoint over native: {ratio:.2f}x", markup=False)
+    console.print(f"endpoint over native: {ratio:.2f}x (over HTTP: {http_ratio:.2f}x)", markup=False)
     write_json(args.out, {"machine": machine(), "eval_tasks": args.eval_tasks, "runs": runs, "median_tokens_per_s": median,
-                          "endpoint_over_native": ratio})
+                          "endpoint_over_native": ratio, "endpoint_http_over_native": http_ratio})
     return 0
 
 

@@ -48,6 +48,9 @@ _ENDED_KEPT = 100_000
 MODEL = "policy"
 """The model name agents call: the policy the rollout serves, whichever checkpoint it is."""
 
+_SERVING: dict[int, "AgentEndpoint"] = {}
+"""This process's endpoints by port, for :func:`local_app`."""
+
 
 class CallRefused(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
@@ -67,10 +70,17 @@ class AgentEndpoint:
         self._server = None
         self._serving: asyncio.Task | None = None
         self._ready: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failure: BaseException | None = None
         # Imported here, on the rollout's own thread, not on its event loop: importing blocks,
-        # and the agents' clocks run on the loop.
+        # and the agents' clocks run on the loop. So is openai, which most agents call with
+        # (0.8 s of the loop when the first agent's client imported it).
         import uvicorn
+
+        try:
+            import openai  # noqa: F401
+        except ImportError:
+            pass
 
         self._app = self.app()
         self._config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
@@ -108,9 +118,12 @@ class AgentEndpoint:
             if self._serving.done():
                 self._serving.result()  # raises what stopped it
             await asyncio.sleep(0.01)
+        self._loop = asyncio.get_running_loop()
+        _SERVING[self.port] = self
         log.info("agent endpoint serving on http://127.0.0.1:%d/sessions/<sample>/v1", self.port)
 
     async def stop(self) -> None:
+        _SERVING.pop(self.port, None)
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.wait({self._serving}, timeout=10)
@@ -245,6 +258,18 @@ class AgentEndpoint:
         c = session.conversation
         room = self.max_tokens - len(c.token_ids)
         return room if self.context is None else min(room, self.context - len(prompt))
+
+
+def local_app(base_url: str):
+    """The ASGI app of the endpoint that serves ``base_url`` from this process on the running
+    event loop (an agent of its rollout), else None: agents/clients.py calls it in-process."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base_url)
+    endpoint = _SERVING.get(url.port) if url.hostname == "127.0.0.1" else None
+    if endpoint is None or endpoint._loop is not asyncio.get_running_loop():
+        return None
+    return endpoint._app
 
 
 def _response(session: Session, message: dict, finish: str, created: int, prompt: list[int], sampled: int,

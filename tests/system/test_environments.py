@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.data import turns
-from tests.harness import aggregate_records, kill_rank_0_mid_rollout_then_rerun, rl_flags, run_local, status_json
+from tests.harness import aggregate_records, kill_rank_0_mid_rollout_then_rerun, rl_flags, status_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -41,8 +41,9 @@ class Retry:
 
 
 class Faulty(Retry):
-    """Fails to open once per process (its first train sample), raises on test-000000's first
-    step and hangs on test-000001's."""
+    """Fails to open once per process (its first train sample), takes 0.2 s a train step (a rank
+    killed mid-rollout has conversations mid-way), raises on test-000000's first step and hangs
+    on test-000001's."""
 
     opened = 0
 
@@ -58,12 +59,8 @@ class Faulty(Retry):
             raise ZeroDivisionError("boom in the environment")
         if self.turn == 0 and self.task["id"] == "test-000001":
             HANG.wait()
-        return super().step(completion)
-
-
-class Slow(Retry):
-    def step(self, completion):
-        time.sleep(0.2)
+        if self.task["id"].startswith("train"):
+            time.sleep(0.2)
         return super().step(completion)
 '''
 
@@ -79,25 +76,33 @@ def _turns(env: str) -> list[str]:
     return [f"rl.environment=user_envs:{env}", "rl.reward=orchestrator.rewards:math", "rl.max_tokens=48", "rl.max_turns=3"]
 
 
-def test_two_ranks_train_on_turns_and_an_environment_that_raises_or_hangs_costs_only_its_samples(chat_demo_data, tmp_path, user_envs):
+def test_two_ranks_train_on_turns_through_a_kill_9_and_environments_that_raise_or_hang_cost_only_their_samples(
+        chat_demo_data, tmp_path, user_envs):
+    """Rank 0 killed (kill -9) mid-conversations, then the run again: every task once, the
+    durable records kept; the turns recorded token-exact with the tool's message masked; an
+    environment that fails to open, raises or hangs costs only its samples, counted."""
     log_path = tmp_path / "run"
-    # Every failure tolerated: which batch each lands in decides when a lower limit trips, and the
-    # limit's rule is the rewards' (tests/unit/test_scoring.py, test_rl_loop's failing reward).
-    result = run_local(rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=1,
-                                extra=[*_turns("Faulty"), "rl.env_timeout_s=3", "rl.max_reward_error_fraction=1.0"]), env=user_envs)
-    assert result.returncode == 0, result.stdout[-6000:]
+    # 32 tasks of 4 samples a rank, 16 tasks in hand at a time, each train step 0.2 s: when the first
+    # batch is durable rank 0 still has conversations mid-way. Without work stealing, so its share
+    # stays its own. Every failure tolerated: which batch each lands in decides when a lower limit
+    # trips, and the limit's rule is the rewards' (tests/unit/test_scoring.py, test_rl_loop's failing reward).
+    flags = rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=1, extra=[
+        *_turns("Faulty"), "rl.env_timeout_s=3", "rl.max_reward_error_fraction=1.0", "rl.train_tasks=64",
+        "coordination.work_stealing=false"])
+    kill_rank_0_mid_rollout_then_rerun(flags, user_envs, tasks=64)
     layout = RunLayout(log_path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_demo_data / "model")
     observation = turns.observation_ids(tokenizer, [{"role": "tool", "content": "check it"}])
     train = aggregate_records(layout, 1)
-    assert len({r["task_id"] for r in train}) == len(train) == 8
     multi = 0
     for record in train:
         assert record["prompt_token_ids"] == turns.render(tokenizer, _task(chat_demo_data, record["task_id"]), generation_prompt=True)
         for s in record["samples"]:
             assert len(s["token_ids"]) == len(s["loss_mask"]) == len(s["logprobs"]) <= 48
+            if s["finish_reason"] == "stop" and "reward_error" not in s:
+                assert len(s["turns"]) == 2
             if len(s["turns"]) < 2:
                 continue
             multi += 1
@@ -107,9 +112,10 @@ def test_two_ranks_train_on_turns_and_an_environment_that_raises_or_hangs_costs_
             assert s["token_ids"][start : start + len(observation)] == observation, "the tool's ids as the template renders them"
             assert s["loss_mask"] == [1] * first["tokens"] + [0] * first["observation_tokens"] + [1] * s["turns"][1]["tokens"]
             assert "<|im_start|>tool\ncheck it<|im_end|>" in s["text"]
-    assert multi >= 16, "most samples took two turns"
+    assert multi >= 128, "most samples took two turns"
     failed = [s for r in train for s in r["samples"] if "reward_error" in s]
-    assert len(failed) in (1, 2) and all("no sandbox" in s["reward_error"] and s["token_ids"] == [] for s in failed)
+    # Once per rank process whose first train sample is in the aggregate: each rank's, before the kill and after.
+    assert 1 <= len(failed) <= 4 and all("no sandbox" in s["reward_error"] and s["token_ids"] == [] for s in failed)
 
     evals = {r["task_id"]: r for r in aggregate_records(layout, 1, "eval")}
     raised = evals["test-000000"]["samples"]
@@ -121,17 +127,6 @@ def test_two_ranks_train_on_turns_and_an_environment_that_raises_or_hangs_costs_
     errors = shown["reward_errors"]
     assert errors["train"]["count"] == len(failed) and errors["eval"]["count"] == 4 and errors["eval"]["samples"] == 32
     assert layout.checkpoint(1).is_dir(), "the update trained on the turns"
-
-
-def test_kill_9_mid_conversations_then_rerun_keeps_every_written_task_and_runs_each_task_once(chat_demo_data, tmp_path, user_envs):
-    log_path = tmp_path / "run"
-    # 32 tasks of 4 samples a rank, 16 tasks in hand at a time, each step 0.2 s: when the first
-    # batch is durable rank 0 still has conversations mid-way. Without work stealing, so its share stays its own.
-    flags = rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=1,
-                     extra=[*_turns("Slow"), "rl.train_tasks=64", "coordination.work_stealing=false"])
-    kill_rank_0_mid_rollout_then_rerun(flags, user_envs, tasks=64)
-    records = aggregate_records(RunLayout(log_path), 1)
-    assert all(len(s["turns"]) == 2 for r in records for s in r["samples"] if s["finish_reason"] == "stop")
 
 
 def _task(data, task_id):

@@ -187,6 +187,27 @@ def test_as_many_agents_run_at_once_as_the_engines_hold_sequences_and_a_waiting_
     assert all(s["reward"] == 1.0 and "reward_error" not in s for s in samples), samples[0]
 
 
+def test_the_helpers_client_calls_its_own_rollouts_endpoint_in_process_and_any_other_over_http(tokenizer):
+    """agents/clients.py: an agent of the rollout reaches the endpoint's app on the rollout's loop,
+    no sockets; a base URL that no endpoint of this loop serves goes over HTTP as given."""
+    import httpx
+
+    from orchestrator.agents.clients import client
+
+    seen = {}
+
+    async def agent(task, base_url):
+        own = client(base_url)
+        seen["own"] = own._client._transport
+        seen["other"] = client("http://127.0.0.1:9/v1")._client._transport
+        reply = await own.chat.completions.create(model="policy", messages=task["prompt"])
+        return reply.choices[0].message.content
+
+    _, samples, _, _ = run(tokenizer, agent, replies=["\\boxed{6}"])
+    assert isinstance(seen["own"], httpx.ASGITransport) and not isinstance(seen["other"], httpx.ASGITransport)
+    assert all(s["reward"] == 1.0 and "reward_error" not in s for s in samples), samples[0]
+
+
 def test_a_streamed_call_is_its_whole_reply_in_one_chunk_then_done(tokenizer):
     """As verifiers' interception server and streaming agents call: the openai client's stream
     gives the message (tool calls included), the usage when asked for, and ends."""
