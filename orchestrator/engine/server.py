@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import gc
 import json
 import logging
@@ -464,12 +465,29 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
+def _bind(args: argparse.Namespace, scheduler, name: str) -> "EngineHTTPServer":
+    """The server on ``--port``, or with ``--port-tries``, the first of the ports from it that
+    is free when the model is loaded."""
+    tries = max(1, args.port_tries) if args.port else 1
+    for port in range(args.port, args.port + tries):
+        try:
+            return EngineHTTPServer((args.host, port), scheduler, name, str(args.model))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or port == args.port + tries - 1:
+                raise
+            log.info("port %d is taken; trying %d", port, port + 1)
+    raise AssertionError("unreachable")
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m orchestrator.engine.server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (safetensors)")
     parser.add_argument("--port", required=True, type=int, help="port to listen on; 0 picks a free one")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port-file", type=Path, help="once listening, write the port there (useful with --port 0)")
+    parser.add_argument("--port-tries", type=int, default=1,
+                        help="with a --port, the first free one of it and the next ports, this many in all: a port another "
+                             "process bound while this one loaded the model is skipped (default: %(default)s)")
     parser.add_argument("--base-model", type=Path,
                         help="with LoRA: the base model that --model and every reload, when an adapter directory, apply to")
     parser.add_argument("--served-model-name", help="model name in the API (default: the --model argument)")
@@ -582,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         name = args.served_model_name or str(args.model)
         scheduler = Scheduler(sampler, max_num_seqs=args.max_num_seqs)
-        server = EngineHTTPServer((args.host, args.port), scheduler, name, str(args.model))
+        server = _bind(args, scheduler, name)
         if adapter is not None:
             log.info("merged the LoRA adapter %s into %s (%d weights)", adapter, args.base_model, server.adapters.apply(adapter))
         scheduler.start()

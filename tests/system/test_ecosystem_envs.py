@@ -172,8 +172,9 @@ def test_a_verifiers_taskset_runs_unchanged_as_an_agent_through_the_endpoint(cha
     (data / "model").symlink_to(chat_demo_data / "model")
     spec = "verifiers:demo_sums"
     result = run_local(rl_flags(data, log_path, num_nodes=2, weights="1,1", max_iterations=1, extra=[
-        f"rl.agent={spec}", f"data.train_file={spec}", f"data.test_file={spec}", "data.test_size=8", "data.train_size=64",
-        "rl.environment_args={\"seed\": 3}", "rl.train_tasks=4", "rl.eval_tasks=8", "rl.eval_samples=1", "rl.max_tokens=24",
+        f"rl.agent={spec}", f"data.train_file={spec}", f"data.test_file={spec}", "data.test_size=4", "data.train_size=64",
+        "rl.environment_args={\"seed\": 3}", "rl.train_tasks=4", "rl.samples_per_prompt=2", "rl.eval_tasks=4",
+        "rl.eval_samples=1", "rl.max_tokens=24",
         "rl.env_timeout_s=120"]), timeout=280, env=env)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
@@ -182,7 +183,7 @@ def test_a_verifiers_taskset_runs_unchanged_as_an_agent_through_the_endpoint(cha
     import sys
     sys.path.insert(0, examples)
     try:
-        expected = {r["id"]: r for r in verifiers_tasks.rows(spec, "eval", seed=0, train_size=64, test_size=8, args={"seed": 3})}
+        expected = {r["id"]: r for r in verifiers_tasks.rows(spec, "eval", seed=0, train_size=64, test_size=4, args={"seed": 3})}
     finally:
         sys.path.remove(examples)
     assert {r["task_id"] for r in evals} == set(expected), "the taskset's tasks, with rl.environment_args as its config"

@@ -28,11 +28,11 @@ STARTUP_S = 60.0
 class Engine:
     """A real server process, on a port it picked itself; its log is a file in tmp."""
 
-    def __init__(self, model_dir: Path, log_path: Path):
+    def __init__(self, model_dir: Path, log_path: Path, port_args: tuple[str, ...] = ("--port", "0")):
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.engine.server", "--model", str(model_dir), "--port", "0",
+            [sys.executable, "-m", "orchestrator.engine.server", "--model", str(model_dir), *port_args,
              "--served-model-name", MODEL_NAME],
             stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True,
         )
@@ -450,6 +450,29 @@ def test_sigterm_makes_the_server_exit_0_within_seconds(model_dir, tmp_path):
         assert not EngineClient(e.url, timeout_s=2).health()
     finally:
         e.kill()
+
+
+@pytest.mark.timeout(60)
+def test_with_port_tries_a_port_taken_while_it_loaded_is_skipped_for_the_next_free_one(model_dir, tmp_path):
+    """Two ranks of a node start their engines from the same port: the one that binds second
+    takes the next free port (its port file says which) rather than failing."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        port_file = tmp_path / "engine.port"
+        e = Engine(model_dir, tmp_path / "engine.log", ("--port", str(port), "--port-tries", "20", "--port-file", str(port_file)))
+        try:
+            deadline = time.monotonic() + 10  # written just after the "listening on" line
+            while not port_file.is_file() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            bound = int(port_file.read_text())
+            assert port < bound < port + 20 and e.url.endswith(f":{bound}")
+            assert f"port {port} is taken" in e.log()
+        finally:
+            e.kill()
 
 
 def test_an_engine_that_cannot_load_its_model_writes_its_own_error_record(tmp_path):

@@ -37,6 +37,8 @@ from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll, 
 log = logging.getLogger(__name__)
 
 BIND_RETRIES = 3
+PORT_TRIES = 200
+"""Ports an embedded engine tries from its own, the first free one when it binds."""
 _BIND_FAILED = ("Address already in use", "Errno 98")
 
 
@@ -107,8 +109,10 @@ class EngineProcess:
         env = dict(os.environ)
         if self.spec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices(self.spec.gpus)
+        # The server takes the first free port from self.port when it has loaded the model (the port
+        # file says which): another rank of this node starting its engine as well probed the same one.
         argv = [sys.executable, "-m", "orchestrator.engine.server", "--model", str(checkpoint), "--port", str(self.port),
-                "--served-model-name", self.name, "--port-file", str(self._port_file)]
+                "--port-tries", str(PORT_TRIES), "--served-model-name", self.name, "--port-file", str(self._port_file)]
         if self.base is not None:
             argv += ["--base-model", str(self.base)]
         self._port_file.unlink(missing_ok=True)
