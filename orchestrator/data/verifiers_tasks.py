@@ -14,7 +14,9 @@ validates back into the taskset's task type.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import random
 
 from orchestrator.plugins import verifiers_envs
@@ -29,18 +31,25 @@ def names(spec: str) -> list[str] | None:
 
 def rows(spec: str, split: str, *, seed: int, train_size: int, test_size: int, args: dict | None = None) -> list[dict]:
     """The rows of ``split`` ("train" or "eval") of ``verifiers:<id>``'s taskset."""
-    from verifiers.v1.utils.loaders import load_taskset
-
-    config = verifiers_envs.env_config(spec, args)
-    taskset = load_taskset(config.taskset)
-    tasks = list(itertools.islice(iter(taskset), train_size + test_size if not taskset.bounded else None))
-    random.Random(f"{seed}:verifiers").shuffle(tasks)
+    tasks = _shuffled(spec, seed, json.dumps(args or {}, sort_keys=True), train_size + test_size)
     if len(tasks) <= (test_size if split == "train" else 0):
         key = "data.test_size" if split == "train" else "data.test_file"
         raise ValueError(f"{spec}: the taskset holds {len(tasks)} tasks, none left for the train split after the "
                          f"eval split's data.test_size={test_size}: lower {key}")
     chosen = tasks[:test_size] if split == "eval" else tasks[test_size:test_size + train_size]
     return [_row(spec[len(PREFIX):], task) for task in chosen]
+
+
+@functools.lru_cache(maxsize=2)
+def _shuffled(spec: str, seed: int, args: str, most: int) -> tuple:
+    """The taskset's tasks (``args``: its config as JSON; at most ``most`` of an endless one),
+    shuffled with the run's seed: loaded once for both splits."""
+    from verifiers.v1.utils.loaders import load_taskset
+
+    taskset = load_taskset(verifiers_envs.env_config(spec, json.loads(args)).taskset)
+    tasks = list(itertools.islice(iter(taskset), None if taskset.bounded else most))
+    random.Random(f"{seed}:verifiers").shuffle(tasks)
+    return tuple(tasks)
 
 
 def _row(taskset_id: str, task) -> dict:

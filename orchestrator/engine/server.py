@@ -468,15 +468,15 @@ def _install_signal_handlers() -> None:
 def _bind(args: argparse.Namespace, scheduler, name: str) -> "EngineHTTPServer":
     """The server on ``--port``, or with ``--port-tries``, the first of the ports from it that
     is free when the model is loaded."""
-    tries = max(1, args.port_tries) if args.port else 1
-    for port in range(args.port, args.port + tries):
+    port, last = args.port, (args.port + max(1, args.port_tries) - 1 if args.port else 0)
+    while True:
         try:
             return EngineHTTPServer((args.host, port), scheduler, name, str(args.model))
         except OSError as e:
-            if e.errno != errno.EADDRINUSE or port == args.port + tries - 1:
+            if e.errno != errno.EADDRINUSE or port >= last:
                 raise
             log.info("port %d is taken; trying %d", port, port + 1)
-    raise AssertionError("unreachable")
+            port += 1
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

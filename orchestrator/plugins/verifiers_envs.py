@@ -99,7 +99,9 @@ async def _open(config):
 
     os.environ.setdefault(KEY_VAR, "policy")
     # verifiers prepares its chat program with uv: the one installed beside this Python first.
-    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    here, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
+    if path.split(os.pathsep)[:1] != [here]:
+        os.environ["PATH"] = os.pathsep.join([here, path])
     env = load_environment(config)
     stack = contextlib.AsyncExitStack()
     await stack.enter_async_context(env.serving())

@@ -76,8 +76,11 @@ class Answer:
 @dataclass(slots=True)
 class _Engine:
     client: EngineClient
-    pools: list[httpx.AsyncClient]
-    """Clients of the engine, each its own connection pool, taken in turn (:data:`POOLS`)."""
+    http_options: dict
+    """httpx's options of a pool (timeout, limits)."""
+    pools: list[httpx.AsyncClient | None] = field(default_factory=lambda: [None] * POOLS)
+    """Clients of the engine, each its own connection pool, taken in turn (:data:`POOLS`); each
+    made when first taken (a rollout at low load uses few)."""
     sequences: int = 0
     """Sequences of this engine's requests in flight now."""
     sent: int = 0
@@ -85,7 +88,10 @@ class _Engine:
     def http(self) -> httpx.AsyncClient:
         """The pool the next request goes through."""
         self.sent += 1
-        return self.pools[self.sent % len(self.pools)]
+        i = self.sent % len(self.pools)
+        if self.pools[i] is None:
+            self.pools[i] = self.client.async_http(**self.http_options)
+        return self.pools[i]
 
 
 POOLS = 256
@@ -123,7 +129,7 @@ class Inflight:
         # The budget bounds the connections; an idle one is dropped before vLLM's server (uvicorn,
         # 5 s) would close it under a request.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
-        self._engines = [_Engine(c, [c.async_http(timeout=timeout_s, limits=limits) for _ in range(POOLS)]) for c in clients]
+        self._engines = [_Engine(c, {"timeout": timeout_s, "limits": limits}) for c in clients]
         self.stats = Stats(peak_sequences=[0] * len(clients))
         # The loop's, not yet sent; with the future of a coroutine's request (None: to the answers queue).
         self._waiting: collections.deque[tuple[Request, asyncio.Future | None]] = collections.deque()
@@ -207,7 +213,7 @@ class Inflight:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for e in self._engines:
-                for pool in e.pools:
+                for pool in filter(None, e.pools):
                     await pool.aclose()
 
     def _stop(self) -> None:
