@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import kill_tree, rl_flags, start_ranks, status_json, wait_for
+from tests.harness import kill_tree, rl_flags, start_ranks, status_json, wait_for, wait_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -88,6 +88,7 @@ def test_every_iteration_reaches_each_backend_exactly_once_across_a_kill_9_and_a
             return len(backends) == 3 and all(b.get("iteration") == 2 for b in backends.values())
 
         wait_for(logged_two, 240, "iterations 1 and 2 logged to the three backends")
+        wait_state(layout, 0, "held", timeout=60)  # at the hold, past iteration 3's first phase, on a busy machine too
     finally:
         for p in procs:
             kill_tree(p.pid)
