@@ -181,6 +181,18 @@ class EngineClient:
         self._model = served_model_name
         return float(body.get("seconds", 0.0))
 
+    def pause(self, *, wait_for_inflight_requests: bool = False) -> None:
+        """``POST /pause`` (the embedded engine's and vLLM's): every request not answered yet
+        comes back with what it sampled, finish reason ``abort`` (or, waiting, the running
+        ones finish); later requests wait for :meth:`resume`."""
+        self._json("POST", f"/pause?wait_for_inflight_requests={str(wait_for_inflight_requests).lower()}")
+
+    def resume(self) -> None:
+        self._json("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._json("GET", "/is_paused").get("is_paused"))
+
     def use(self, name: str) -> None:
         """Send ``name`` as the model from now on (the engine serves the new policy under it)."""
         self._model = name

@@ -60,6 +60,7 @@ class UnknownToken(PromptRejected):
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # stopped unfinished by a pause (vLLM's word): what it had sampled so far
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -449,6 +450,20 @@ class Sampler:
         tokens[index] = (probs / noise).argmax(dim=-1)
         return tokens
 
+    def abort(self, batch: Batch, requests: list[Request]) -> None:
+        """End ``requests`` now, each row as far as it got (finish reason ``abort``; a row
+        that had ended keeps its own): their rows leave ``batch`` (if they are in it) and
+        each gets its ``generation``."""
+        gone = set(requests)
+        for request in requests:
+            for row in request.rows:
+                if row.finish_reason is None:
+                    row.finish_reason = FinishReason.ABORT
+            request.running = 0
+            request.generation = self._generation(request)
+        if any(row.request in gone for row in batch.rows):
+            batch.keep([b for b, row in enumerate(batch.rows) if row.request not in gone])
+
     def _ended(self, row: _Row, params: SamplingParams) -> bool:
         """Record why ``row`` ends after its newest token, if it does."""
         if row.token_ids[-1] in self.eos_ids:
@@ -475,11 +490,11 @@ class Sampler:
         return Generation(request.prompt_ids, samples, request.peak_batch_requests)
 
     def _finish(self, row: _Row, params: SamplingParams) -> Sample:
-        assert row.finish_reason is not None, "every row ends by max_tokens at the latest"
+        assert row.finish_reason is not None, "every row ends by max_tokens at the latest, or by an abort"
         text = row.text
         if text is None:
             ids = row.token_ids
-            if ids[-1] in self.eos_ids:
+            if ids and ids[-1] in self.eos_ids:
                 ids = ids[:-1]
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if params.logprobs is None:

@@ -13,6 +13,12 @@ queued: admission stops at it, the running batch drains, the call runs alone on 
 scheduler thread, and admission resumes. So a request runs on one set of weights from its
 prefill to its last token, and requests queued behind the call see what it changed.
 
+:meth:`Scheduler.pause` stops admitting requests until :meth:`Scheduler.resume` (as vLLM's
+``/pause`` and ``/resume``): by default every request not answered yet, running or queued,
+is answered at once with what it has sampled (finish reason ``abort``: a queued one has no
+tokens); with ``wait_for_inflight_requests`` the running ones finish first. Requests that come
+while paused wait; calls between steps still run (pause, reload, resume).
+
 Errors stay with their request: one refused at admission, too long for the context, or whose
 response cannot be built fails alone; only a failed forward pass over the whole batch fails
 every request in it. Stopping answers every request not yet answered with EngineStopped.
@@ -100,6 +106,9 @@ class Stats:
     running_sequences: int = 0
     waiting: int = 0
     """Queued requests and calls, not admitted yet."""
+    paused: bool = False
+    aborted: int = 0
+    """Requests answered unfinished by a pause."""
 
 
 def admissions(waiting: Sequence[int | None], running: int, max_num_seqs: int) -> int:
@@ -119,6 +128,18 @@ def admissions(waiting: Sequence[int | None], running: int, max_num_seqs: int) -
     return count
 
 
+@dataclasses.dataclass(slots=True)
+class _Pauses:
+    """Pause calls the scheduler thread takes up together, and the requests they answer unstarted."""
+
+    calls: list[tuple[Future, bool]]
+    queued: list[_Entry] = dataclasses.field(default_factory=list)
+
+    @property
+    def abort(self) -> bool:
+        return any(abort for _, abort in self.calls)
+
+
 class Scheduler:
     """Continuous batching over ``sampler``, on a thread of its own (the module's docstring
     says how); every other thread only submits work and reads :meth:`stats`."""
@@ -131,7 +152,10 @@ class Scheduler:
         self._cond = threading.Condition()
         self._queue: collections.deque[_Entry] = collections.deque()  # under _cond
         self._stopping = False  # under _cond
+        self._paused = False  # under _cond
+        self._pauses: list[tuple[Future, bool]] = []  # under _cond: pause calls not taken up yet, and whether each aborts
         self._stats = Stats()  # under _cond
+        self._draining: list[Future] = []  # the scheduler thread's: pauses answered once the batch is empty
         # The scheduler thread's alone:
         self._batch = Batch()
         self._running: dict[Request, _Entry] = {}
@@ -151,6 +175,33 @@ class Scheduler:
         answered, and before any request queued after it is admitted; its future gets the
         result or the exception. Raises EngineStopped once stopping."""
         return self._enqueue(_Entry(Future(), call=call))
+
+    def pause(self, *, wait_for_inflight_requests: bool = False) -> Future:
+        """Stop admitting requests until :meth:`resume`; the future is answered once nothing
+        runs: at once, every request not answered yet answered with what it has (finish
+        reason ``abort``), or, with ``wait_for_inflight_requests``, once the running ones
+        finished (the queued ones wait). Raises EngineStopped once stopping."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            self._paused = True
+            self._stats.paused = True
+            self._pauses.append((future, not wait_for_inflight_requests))
+            self._cond.notify()
+        return future
+
+    def resume(self) -> None:
+        """Admit requests again (those that came while paused first, in order)."""
+        with self._cond:
+            self._paused = False
+            self._stats.paused = False
+            self._cond.notify()
+
+    @property
+    def paused(self) -> bool:
+        with self._cond:
+            return self._paused
 
     def _enqueue(self, entry: _Entry) -> Future:
         with self._cond:
@@ -183,6 +234,9 @@ class Scheduler:
         try:
             while (work := self._next()) is not None:
                 admitted, call = work
+                if isinstance(admitted, _Pauses):
+                    self._pause(admitted)
+                    continue
                 if call is not None:
                     self._call(call)
                     continue
@@ -191,6 +245,10 @@ class Scheduler:
                     self._admit(admitted)
                 if self._batch:
                     self._step()
+                if self._draining and not self._batch:
+                    for future in self._draining:
+                        future.set_result(None)
+                    self._draining = []
                 with self._cond:
                     self._stats.busy_s += time.monotonic() - began
         except BaseException as e:
@@ -202,23 +260,76 @@ class Scheduler:
                 self._stopping = True
                 left = [*self._queue, *self._running.values()]
                 self._queue.clear()
+                pauses = [future for future, _ in self._pauses] + self._draining
+                self._pauses, self._draining = [], []
             self._running.clear()
             self._batch = Batch()
             for entry in left:
                 entry.future.set_exception(EngineStopped(reason))
+            for future in pauses:
+                future.set_exception(EngineStopped(reason))
 
-    def _next(self) -> tuple[list[_Entry], _Entry | None] | None:
-        """What to do next: (requests to admit, None), or ([], a call to run); None to stop.
-        Waits while there is nothing to do."""
+    def _next(self) -> tuple[list[_Entry] | _Pauses, _Entry | None] | None:
+        """What to do next: (requests to admit, None), ([], a call to run), or (pauses to
+        take up, None); None to stop. Waits while there is nothing to do. While paused no
+        request is admitted, and a call runs once the batch is empty, before the requests
+        that wait for the resume."""
         with self._cond:
-            while not self._stopping and not self._queue and not self._batch:
+            while not self._stopping and not self._pauses and not self._batch and not self._ready():
                 self._cond.wait()
             if self._stopping:
                 return None
+            if self._pauses:
+                pauses = _Pauses(self._pauses)
+                self._pauses = []
+                if pauses.abort:  # the queued requests are answered too, unstarted
+                    pauses.queued = [e for e in self._queue if e.job is not None]
+                    self._queue = collections.deque(e for e in self._queue if e.job is None)
+                return pauses, None
+            if self._paused:
+                call = next((e for e in self._queue if e.call is not None), None) if not self._batch else None
+                if call is not None:
+                    self._queue.remove(call)
+                return [], call
             if self._queue and self._queue[0].call is not None and not self._batch:
                 return [], self._queue.popleft()
             count = admissions([e.sequences for e in self._queue], len(self._batch), self.max_num_seqs)
             return [self._queue.popleft() for _ in range(count)], None
+
+    def _ready(self) -> bool:
+        """Something queued can run now (under _cond)."""
+        return any(e.call is not None for e in self._queue) if self._paused else bool(self._queue)
+
+    def _pause(self, pauses: _Pauses) -> None:
+        """Take up pause calls: abort what runs and what was queued, or let the batch drain."""
+        if pauses.abort:
+            running = list(self._running)
+            if running:
+                self.sampler.abort(self._batch, running)
+            unstarted = []
+            for entry in pauses.queued:
+                try:
+                    request = self.sampler.request(entry.job.prompts, entry.job.params)
+                except Exception as e:  # a prompt it would have refused at admission
+                    entry.future.set_exception(e)
+                    continue
+                unstarted.append(request)
+                self._running[request] = entry
+            self.sampler.abort(Batch(), unstarted)
+            for request in running + unstarted:
+                entry = self._running.pop(request)
+                try:
+                    entry.future.set_result(entry.job.finish(request.generation))
+                except Exception as e:
+                    entry.future.set_exception(e)
+            with self._cond:
+                self._stats.aborted += len(running) + len(unstarted)
+                self._stats.running_requests = self._stats.running_sequences = 0
+        self._draining.extend(future for future, _ in pauses.calls)
+        if not self._batch:
+            for future in self._draining:
+                future.set_result(None)
+            self._draining = []
 
     def _call(self, entry: _Entry) -> None:
         try:

@@ -35,6 +35,11 @@ the server answers to NAME only, so that a client still asking for the old name 
 instead of the new policy's samples. A checkpoint that does not fit (another architecture,
 missing tensors) is a 400 and the old one serves on.
 
+``POST /pause`` and ``POST /resume`` (and ``GET /is_paused``) are vLLM's: a pause answers every
+request not answered yet with what it has sampled, finish reason ``abort`` (with
+``?wait_for_inflight_requests=true`` the running ones finish instead), and requests wait
+until the resume (``scheduler.Scheduler.pause``).
+
 LoRA (``--base-model BASE``): ``--model`` and a reload's DIR may be an adapter directory
 (peft's ``adapter_config.json`` and ``adapter_model.safetensors``, as the trainer writes with
 ``train.lora_rank``). The server loads BASE once and merges each adapter into it in place
@@ -56,6 +61,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -316,6 +322,9 @@ class _Handler(BaseHTTPRequestHandler):
             "/v1/models": ("GET", self._models),
             "/v1/completions": ("POST", self._completions),
             "/reload": ("POST", self._reload),
+            "/pause": ("POST", self._pause),
+            "/resume": ("POST", self._resume),
+            "/is_paused": ("GET", self._is_paused),
         }
         path = self.path.split("?", 1)[0]
         detail = ""
@@ -420,6 +429,28 @@ class _Handler(BaseHTTPRequestHandler):
         log.info("reloaded %s in place in %.2fs as %r (%s %s)", directory, seconds, body["served_model_name"],
                  "LoRA adapter, merged into the base" if checkpoints.is_adapter(directory) else "model.safetensors", _weights_sum(directory))
         return HTTPStatus.OK, {"model": body["served_model_name"], "root": str(directory), "seconds": round(seconds, 4)}, ""
+
+    def _pause(self):
+        """vLLM's ``POST /pause``: every request not answered yet is answered now with what it
+        sampled (finish reason ``abort``), or with ``wait_for_inflight_requests=true`` the
+        running ones finish; then requests wait until ``POST /resume``. ``clear_cache`` is
+        accepted (the engine keeps no cache between requests)."""
+        query = urllib.parse.parse_qs(self.path.partition("?")[2])
+        wait = query.get("wait_for_inflight_requests", ["false"])[-1].lower()
+        if wait not in ("true", "false", "1", "0"):
+            raise RequestRejected(f"wait_for_inflight_requests must be true or false, got {wait!r}")
+        try:
+            self.server.scheduler.pause(wait_for_inflight_requests=wait in ("true", "1")).result()
+        except EngineStopped as e:
+            raise RequestRejected(str(e), HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError") from e
+        return HTTPStatus.OK, {"status": "paused"}, ""
+
+    def _resume(self):
+        self.server.scheduler.resume()
+        return HTTPStatus.OK, {"status": "resumed"}, ""
+
+    def _is_paused(self):
+        return HTTPStatus.OK, {"is_paused": self.server.scheduler.paused}, ""
 
     def _completions(self):
         body = self._json_body()

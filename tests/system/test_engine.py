@@ -668,3 +668,51 @@ def test_sigterm_with_a_request_decoding_exits_0_and_answers_it(endless_model_di
         assert "SIGTERM received: shutting down" in e.log()
     finally:
         e.kill()
+
+
+BIG = {**LONG, "prompt": PROMPTS[:4] * 8}
+"""LONG over 256 sequences: some half a second of steps, which a pause comes well inside."""
+
+
+@pytest.mark.timeout(120)
+def test_a_pause_answers_what_runs_with_what_it_sampled_holds_new_requests_and_a_resume_serves_them(endless_model_dir, tmp_path):
+    """vLLM's /pause and /resume: the running request comes back at once, each sample with the
+    tokens it had (a prefix of what it samples unpaused, the same log-probs), finish reason
+    abort; a request sent while paused waits for the resume and is then served whole; with
+    wait_for_inflight_requests the running request finishes first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    e = Engine(endless_model_dir, tmp_path / "engine.log")
+    client = EngineClient(e.url, timeout_s=60, model=MODEL_NAME)
+    try:
+        whole = _complete(e, **BIG)
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(_complete, e, **BIG)
+            _wait_for(e, "the long request some steps in", lambda s: s["running_requests"] >= 1 and s["steps"] >= 5 + 56)
+            client.pause()
+            cut = running.result(timeout=5)  # answered by the pause, not after its 56 tokens
+            assert client.is_paused() and _stats(e)["paused"] and _stats(e)["aborted"] == 1
+            assert [c["finish_reason"] for c in cut["choices"]] == ["abort"] * len(whole["choices"])
+            for got, want in zip(cut["choices"], whole["choices"]):
+                k = len(got["token_ids"])
+                assert 0 < k < BIG["max_tokens"] and got["token_ids"] == want["token_ids"][:k]
+                assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"][:k], abs=1e-5)
+            assert cut["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in cut["choices"])
+
+            held = pool.submit(_complete, e, **SMALL[0])
+            _wait_for(e, "the new request held by the pause", lambda s: s["waiting"] >= 1)
+            assert not held.done() and _stats(e)["running_requests"] == 0
+            client.resume()
+            assert not client.is_paused()
+            served = held.result(timeout=30)
+        assert served["choices"][0]["finish_reason"] == "length" and len(served["choices"][0]["token_ids"]) == SMALL[0]["max_tokens"]
+
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_complete, e, **BIG)
+            _wait_for(e, "the long request decoding", lambda s: s["running_requests"] >= 1)
+            client.pause(wait_for_inflight_requests=True)
+            assert _stats(e)["running_requests"] == 0 and _stats(e)["aborted"] == 1  # it ran to its end before the pause
+            _assert_same_answer(running.result(timeout=30), whole)
+        client.resume()
+    finally:
+        e.kill()
