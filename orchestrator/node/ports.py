@@ -1,4 +1,4 @@
-"""Finding a free TCP port on this node (engines, the training rendezvous)."""
+"""Finding a free TCP port on this node (engines), or holding one (the training rendezvous)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,20 @@ def free_port(first: int, tries: int = 200, exclude: set[int] | frozenset[int] =
                 continue
             return port
     raise OrchestratorError(f"no free TCP port in {first}..{first + tries - 1}")
+
+
+def listening_socket(first: int, tries: int = 200) -> socket.socket:
+    """A socket bound to the first free port from ``first`` and listening there: the port is
+    this process's from now on, with no window for another to take it (pass its descriptor to
+    the server that is to answer on it)."""
+    for port in range(first, first + tries):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("", port))
+            s.listen(1024)
+        except OSError:
+            s.close()
+            continue
+        return s
+    raise OrchestratorError(f"no free TCP port in {first}..{first + tries - 1}")
+

@@ -36,6 +36,7 @@ from orchestrator.node import gpus
 from orchestrator.node.procs import Children
 from orchestrator.protocol import child_error, fsio
 from orchestrator.protocol.waiting import Backoff, CancelToken, Deadline, poll
+from orchestrator.train.rendezvous import LISTEN_FD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,14 @@ class NodeTrainers:
         if sockets:
             log.info("trainers use interface %s to reach %s (set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to choose)",
                      next(iter(sockets.values())), rdv["addr"])
+        listener = rdv.get("listener")  # this node publishes: worker 0 serves the group's store on it
+        try:
+            return self._start_workers(step, rdv, sockets, serve, listener)
+        finally:
+            if listener is not None:
+                listener.close()  # worker 0 holds its own copy
+
+    def _start_workers(self, step: Step, rdv: dict, sockets: dict, serve: bool, listener) -> list[_Process]:
         started = []
         for w in step.workers:
             env = {
@@ -181,10 +190,15 @@ class NodeTrainers:
             }
             if w.gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus.child_visible_devices([w.gpu])
+            fds = ()
+            if listener is not None and w.rank == 0:
+                fds = (listener.fileno(),)
+                env[LISTEN_FD_ENV] = str(listener.fileno())
             mode = ["--serve"] if serve else ["--train-config", str(w.files.request), "--done", str(w.files.done)]
             with open(w.files.log, "ab") as out:
                 proc = self.children.start([sys.executable, "-m", "orchestrator.train.worker", *mode], env=env, stdout=out,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.PIPE if serve else subprocess.DEVNULL)
+                                           stderr=subprocess.STDOUT, stdin=subprocess.PIPE if serve else subprocess.DEVNULL,
+                                           pass_fds=fds)
             started.append(_Process(w, proc))
         return started
 

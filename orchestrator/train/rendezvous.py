@@ -14,6 +14,9 @@ from orchestrator.train.errors import BadTrainInput, RendezvousFailed
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
+LISTEN_FD_ENV = "MASTER_LISTEN_FD"
+"""Rank 0's: a socket already listening on ``MASTER_PORT``, which the launch held from the
+moment it chose the port; the group's store serves on it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,6 +31,8 @@ class Rendezvous:
     backend: str  # "gloo" | "nccl"
     timeout_s: float
     local_rank: int
+    listen_fd: int | None = None
+    """Rank 0: the socket to serve the group's store on (:data:`LISTEN_FD_ENV`); None: bind ``port``."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -60,6 +65,7 @@ class Rendezvous:
                 backend=backend,
                 timeout_s=float(env.get("TRAIN_TIMEOUT_S") or DEFAULT_TIMEOUT_S),
                 local_rank=int(env.get("LOCAL_RANK") or 0),
+                listen_fd=int(env[LISTEN_FD_ENV]) if env.get(LISTEN_FD_ENV) else None,
             )
         except ValueError as e:
             raise BadTrainInput(f"bad rendezvous environment: {e}") from None
@@ -82,15 +88,13 @@ def join(rdv: Rendezvous):
         torch.cuda.set_device(device)
     started = time.monotonic()
     log.info("joining rendezvous %s as rank %d of %d (%s, timeout %.0fs)", rdv.url, rdv.rank, rdv.world_size, rdv.backend, rdv.timeout_s)
+    timeout = timedelta(seconds=rdv.timeout_s)
     try:
-        dist.init_process_group(
-            rdv.backend,
-            init_method=rdv.url,
-            world_size=rdv.world_size,
-            rank=rdv.rank,
-            timeout=timedelta(seconds=rdv.timeout_s),
-            device_id=device if rdv.backend == "nccl" else None,
-        )
+        # The store as init_method tcp:// makes it, but rank 0's on the socket the launch held for it.
+        held = {"master_listen_fd": rdv.listen_fd} if rdv.listen_fd is not None and rdv.rank == 0 else {}
+        store = dist.TCPStore(rdv.addr, rdv.port, rdv.world_size, rdv.rank == 0, timeout=timeout, **held)
+        dist.init_process_group(rdv.backend, store=store, world_size=rdv.world_size, rank=rdv.rank, timeout=timeout,
+                                device_id=device if rdv.backend == "nccl" else None)
     except Exception as e:  # torch raises DistStoreError, DistNetworkError, RuntimeError, ...
         raise RendezvousFailed(
             f"rendezvous at {rdv.url} (world size {rdv.world_size}) failed after {time.monotonic() - started:.1f}s: "

@@ -109,7 +109,7 @@ def test_every_iteration_reaches_each_backend_exactly_once_across_a_kill_9_and_a
             assert steps == {1: 1, 2: 1, 3: 1}, f"{name}: {key} has steps {dict(steps)}"
     wandb_starts = list((layout.tracking / "wandb").glob(f"offline-run-*-{ids['wandb']}"))
     assert len(wandb_starts) == 2, "one offline run directory per start of the same wandb run"
-    stray = [p for p in psutil.process_iter(["cmdline"]) if any(log_path.name in part for part in (p.info["cmdline"] or []))]
+    stray = [p for p in psutil.process_iter(["cmdline"]) if any(str(log_path) in part for part in (p.info["cmdline"] or []))]
     assert not stray, f"processes of the run left behind: {stray}"
 
 

@@ -4,7 +4,10 @@ The node that hosts train worker 0 publishes it (the master, unless the placemen
 worker 0 elsewhere). Not a ``file://`` store (it failed 4 of 14 runs across sshfs mounts, docs/shared-filesystems.md): the
 master picks an address and a free port, writes them into the attempt's rendezvous file
 (per attempt, so a crashed attempt's address is never used), and every rank's trainer
-connects over TCP.
+connects over TCP. The port is held from the moment it is chosen: the master listens on it
+and hands the socket to train worker 0, which serves the group's store on it
+(``MASTER_LISTEN_FD``), so that another run on the node cannot take it meanwhile (two runs
+that both found 29500 free and both published it: the second's trainer failed to bind).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 import socket
 
 from orchestrator.node import identity
-from orchestrator.node.ports import free_port
+from orchestrator.node.ports import listening_socket
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
@@ -35,13 +38,19 @@ def master_address() -> str:
 def publish_or_read(ctx: PhaseContext) -> dict:
     """The node of train worker 0 (the master on CPU) chooses and publishes the address of
     this iteration's training (and round: a step trained again without a lost rank is a new
-    group, coordination.elastic); the others read it."""
+    group, coordination.elastic); the others read it. The publisher's record also holds
+    ``listener``, the socket listening on the port, for worker 0 (train/launch.py)."""
     path = ctx.run.attempt.rendezvous
     round_ = ctx.run.train_round
     if ctx.rank == ctx.run.placement.checkpoint_node:
-        record = {"iteration": ctx.iteration, "round": round_, "addr": master_address(), "port": free_port(ctx.config.rl.train_port)}
-        fsio.write_record(path, record)
-        return record
+        listener = listening_socket(ctx.config.rl.train_port)
+        try:
+            record = {"iteration": ctx.iteration, "round": round_, "addr": master_address(), "port": listener.getsockname()[1]}
+            fsio.write_record(path, record)
+        except BaseException:
+            listener.close()
+            raise
+        return {**record, "listener": listener}
 
     def probe():
         fsio.refresh_dir(path.parent)
