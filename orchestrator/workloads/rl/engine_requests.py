@@ -167,11 +167,6 @@ class Inflight:
         with self._lock:
             return self._queued
 
-    @property
-    def capacity(self) -> int:
-        """Sequences all engines together take in flight."""
-        return self.max_sequences * len(self._engines)
-
     def answers(self, timeout_s: float) -> list[Answer]:
         """The answers that came since the last call, waiting up to ``timeout_s`` for the
         first; raises the first request's failure (the rest are then left unsent)."""
