@@ -186,7 +186,6 @@ class Scheduler:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
             self._paused = True
-            self._stats.paused = True
             self._pauses.append((future, not wait_for_inflight_requests))
             self._cond.notify()
         return future
@@ -195,7 +194,6 @@ class Scheduler:
         """Admit requests again (those that came while paused first, in order)."""
         with self._cond:
             self._paused = False
-            self._stats.paused = False
             self._cond.notify()
 
     @property
@@ -225,7 +223,7 @@ class Scheduler:
 
     def stats(self) -> Stats:
         with self._cond:
-            return dataclasses.replace(self._stats, waiting=len(self._queue))
+            return dataclasses.replace(self._stats, waiting=len(self._queue), paused=self._paused)
 
     # -- the scheduler thread --------------------------------------------------------------------
 
@@ -245,10 +243,7 @@ class Scheduler:
                     self._admit(admitted)
                 if self._batch:
                     self._step()
-                if self._draining and not self._batch:
-                    for future in self._draining:
-                        future.set_result(None)
-                    self._draining = []
+                self._answer_drained()
                 with self._cond:
                     self._stats.busy_s += time.monotonic() - began
         except BaseException as e:
@@ -303,30 +298,31 @@ class Scheduler:
     def _pause(self, pauses: _Pauses) -> None:
         """Take up pause calls: abort what runs and what was queued, or let the batch drain."""
         if pauses.abort:
-            running = list(self._running)
-            if running:
-                self.sampler.abort(self._batch, running)
-            unstarted = []
+            aborted = list(self._running.items())
+            self._running.clear()
+            self.sampler.abort(self._batch, [request for request, _ in aborted])
             for entry in pauses.queued:
                 try:
                     request = self.sampler.request(entry.job.prompts, entry.job.params)
                 except Exception as e:  # a prompt it would have refused at admission
                     entry.future.set_exception(e)
                     continue
-                unstarted.append(request)
-                self._running[request] = entry
-            self.sampler.abort(Batch(), unstarted)
-            for request in running + unstarted:
-                entry = self._running.pop(request)
+                self.sampler.abort(self._batch, [request])  # not in the batch: only its empty generation
+                aborted.append((request, entry))
+            for request, entry in aborted:
                 try:
                     entry.future.set_result(entry.job.finish(request.generation))
                 except Exception as e:
                     entry.future.set_exception(e)
             with self._cond:
-                self._stats.aborted += len(running) + len(unstarted)
+                self._stats.aborted += len(aborted)
                 self._stats.running_requests = self._stats.running_sequences = 0
         self._draining.extend(future for future, _ in pauses.calls)
-        if not self._batch:
+        self._answer_drained()
+
+    def _answer_drained(self) -> None:
+        """Answer the pauses that wait for the batch to drain, once it has."""
+        if self._draining and not self._batch:
             for future in self._draining:
                 future.set_result(None)
             self._draining = []
