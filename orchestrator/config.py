@@ -443,6 +443,19 @@ class RolloutConfig:
     """With rl.agent: how the model's tool calls are read out of its text for the agent endpoint's
     structured tool_calls: hermes (<tool_call>{...}</tool_call>, Qwen's and Hermes' templates)
     or llama3_json (a JSON object, Llama 3.1-3.3)."""
+    partial: bool = False
+    """Partial rollouts: a train rollout rolls out rollout.oversample more tasks than it trains,
+    each rank stops its engines once its share of rl.train_tasks groups is complete, and the
+    unfinished samples are kept (their tokens, log-probs and policies) and continued first by the
+    next iteration's rollout; eval never is. Single-turn rollouts (not with rl.environment,
+    rl.agent or rl.filter_groups)."""
+    oversample: Annotated[float, _limit("{key} must be in (0, 1], got {value}", gt=0, le=1)] = 0.25
+    """With rollout.partial: the share of rl.train_tasks a train rollout rolls out beyond them
+    (0.25: 480 tasks for 384 trained); at most that many groups are carried to the next."""
+    max_carry: Annotated[int, _limit("{key} must be >= 1, got {value}", ge=1)] = 1
+    """With rollout.partial: how many times a group may be carried into a later rollout; one
+    carried that many times is not stopped again, so that no token is trained more than
+    rl.max_staleness + rollout.max_carry checkpoints after its policy."""
     prompts_per_request: Annotated[int, _limit("{key} must be >= 0 (0: the engine's default), got {value}", ge=0)] = 0
     """Prompts in one request to an engine, each with its samples. 0: the engine's default:
     one for vLLM (a request carries one seed, which every prompt in it would share); for the
@@ -624,6 +637,7 @@ class RunConfig:
         if not self.train.device_mapping and self.rank_weights is not None:
             placement.check_cpu_weights(self.rank_weights, rollout_nodes)
         self._check_overlap(train_nodes, rollout_nodes)
+        self._check_partial()
         if self.workload is WorkloadKind.RL and self.rollout.engine == "vllm" and self.train.lora_rank > VLLM_MAX_LORA_RANK:
             raise ConfigError(f"train.lora_rank={self.train.lora_rank}: vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANK}")
         if self.workload is WorkloadKind.RL and self.rollout.engine == "vllm" and not self.debug_mode:
@@ -632,6 +646,17 @@ class RunConfig:
                 if temp == 0 and n > 1:
                     raise ConfigError(f"{what} = 0/{n}: vLLM refuses more than one sample per prompt at temperature 0 "
                                       f"(greedy sampling gives one answer); raise the temperature or use 1 sample")
+
+    def _check_partial(self) -> None:
+        """rollout.partial continues single-turn samples from their tokens: refused where a
+        sample is more than one request (multi-turn, agents) or a round is drawn by its groups."""
+        if not self.rollout.partial or self.workload is not WorkloadKind.RL:
+            return
+        for key, value in (("rl.environment", self.rl.environment), ("rl.agent", self.rl.agent),
+                           ("rl.filter_groups", self.rl.filter_groups)):
+            if value:
+                raise ConfigError(f"rollout.partial=true continues single-turn samples only, and {key}={value} is set: "
+                                  f"unset one of them")
 
     def _check_overlap(self, train_nodes: tuple[int, ...], rollout_nodes: tuple[int, ...]) -> None:
         """rl.max_staleness >= 1 overlaps rollout with training: on nodes apart, walking both halves."""

@@ -150,6 +150,12 @@ def view(snap: dict) -> Group:
             update, drawn = it.get("update") or {}, it.get("resample") or {}
             rounds = f", {drawn['rounds']} more round(s)" if drawn.get("rounds") else ""
             row[-1:-1] = [f"{update['filtered_groups']}/{update['records']}{rounds}" if update.get("filtered_groups") is not None else ""]
+    if any(it.get("partial") for it in snap["iterations"]):  # rollout.partial: groups carried in/out, token ages
+        columns, optional = [*columns[:-1], "carried", columns[-1]], [*optional, "carried"]
+        for row, it in zip(its, snap["iterations"]):
+            p = it.get("partial") or {}
+            row[-1:-1] = [f"{p['carried_in']} in, {p['carried_out']} out, age <={p['token_age_max']}"
+                          + (f", {p['dropped']} dropped" if p.get("dropped") else "") if p else ""]
     if its:
         parts.append(terminal.FittedTable(columns, its, optional, elsewhere=ELSEWHERE))
     replays = [(it["iteration"], it["update"]["replayed"]) for it in snap["iterations"] if (it.get("update") or {}).get("replayed")]

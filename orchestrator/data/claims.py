@@ -317,6 +317,19 @@ class Ledger:
             state, g = self._read(chunk)
         return state
 
+    def claim_own(self) -> tuple[list[Chunk], bool]:
+        """Claim every chunk of this rank's own not claimed yet (partial rollouts: a rank that
+        stops early keeps its share's rest, to carry it unbegun). (the chunks it won, whether a
+        claim of its own is still settling)."""
+        won, pending = [], False
+        for chunk in self._own:
+            if chunk.index not in self.owner:
+                outcome = self.claim(chunk)
+                if outcome is Outcome.WON:
+                    won.append(chunk)
+                pending |= outcome is Outcome.PENDING
+        return won, pending
+
     def take(self) -> tuple[Chunk | None, bool]:
         """The next chunk for this rank: its own first, then (stealing) another's.
         (chunk, False) or (None, True) when a claim of its own is still settling and nothing

@@ -101,7 +101,7 @@ def snapshot(log_path: Path, events: EventReader | None = None) -> dict:
             iterations.append({**{k: s.get(k) for k in ("iteration", "tasks_per_rank", "tasks_done_per_rank", "tasks_taken_per_rank",
                                                          "trajectories", "evaluated", "metrics", "checkpoint", "complete",
                                                          "reward_errors", "prompts_too_long", "staleness", "is_ratio", "update",
-                                                         "resample")},
+                                                         "resample", "partial")},
                                "timing": times.get(i)})
     barrier = barrier_state(attempt, current.attempt, num_nodes, now, ranks, members.out) if not current.released else None
     gone = None if current.released else all_gone(ranks, now)

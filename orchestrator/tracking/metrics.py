@@ -12,6 +12,9 @@ names follow the peers' habits (verl, prime-rl), grouped by a prefix::
     train/is_ratio_mean, train/is_ratio_max, train/is_capped_fraction           with rl.is_correction
     rollout/response_length, rollout/tokens_per_s, rollout/zero_advantage_groups, rollout/filtered_groups,
     rollout/overlong_samples, rollout/staleness
+    rollout/carried_groups, rollout/carried_in_groups, rollout/dropped_groups, rollout/dropped_tokens,
+    rollout/token_age_max, rollout/token_age_mean   with rollout.partial (the groups carried out of and into
+                                       the iteration, those past the staleness bound, the trained tokens' policy ages)
     timing_s/<phase>, timing_s/iteration     the master's seconds in each phase, and their sum
     perf/checkpoint_bytes, perf/weights_read_bytes   the checkpoint the update wrote; the weights every engine read
     perf/checkpoint_state_bytes                      of the checkpoint, the training state (optimizer, fp32 master)
@@ -55,6 +58,11 @@ def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float
     staleness = s.get("staleness")
     if isinstance(staleness, list) and staleness:
         out["rollout/staleness"] = staleness[-1]
+    partial = s.get("partial") or {}
+    for name, key in (("carried_groups", "carried_out"), ("carried_in_groups", "carried_in"), ("dropped_groups", "dropped"),
+                      ("dropped_tokens", "tokens_dropped"), ("token_age_max", "token_age_max"), ("token_age_mean", "token_age_mean")):
+        if key in partial:
+            out[f"rollout/{name}"] = partial[key]
     metrics = s.get("metrics") or {}
     if metrics:
         out["eval/accuracy"] = metrics.get("accuracy")

@@ -30,7 +30,7 @@ def _error(*overrides: str) -> str:
 
 def _run(**fields) -> config.RunConfig:
     return config.RunConfig(data_path=Path("/data"), log_path=Path("/run"), rl_phase=RLPhase.BOTH, eval_interval=1, rank=0,
-                            workload=config.WorkloadKind.REHEARSAL, **fields)
+                            **{"workload": config.WorkloadKind.REHEARSAL, **fields})
 
 
 BOUNDS = {
@@ -66,6 +66,8 @@ BOUNDS = {
     "rollout port": ("rollout.engine_port=70000", "rollout.engine_port must be a TCP port (0-65535), got 70000"),
     "rollout timeout": ("rollout.memory_release_timeout_s=0", "rollout.memory_release_timeout_s must be a positive number of seconds"),
     "rollout interval": ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization must be in (0, 1], got 0.0"),
+    "rollout oversample": ("rollout.oversample=1.5", "rollout.oversample must be in (0, 1], got 1.5"),
+    "rollout carry": ("rollout.max_carry=0", "rollout.max_carry must be >= 1, got 0"),
     "checkpoint": ("checkpoint.keep_last=0", "checkpoint.keep_last must be at least 1 (the current checkpoint is always kept), got 0"),
 }
 
@@ -195,6 +197,10 @@ def test_rules_between_fields_still_apply_after_the_bounds():
         _build("rollout.gpus_per_engine=4", "rollout.pipeline_parallel_size=3")
     with pytest.raises(ConfigError, match="exceeds --num-nodes 1"):
         _run(coordination=config.CoordinationConfig(min_nodes=2))
+    for rl in (config.RLConfig(environment="m:Env"), config.RLConfig(agent="m:agent"), config.RLConfig(filter_groups=True)):
+        key = "rl.environment" if rl.environment else "rl.agent" if rl.agent else "rl.filter_groups"
+        with pytest.raises(ConfigError, match=f"rollout.partial=true continues single-turn samples only, and {key}="):
+            _run(workload=config.WorkloadKind.RL, rl=rl, rollout=config.RolloutConfig(partial=True))
 
 
 def test_the_trainer_types_keep_their_msgspec_bounds():

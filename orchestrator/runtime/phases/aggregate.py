@@ -5,7 +5,8 @@ there exactly once: a chunk's records count from the rank that owns its claim (d
 from __future__ import annotations
 
 from orchestrator.config import RunConfig, WorkloadKind
-from orchestrator.data import claims, resample, shards, staleness, summary
+from orchestrator.phase_table import RLPhase
+from orchestrator.data import carry, claims, resample, shards, staleness, summary
 from orchestrator.protocol import fsio
 from orchestrator.protocol.waiting import Deadline, poll
 from orchestrator.runtime.context import PhaseContext
@@ -87,7 +88,7 @@ def merge_split(ctx: PhaseContext, split: str, parts: list[str] | None = None) -
     ``parts``: the splits whose shards it is made of, round after round, each in its plan's
     order (the train split: its resample rounds too, rl.filter_groups); None: the split alone,
     or for ``train`` the rounds the iteration opened."""
-    dest = ctx.it.aggregate(split)
+    dest = ctx.it.aggregate("pool" if split == "train" and ctx.config.rollout.partial else split)  # train: split after
     existing = shards.sealed(dest)
     if existing is not None and not existing.extra.get("partial"):
         return existing  # a salvaged partial one is replaced by the full merge
@@ -175,11 +176,37 @@ def zero_rewards_warning(config: RunConfig, iteration: int, extra: dict) -> str 
             f"within rl.max_tokens={config.rl.max_tokens}")
 
 
+def train_aggregate(ctx: PhaseContext, parts: list[str] | None = None) -> shards.Manifest:
+    """The iteration's train aggregate, merged from the ranks' shards; with rollout.partial, of
+    the pool merged so, the groups trained now, and the others carried (data/carry.py)."""
+    m = merge_split(ctx, "train", parts)
+    if not ctx.config.rollout.partial:
+        return m
+    cfg = ctx.config
+    bound = cfg.rl.max_staleness + cfg.rollout.max_carry
+    # The update that trains it starts from checkpoint iteration - 1; a run that only rolls out
+    # trains none, and its tokens' ages are counted from the policy it serves.
+    update = ctx.iteration if cfg.rl_phase is RLPhase.BOTH else ctx.policy.iteration + 1
+    m, split = carry.split(ctx.it.aggregate("pool"), ctx.it.aggregate("train"), ctx.it.aggregate("carry"),
+                           trained=ctx.workload.trained_per_iteration(), iteration=update, bound=bound,
+                           max_carry=cfg.rollout.max_carry, work=m.extra.get("work"), per_source=m.extra.get("per_source"),
+                           dropped=m.extra.get("dropped"), pool=m.count)
+    summary.update(ctx.layout, ctx.iteration, partial=split.summary())
+    if split.dropped:
+        ctx.log.warning("left out %d train group(s) of iteration %d (%d tokens) whose tokens are older than rl.max_staleness + "
+                        "rollout.max_carry = %d checkpoints allow, or carried more than rollout.max_carry=%d times: tasks %s",
+                        split.dropped, ctx.iteration, split.tokens_dropped, bound, cfg.rollout.max_carry,
+                        ", ".join(split.dropped_ids[:5]) + (" ..." if split.dropped > 5 else ""))
+    ctx.log.info("rollout.partial: %d of %d groups trained (%d carried in), %d carried to iteration %d (%d samples unfinished)",
+                 split.trained, m.extra["pool"], split.carried_in, split.carried_out, ctx.iteration + 1, split.unfinished_samples)
+    return m
+
+
 def merge_train_shards(ctx: PhaseContext) -> None:
     if not ctx.plan["train"]["enabled"]:
         return
     rounds = rollout.train_rounds(ctx)
-    m = merge_split(ctx, "train", rounds.splits)
+    m = train_aggregate(ctx, rounds.splits)
     trajectories = m.extra.get("trajectories", m.count)
     done = m.extra.get("work") or {}
     policies = m.extra.get("policy_iterations")

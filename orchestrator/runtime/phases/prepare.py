@@ -25,7 +25,8 @@ def check_training_data(ctx: PhaseContext) -> None:
             f"iteration {ctx.iteration} has no sealed train aggregate ({ctx.it.aggregate('train')}); "
             f"run --rl-phase rollout --rollout-split train-only for it first"
         )
-    staleness.check(ctx.iteration, ctx.config.rl.max_staleness, m.extra.get("policy_iterations"),
+    carried = ctx.config.rollout.max_carry if ctx.config.rollout.partial else 0  # a carried group's first tokens are older
+    staleness.check(ctx.iteration, ctx.config.rl.max_staleness + carried, m.extra.get("policy_iterations"),
                     f"the train aggregate of iteration {ctx.iteration}")
     if m.extra.get("partial") and not ctx.config.rl.train_on_partial:
         per_source = ", ".join(f"{label}: {n}" for label, n in m.extra.get("per_source", {}).items())
@@ -51,7 +52,7 @@ def _rebuild_if_damaged(ctx: PhaseContext) -> None:
                     "the ranks' shards", ctx.iteration, aside.name)
     os.replace(dest, aside)
     shards.manifest_path(dest).unlink(missing_ok=True)
-    aggregate.merge_split(ctx, "train")
+    aggregate.train_aggregate(ctx)
 
 
 def training_plan(ctx: PhaseContext, arrivals: dict[int, dict]) -> dict:

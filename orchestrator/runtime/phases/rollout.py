@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from orchestrator import terminal
-from orchestrator.data import claims, resample, shards
+from orchestrator.data import carry, claims, resample, shards
 from orchestrator.node import placement
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
@@ -85,7 +85,8 @@ def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
     held = ledger(ctx, split)
     moved = claims.task_chunks(held.chunks)  # a task of an adopted rank's chunk may be another chunk's now
     finished = claims.finished_chunks(ctx.it, split, ctx.rank) if tracked else set()
-    mark = resample.informative if gated else None
+    partial = split == "train" and ctx.config.rollout.partial  # stop once enough groups are complete (data/carry.py)
+    mark = resample.informative if gated else (lambda record: bool(record.get("unfinished"))) if partial else None
 
     def note() -> None:
         counts = resample.chunk_counts(held.chunks, ids, moved, writer.marked, finished) if gated else None
@@ -131,7 +132,23 @@ def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
                     continue
                 # The phase's deadline bounds this wait: the monitor cancels the rank when it passes.
                 ctx.cancel.check()
-                batch = pipe.next_batch(_BATCH_WAIT_S)
+                stopping = partial and _enough(ctx, writer, pipe, held)
+                if stopping:  # the rest of its share too, claimed now and carried unbegun
+                    rest, settling = held.claim_own()
+                    queue += rest
+                    stopping = not settling
+                left = []
+                for chunk in queue if stopping else ():
+                    todo = [ids[t] for t in chunk.tasks if moved[t] == chunk.index and ids[t] not in writer.task_ids]
+                    unfinished[chunk.index] = set(todo)  # finished once the stop's batch is durable
+                    left += todo
+                queue = [] if stopping else queue
+                batch = pipe.stop(left) if stopping else pipe.next_batch(_BATCH_WAIT_S)
+                if stopping:
+                    cut = sum(1 for r in batch if r.get("unfinished"))
+                    ctx.log.info("%d of the %d train groups this rank took are complete (rollout.partial): stopped the %d "
+                                 "unfinished, carried to the next rollout", len(writer.task_ids) - len(writer.marked) + len(batch)
+                                 - cut, len(writer.task_ids) + len(batch), cut)
                 if not batch:
                     continue
                 for record in batch:
@@ -149,6 +166,16 @@ def generate_shard(ctx: PhaseContext, split: str, gated: bool = False) -> None:
                     note()
         if tracked:
             note()  # chunks found with nothing left to do
+
+
+def _enough(ctx: PhaseContext, writer: shards.ShardWriter, pipe, held: claims.Ledger) -> bool:
+    """rollout.partial: whether this rank has its share of complete groups (data/carry.py,
+    ``target``, of the tasks it holds or will: its own chunks and those it took), none in hand
+    may be carried again, and something is left to stop."""
+    if pipe.outstanding <= pipe.ready or pipe.overdue(ctx.config.rollout.max_carry):
+        return False
+    complete = len(writer.task_ids) - len(writer.marked) + pipe.ready  # durable or about to be, in the batch the stop returns
+    return complete >= carry.target(held.expected(), ctx.config.rollout.oversample)
 
 
 def _settled(unfinished: dict[int, set[str]], batch: list[dict]) -> set[int]:

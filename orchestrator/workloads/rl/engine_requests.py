@@ -27,6 +27,11 @@ import httpx
 from orchestrator.engine.client import Completion, EngineClient
 
 _CLOSE_WAIT_S = 10.0  # how long close() waits for the loop's thread to end
+_STOP_QUIET_S = 0.1
+"""stop() takes the answers of what a paused engine was sampling until none has come for this
+long: an engine sends them at once, so what has not come by then is a request it holds for the
+resume (an answer that would have come later only loses what it had sampled: the request
+counts as never sent)."""
 
 
 def drain(items: queue.SimpleQueue, timeout_s: float) -> list:
@@ -53,6 +58,8 @@ class Request:
     """Samples a prompt; None: the Inflight's ``sampling["n"]``."""
     max_tokens: int | None = None
     """None: the Inflight's ``sampling["max_tokens"]``."""
+    part: int | None = None
+    """The sample of a carried task this request continues (partial rollouts); None: a new one."""
 
     @property
     def size(self) -> int:
@@ -137,6 +144,9 @@ class Inflight:
         self._lock = threading.Lock()
         self._queued = 0  # sequences submitted and not yet sent (guarded by _lock)
         self._failed = False
+        self._halted = False  # stop(): nothing more is sent
+        self._sending: set[asyncio.Task] = set()  # the requests sent and not answered yet
+        self._sending_requests: dict[asyncio.Task, Request] = {}
         self._loop = asyncio.new_event_loop()
         self._stopping = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-inflight", daemon=True)
@@ -176,6 +186,15 @@ class Inflight:
                 raise item
         return got
 
+    def stop(self, timeout_s: float) -> list[Request]:
+        """Stop the engines' work now: nothing more is sent, every engine is paused (its abort:
+        each request in flight is answered at once with what it sampled, finish reason
+        ``abort``; those answers are queued for :meth:`answers` like any), and resumed (free for
+        eval). Returns the requests never sent, and those that reached an engine only after it
+        paused (withdrawn)."""
+        future = asyncio.run_coroutine_threadsafe(self._halt(), self._loop)
+        return future.result(timeout=timeout_s)
+
     def close(self) -> None:
         """Stop sending; requests in flight are abandoned (their answers are never taken)."""
         if self._thread.is_alive():
@@ -191,6 +210,32 @@ class Inflight:
         future = self._loop.create_future()
         self._enqueue([(request, future)])
         return await future
+
+    async def _halt(self) -> list[Request]:
+        self._halted = True
+        unsent = [request for request, _future in self._waiting]
+        self._waiting.clear()
+        with self._lock:
+            self._queued = 0
+        clients = [e.client for e in self._engines]
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: [c.pause() for c in clients])
+        try:
+            # What an engine was sampling comes back at once; a request still on its way when its
+            # engine paused waits there for the resume: it is withdrawn (the engine drops a request
+            # whose client went away) and counts as never sent.
+            held = set(self._sending)
+            while held:  # the answers come at once, in a burst: what has not come once it is over is held
+                _done, held = await asyncio.wait(held, timeout=_STOP_QUIET_S, return_when=asyncio.FIRST_COMPLETED)
+                if not _done:
+                    break
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            unsent += [self._sending_requests.pop(task) for task in held]
+        finally:
+            await loop.run_in_executor(None, lambda: [c.resume() for c in clients])
+        return unsent
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -220,7 +265,7 @@ class Inflight:
 
     def _dispatch(self) -> None:
         """Send waiting requests while some engine has room: the least loaded one first."""
-        while self._waiting and not self._failed:
+        while self._waiting and not self._failed and not self._halted:
             request, future = self._waiting[0]
             sequences = self._sequences(request)
             engine = min(self._engines, key=lambda e: e.sequences)
@@ -233,7 +278,15 @@ class Inflight:
             i = self._engines.index(engine)
             self.stats.peak_sequences[i] = max(self.stats.peak_sequences[i], engine.sequences)
             self.stats.requests += 1
-            self._loop.create_task(self._send(engine, request, sequences, future))
+            task = self._loop.create_task(self._send(engine, request, sequences, future))
+            self._sending.add(task)
+            self._sending_requests[task] = request
+            task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._sending.discard(task)
+        if not task.cancelled():
+            self._sending_requests.pop(task, None)
 
     async def _send(self, engine: _Engine, request: Request, sequences: int, future: asyncio.Future | None) -> None:
         began, sent_at = time.monotonic(), time.time()

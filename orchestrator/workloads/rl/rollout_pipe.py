@@ -3,6 +3,11 @@ flight (``inflight.py``), and the phase takes back scored records in batches it 
 durable, the way it always has: a batch is at least ``BATCH_TASKS`` tasks, or what came
 within ``BATCH_WAIT_S`` of its first answer, or the last of the work.
 
+With ``rollout.partial`` the pipe continues the groups the last rollout carried
+(``data/carry.py``): each unfinished sample a request of its own, its prompt the task's prompt
+ids and the ids it sampled so far; and :meth:`RLRolloutPipe.stop` ends the rollout early,
+every group not finished returned as it stands.
+
 With ``rl.environment`` the records come from multi-turn episodes instead
 (:class:`MultiTurnPipe`, ``episodes.py``): a task's record once all its samples have ended.
 """
@@ -14,6 +19,7 @@ import random
 import time
 from typing import Callable
 
+from orchestrator.data import carry
 from orchestrator.engine.client import Completion
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.episodes import Episodes
@@ -24,6 +30,8 @@ BATCH_TASKS = 16
 """Records fsynced together: what one request carried before requests were this small."""
 BATCH_WAIT_S = 0.5
 """The longest a completed record waits for others before its batch is made durable."""
+STOP_TIMEOUT_S = 120.0
+"""The longest :meth:`RLRolloutPipe.stop` waits for the engines to answer what they were stopped in."""
 
 
 class RLRolloutPipe:
@@ -32,10 +40,17 @@ class RLRolloutPipe:
     sent_at=...)`` makes a task's record of its samples."""
 
     def __init__(self, ctx: PhaseContext, split: str, start: Callable[[], Inflight], scorer: Scorer, texts: dict[str, str],
-                 tasks: dict[str, dict], record: Callable[..., dict], *, prompts_per_request: int):
+                 tasks: dict[str, dict], record: Callable[..., dict], *, prompts_per_request: int,
+                 carried: dict[str, dict] | None = None, max_tokens: int = 0):
         """``start()`` makes the engines' :class:`Inflight` when the first task comes: a rank
-        with nothing to roll out (no engines on its node) starts none."""
+        with nothing to roll out (no engines on its node) starts none. ``carried``: the groups
+        the last rollout carried, by task id (their records), continued when submitted; their
+        samples have what is left of ``max_tokens``."""
         self.ctx, self.split = ctx, split
+        self._carried, self._max_tokens = carried or {}, max_tokens
+        self._continuing: dict[str, dict] = {}  # a carried task's record, its samples as they are now
+        self._left: dict[str, int] = {}  # a carried task's samples still out
+        self._came: list[dict] = []  # carried records complete as they came
         self.prompts_per_request = prompts_per_request
         self._start = start
         self.inflight: Inflight | None = None
@@ -54,15 +69,81 @@ class RLRolloutPipe:
     def submit(self, task_ids: list[str]) -> None:
         seeds = random.Random  # one stream per request, named by its first task: the same whatever else is in flight
         ctx = self.ctx
-        requests = []
-        for i in range(0, len(task_ids), self.prompts_per_request):
-            ids = task_ids[i : i + self.prompts_per_request]
+        requests = [r for t in task_ids if self._tokens(t) for r in self._continue(self._carried[t])]
+        fresh = [t for t in task_ids if not self._tokens(t)]
+        for i in range(0, len(fresh), self.prompts_per_request):
+            ids = fresh[i : i + self.prompts_per_request]
             seed = seeds(f"{ctx.config.seed}:{self.split}:{ctx.iteration}:{ids[0]}").randrange(2**31)
             requests.append(Request(ids, [self._texts[t] for t in ids], seed))
         self.outstanding += len(task_ids)
         if self.inflight is None:
             self.inflight = self._start()
         self.inflight.submit(requests)
+
+    def _tokens(self, task_id: str) -> bool:
+        """Whether ``task_id`` is a carried group with samples begun (one never sent is rolled out anew)."""
+        record = self._carried.get(task_id)
+        return bool(record and record["samples"])
+
+    def _continue(self, record: dict) -> list[Request]:
+        """The requests that continue a carried group's unfinished samples (none: it is complete)."""
+        task_id = record["task_id"]
+        record = {**record, "samples": list(record["samples"])}
+        out = []
+        for j, s in enumerate(record["samples"]):
+            if not carry.unfinished(s):
+                continue
+            left = self._max_tokens - len(s["token_ids"])
+            if left <= 0:  # stopped as it reached the limit: it is finished
+                record["samples"][j] = {**s, "finish_reason": "length"}
+                continue
+            seed = random.Random(f"{self.ctx.config.seed}:{self.split}:{self.ctx.iteration}:{task_id}:{j}").randrange(2**31)
+            out.append(Request([task_id], [record["prompt_token_ids"] + s["token_ids"]], seed, n=1, max_tokens=left, part=j))
+        self._continuing[task_id], self._left[task_id] = record, len(out)
+        if not out:
+            self._came.append(self._finish(task_id, 0.0, time.time()))
+        return out
+
+    @property
+    def ready(self) -> int:
+        """Records come and not yet returned in a batch (every one a finished group)."""
+        return len(self._ready)
+
+    def overdue(self, max_carry: int) -> bool:
+        """Whether a group in hand was carried ``max_carry`` times: the rollout may not stop it."""
+        return any(r.get("carried", 0) >= max_carry for r in self._continuing.values())
+
+    def stop(self, unsent: list[str]) -> list[dict]:
+        """End the rollout now: the engines stop what they sample (their abort), and every
+        task submitted and not returned yet comes back, a finished group as a record like any,
+        an unfinished one as it stands (``unfinished``: its samples stopped with finish reason
+        ``abort``; one never sent with none), and so do the ``unsent`` tasks (never submitted).
+        Raises RewardFailed as :meth:`next_batch` does."""
+        withdrawn = self.inflight.stop(STOP_TIMEOUT_S) if self.inflight is not None else []
+        self.outstanding += len(unsent)
+        records = self._ready + self._take(0) + [self._untouched(t) for t in unsent]
+        self._ready, self._since = [], None
+        for request in withdrawn:
+            if request.part is None:
+                records += [self._untouched(t) for t in request.task_ids]
+        records += [self._cut(t, record) for t, record in self._continuing.items()]
+        self._continuing.clear()
+        self._left.clear()
+        self.scorer.check(records)
+        self.outstanding -= len(records)
+        return records
+
+    def _untouched(self, task_id: str) -> dict:
+        """The record of a task stopped before it was sent: no samples; it is rolled out anew."""
+        task = self._tasks[task_id]
+        return {"task_id": task_id, "split": self.split, "iteration": self.ctx.iteration, "rank": self.ctx.rank,
+                "unfinished": True, "prompt": self._texts[task_id], "prompt_token_ids": None, "answer": task["answer"],
+                "policy_iteration": self.ctx.policy.iteration, "samples": []} | {
+                    k: self._carried[task_id][k] for k in ("carried", "origin_iteration") if k in self._carried.get(task_id, {})}
+
+    def _cut(self, task_id: str, record: dict) -> dict:
+        """A carried group stopped again (its samples as far as they got)."""
+        return carry.with_versions({**record, "iteration": self.ctx.iteration, "rank": self.ctx.rank, "unfinished": True})
 
     def next_batch(self, timeout_s: float) -> list[dict]:
         """Scored records ready to be made durable, or [] when none are yet (after waiting up
@@ -82,14 +163,55 @@ class RLRolloutPipe:
 
     def _take(self, timeout_s: float) -> list[dict]:
         """The records that came, waiting up to ``timeout_s`` for the first."""
-        return [r for answer in (self.inflight.answers(timeout_s) if self.inflight else ()) for r in self._records(answer)]
+        came, self._came = self._came, []
+        if came:
+            timeout_s = 0
+        return came + [r for answer in (self.inflight.answers(timeout_s) if self.inflight else ()) for r in self._records(answer)]
 
     def _records(self, answer: Answer) -> list[dict]:
-        return [self._record(self.ctx, self.split, self._tasks[t], prompt, group[0].prompt_token_ids,
-                             [self._sample(self._tasks[t], c) for c in group], answer.seconds, sent_at=answer.sent_at)
-                for t, prompt, group in zip(answer.request.task_ids, answer.request.prompts, answer.groups)]
+        if answer.request.part is not None:
+            return self._continued(answer)
+        out = []
+        for t, prompt, group in zip(answer.request.task_ids, answer.request.prompts, answer.groups):
+            record = self._record(self.ctx, self.split, self._tasks[t], prompt, group[0].prompt_token_ids,
+                                  [self._sample(self._tasks[t], c) for c in group], answer.seconds, sent_at=answer.sent_at)
+            if t in self._carried:  # carried before it was sent
+                record |= {k: self._carried[t][k] for k in ("carried", "origin_iteration") if k in self._carried[t]}
+            if any(map(carry.unfinished, record["samples"])):
+                record = carry.with_versions(record | {"unfinished": True})
+            out.append(record)
+        return out
+
+    def _continued(self, answer: Answer) -> list[dict]:
+        """A carried sample's continuation came: the group's record once its last one has."""
+        task_id, j = answer.request.task_ids[0], answer.request.part
+        record = self._continuing[task_id]
+        c = answer.groups[0][0]
+        more = {"text": c.text, "token_ids": c.token_ids, "logprobs": c.token_logprobs, "finish_reason": c.finish_reason}
+        record["samples"][j] = carry.continued(record["samples"][j], more, self.ctx.policy.iteration)
+        if carry.unfinished(record["samples"][j]):  # stopped (the rollout's stop): the group is cut as it stands
+            return []
+        self._left[task_id] -= 1
+        if self._left[task_id]:
+            return []
+        return [self._finish(task_id, answer.seconds, answer.sent_at)]
+
+    def _finish(self, task_id: str, seconds: float, sent_at: float) -> dict:
+        """A carried group's record, its last sample finished: scored as one rolled out whole."""
+        record = self._continuing.pop(task_id)
+        del self._left[task_id]
+        task = self._tasks[task_id]
+        samples = [s if "reward" in s else self._scored(task, s) for s in record["samples"]]
+        made = self._record(self.ctx, self.split, task, record["prompt"], record["prompt_token_ids"], samples, seconds, sent_at=sent_at)
+        return carry.with_versions({**made, "carried": record.get("carried", 0), "origin_iteration": record.get("origin_iteration")})
+
+    def _scored(self, task: dict, sample: dict) -> dict:
+        reward, error = self.scorer.score(task, sample["text"])
+        return {**sample, "reward": reward} | ({"reward_error": error} if error is not None else {})
 
     def _sample(self, task: dict, c: Completion) -> dict:
+        if c.finish_reason == carry.ABORTED:  # stopped: scored once it is finished
+            return {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "logprobs": c.token_logprobs}
         reward, error = self.scorer.score(task, c.text)
         sample = {"text": c.text, "token_ids": c.token_ids, "reward": reward, "finish_reason": c.finish_reason,
                   "logprobs": c.token_logprobs}

@@ -22,7 +22,7 @@ from orchestrator.plugins import agents, environments, rewards
 from orchestrator.config import RunConfig
 from orchestrator import checkpoints
 from orchestrator.checkpoints import node_copy, retention, store
-from orchestrator.data import prompts, resample, shards
+from orchestrator.data import carry, prompts, resample, shards
 from orchestrator.engine.client import EngineClient
 from orchestrator.node.procs import Children
 from orchestrator.protocol.layout import RunLayout
@@ -92,6 +92,7 @@ class RLWorkload:
         self._verified = checkpoints.Verified()
         self.copies: node_copy.NodeCopies | None = None  # publish.delta: the versions this node rebuilt (made at the first start)
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
+        self._carry_of: tuple[int, dict[str, dict]] = (0, {})  # rollout.partial: (iteration, the groups it continues)
         self._tokenizer = None  # the model's, for multi-turn rollouts (rl.environment)
         self._room = RoomWatch()  # across the run's multi-turn rollouts: their samples cut for room, warned of once
         self.trainers = launch.NodeTrainers(children, keep_alive=config.train.keep_alive)
@@ -102,7 +103,22 @@ class RLWorkload:
         if resample.is_round(split):  # what the train file holds beyond the rounds before it
             k = resample.round_of(split)
             return max(0, min(self.rl.train_tasks, len(self.tasks["train"]) - k * self.tasks_per_iteration("train")))
+        if split == "train" and self.config.rollout.partial:  # and rollout.oversample more, to stop early
+            return min(carry.pool(self.rl.train_tasks, self.config.rollout.oversample), len(self.tasks[split]))
         return min(self._wanted(split), len(self.tasks[split]))  # fewer than asked: notes() says so
+
+    def trained_per_iteration(self) -> int:
+        """Groups an iteration trains: its train tasks (with rollout.partial, fewer than it rolls out)."""
+        return min(self.rl.train_tasks, len(self.tasks["train"]))
+
+    def carried(self, iteration: int) -> dict[str, dict]:
+        """rollout.partial: the groups the rollout of ``iteration`` continues first (the carry
+        aggregate of the iteration before), by task id, in their order."""
+        if not self.config.rollout.partial or iteration <= 1:
+            return {}
+        if self._carry_of[0] != iteration:
+            self._carry_of = (iteration, {r["task_id"]: r for r in carry.read(self.layout.iteration(iteration - 1).aggregate("carry"))})
+        return self._carry_of[1]
 
     def prompts_too_long(self, split: str) -> int:
         return self.prompts[split].skipped
@@ -131,6 +147,11 @@ class RLWorkload:
         n = self.tasks_per_iteration(split)
         if split == "eval":
             return ids[:n]  # the same eval set every time, so the curve compares like with like
+        carried = [t for t in self.carried(iteration) if t in self.by_id["train"]]  # first, then new ones
+        if carried:
+            taken = set(carried)
+            return carried + random.Random(f"{self.config.seed}:train:{iteration}").sample(
+                [t for t in ids if t not in taken], max(0, n - len(carried)))
         return random.Random(f"{self.config.seed}:train:{iteration}").sample(ids, n)
 
     # -- engine ------------------------------------------------------------------------------
@@ -235,6 +256,8 @@ class RLWorkload:
                 self.engine_start(ctx)
             for client in self.clients:
                 client.model()  # the served name, asked once here: the requests in flight send nothing else
+                if self.config.rollout.partial:
+                    client.resume()  # an engine a rank stopped mid-rollout before it died serves on
             return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
 
         policy = ctx.policy  # what the engines serve: phase 1 or 6 moved them to it
@@ -247,8 +270,9 @@ class RLWorkload:
             scorer = Scorer(None, f"rl.agent={self.rl.agent}", self.rl.max_reward_error_fraction, split)
             return MultiTurnPipe(ctx, split, start, scorer, self._agents(), self.by_id[tasks], record, samples=sampling["n"])
         scorer = Scorer(self.reward, f"rl.reward={self.rl.reward}", self.rl.max_reward_error_fraction, split)
+        carried = self.carried(ctx.iteration) if split == "train" else {}
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[tasks].texts, self.by_id[tasks], record,
-                             prompts_per_request=self.prompts_per_request(sampling["n"]))
+                             prompts_per_request=self.prompts_per_request(sampling["n"]), carried=carried, max_tokens=self.rl.max_tokens)
 
     def _chat_tokenizer(self):
         """The model's tokenizer, for multi-turn rollouts and agents (loaded once)."""
@@ -433,6 +457,13 @@ class RLWorkload:
                      plan.init_iteration, start + 1, plan.init_iteration, f"iteration {start}'s state" if start else "the base model")
         return {"replay": steps, "replay_from": str(source.path), "replay_from_iteration": start or None}
 
+    def _correction(self) -> str:
+        """rl.is_correction as the update applies it: auto is tis with rollout.partial too (a
+        carried sample's first tokens come from an older policy), as with rl.max_staleness."""
+        if self.config.rollout.partial and self.rl.is_correction == "auto" and self.rl.old_logprobs == "trainer":
+            return "tis"
+        return self.rl.correction
+
     def _publish_dtype(self) -> str:
         """publish.dtype as the trainer takes it: a torch dtype's name, or auto (the dtype the
         engines serve: vLLM's rollout.dtype when it names one, else the checkpoint's own, which
@@ -460,7 +491,7 @@ class RLWorkload:
             **self._replay(ctx, plan),
             "publish_delta": self.config.publish.delta,
             "publish_full_every": self.config.publish.full_every,
-            "rl": {**_section(self.rl, UpdateSettings), "is_correction": self.rl.correction},
+            "rl": {**_section(self.rl, UpdateSettings), "is_correction": self._correction()},
             "train": _section(self.config.train, TrainerSettings),
         }
 

@@ -1,0 +1,81 @@
+"""Partial rollouts for real (rollout.partial, data/carry.py): two ranks on the demo's embedded
+engines stop their unfinished groups, which the next iteration continues from their recorded
+tokens; every process killed (kill -9) part-way through the rollout that continues them, and
+the run resumed on one node: every task drawn is trained exactly once, every carried sample
+continued from its recorded ids, no token past the staleness bound, eval never partial."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from orchestrator.phase_table import Phase
+from orchestrator.protocol.layout import RunLayout
+from tests.harness import aggregate_records, kill_tree, rl_flags, run_local, start_ranks, status_json, wait_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+# 12 tasks trained of 18 rolled out an iteration; all of a rank's prompts sampled at once (a
+# request each), hot enough that the demo's model answers at lengths from 1 to 48 tokens: when a
+# rank has its share of groups complete, the others are part-way.
+PARTIAL = ["rl.train_tasks=12", "rollout.partial=true", "rollout.oversample=0.5", "rollout.max_inflight=64",
+           "rollout.prompts_per_request=1", "rl.max_tokens=48", "rl.temperature=4"]
+
+
+def _records(layout, i, split):
+    path = layout.iteration(i).aggregate(split)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_carried_groups_continue_from_their_tokens_and_every_task_trains_once_across_kill_9_and_fewer_nodes(demo_data, tmp_path):
+    log_path = tmp_path / "run"
+    flags = rl_flags(demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=3, extra=PARTIAL)
+    layout = RunLayout(log_path)
+    # Rank 0 held as iteration 2's rollout begins, rank 1 once its first records of it are durable.
+    procs = start_ranks(flags, 2, env_for={0: {"ORCHESTRATOR_FAULT": f"hold@2:{int(Phase.ROLLOUT)}"},
+                                           1: {"ORCHESTRATOR_FAULT": f"hold-after-batch@2:{int(Phase.ROLLOUT)}"}})
+    try:
+        for rank in (0, 1):
+            wait_state(layout, rank, "held", timeout=180)
+        assert layout.iteration(2).shard("train", 1).stat().st_size and not layout.iteration(2).shard("train", 0).exists()
+        carried = _records(layout, 1, "carry")
+        assert any(s["token_ids"] for r in carried for s in r["samples"] if s["finish_reason"] == "abort"), \
+            "iteration 1 carried samples stopped part-way"
+        for p in procs:  # every process: ranks, engines, trainers
+            os.kill(p.pid, signal.SIGKILL)
+            kill_tree(p.pid)
+        for p in procs:
+            p.wait(timeout=10)
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    result = run_local([*[f for f in flags if not f.startswith(("--num-nodes", "--rank-weights"))], "--num-nodes=1",
+                        "--rank-weights=1"], timeout=240)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+    drawn, trained = set(), []
+    for i in (1, 2, 3):
+        pool = _records(layout, i, "pool")
+        assert len(pool) == 18 and len({r["task_id"] for r in pool}) == 18
+        drawn |= {(i, r["task_id"]) for r in pool if r.get("origin_iteration", i) == i}
+        train = aggregate_records(layout, i)
+        assert len(train) == 12, f"iteration {i} trains rl.train_tasks groups"
+        trained += [(r.get("origin_iteration") or r["iteration"], r["task_id"]) for r in train]
+        for r in train:
+            assert not r.get("unfinished") and all(s["finish_reason"] != "abort" and "reward" in s for s in r["samples"])
+            ages = [i - 1 - v for s in r["samples"] for v, n in s.get("policy_versions") or [[r["policy_iteration"], 1]] if n]
+            assert max(ages) <= 0 + 1, f"a token of {r['task_id']} past rl.max_staleness + rollout.max_carry"
+        # Each carried sample went on from the ids (and log-probs) it had when it was stopped.
+        later = {r["task_id"]: r for r in pool}
+        for c in _records(layout, i - 1, "carry") if i > 1 else []:
+            for before, after in zip(c["samples"], later[c["task_id"]]["samples"]):
+                assert after["token_ids"][: len(before["token_ids"])] == before["token_ids"]
+                assert after["logprobs"][: len(before["logprobs"])] == before["logprobs"]
+        assert all("unfinished" not in r and "carried" not in r for r in _records(layout, i, "eval"))
+    left = [(r["origin_iteration"], r["task_id"]) for r in _records(layout, 3, "carry")]
+    assert len(trained) == len(set(trained)), "a task trained twice"
+    assert sorted(trained + left) == sorted(drawn), "every task drawn is trained once or still carried"
+    partial = [it["partial"] for it in status_json(log_path)["iterations"]]
+    assert all(p["dropped"] == 0 and p["trained"] == 12 for p in partial), partial
+    assert sum(p["carried_in"] for p in partial) > 0 and partial[0]["carried_in"] == 0
