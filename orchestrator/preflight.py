@@ -28,7 +28,8 @@ from orchestrator.protocol.layout import RunLayout
 # unfinished work is split again over the ranks of the new run, data/claims.py.)
 _TASK_KEYS = {"seed": ("seed",), "workload": ("workload",), "rehearsal.tasks": ("rehearsal", "tasks"),
               "rehearsal.eval_tasks": ("rehearsal", "eval_tasks"), "rl.train_tasks": ("rl", "train_tasks"),
-              "rl.eval_tasks": ("rl", "eval_tasks"), "data.train_file": ("data", "train_file"), "data.test_file": ("data", "test_file")}
+              "rl.eval_tasks": ("rl", "eval_tasks"), "data.train_file": ("data", "train_file"), "data.test_file": ("data", "test_file"),
+              "rollout.partial": ("rollout", "partial"), "rollout.oversample": ("rollout", "oversample")}
 _GRADING_KEYS = {"rl.reward": ("rl", "reward"), "rl.environment": ("rl", "environment"), "rl.agent": ("rl", "agent"),
                  "rl.environment_args": ("rl", "environment_args"), "rl.step_rewards": ("rl", "step_rewards")}
 """What scores an iteration's samples: a rollout resumed under another would grade its samples

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from orchestrator.data import shards
+from orchestrator.protocol import fsio
 
 ABORTED = "abort"
 """The finish reason of a sample its engine stopped (the engine's pause): it is continued."""
@@ -62,18 +63,22 @@ def with_versions(record: dict) -> dict:
     return {**record, "samples": samples, "policy_iteration": oldest}
 
 
+def extended(runs: list[list[int]], tokens: int, policy_iteration: int) -> list[list[int]]:
+    """``runs`` (``policy_versions``) with ``tokens`` more of ``policy_iteration``'s."""
+    runs = [list(r) for r in runs]
+    if runs and runs[-1][0] == policy_iteration:
+        runs[-1][1] += tokens
+    elif tokens:
+        runs.append([policy_iteration, tokens])
+    return runs
+
+
 def continued(sample: dict, more: dict, policy_iteration: int) -> dict:
     """``sample`` (carried, unfinished) with ``more`` (what its continuation sampled: text,
     token_ids, logprobs, finish_reason) appended, the new tokens named by ``policy_iteration``."""
-    runs = [list(r) for r in sample["policy_versions"]]
-    n = len(more["token_ids"])
-    if runs and runs[-1][0] == policy_iteration:
-        runs[-1][1] += n
-    elif n:
-        runs.append([policy_iteration, n])
     return {**sample, "text": sample["text"] + more["text"], "token_ids": sample["token_ids"] + more["token_ids"],
-            "logprobs": (sample.get("logprobs") or []) + (more.get("logprobs") or []),
-            "finish_reason": more["finish_reason"], "policy_versions": runs}
+            "logprobs": (sample.get("logprobs") or []) + (more.get("logprobs") or []), "finish_reason": more["finish_reason"],
+            "policy_versions": extended(sample["policy_versions"], len(more["token_ids"]), policy_iteration)}
 
 
 def token_ages(record: dict, iteration: int) -> Iterator[tuple[int, int]]:
@@ -157,13 +162,22 @@ def _lines(path: Path) -> Iterator[tuple[bytes, dict]]:
             yield raw, json.loads(raw)
 
 
-def read(path: Path) -> list[dict]:
-    """The carry aggregate at ``path`` (sealed, verified), or [] where there is none (the first
-    iteration, or one rolled out without rollout.partial)."""
+def ensure(path: Path, iteration: int) -> None:
+    """The master, planning the iteration after ``iteration``: an empty carry aggregate where
+    ``iteration`` was rolled out without rollout.partial, so that every rank finds one to read."""
+    if shards.read_manifest(path) is None and not path.exists():
+        shards.seal(path, iteration=iteration, split="carry")
+
+
+def read(path: Path) -> list[dict] | None:
+    """The carry aggregate at ``path`` (sealed, verified), or None while there is none to see
+    (a new file: on NFS it may show up late on another node). Raises ShardError for one that
+    does not match its manifest."""
+    fsio.refresh_dir(path.parent)
     m = shards.read_manifest(path)
+    if m is None and not path.exists():
+        return None
     if m is None or not shards.verify(path, m):
-        if path.exists() or m is not None:
-            raise shards.ShardError(f"the carried groups {path} do not match their manifest: delete both files and the "
-                                    f"iteration's train aggregate, and re-run the same command to aggregate that iteration again")
-        return []
+        raise shards.ShardError(f"the carried groups {path} do not match their manifest: delete both files and the "
+                                f"iteration's train aggregate, and re-run the same command to aggregate that iteration again")
     return [record for _raw, record in _lines(path)]

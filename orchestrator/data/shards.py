@@ -181,13 +181,14 @@ def merge(sources: Iterable[tuple[str, Path]], dest: Path, keep: Callable[[str, 
     return _merge(sources, dest, _sealed_lines, extra, keep, order)
 
 
-def salvage(sources: Iterable[tuple[str, Path]], dest: Path, **extra) -> Manifest:
+def salvage(sources: Iterable[tuple[str, Path]], dest: Path, keep: Callable[[str, dict], bool] | None = None, **extra) -> Manifest:
     """Like :func:`merge`, for what survived a crash: every complete record of every shard,
     sealed or not (an unsealed shard up to its first torn or invalid line; an absent one adds
-    nothing). The manifest says ``partial: true`` and, per source, whether it was sealed."""
+    nothing), that ``keep`` keeps. The manifest says ``partial: true`` and, per source, whether
+    it was sealed."""
     sources = list(sources)
     states = {label: ("sealed" if sealed(shard) else "partial" if shard.exists() else "absent") for label, shard in sources}
-    return _merge(sources, dest, _surviving_lines, {**extra, "partial": True, "source_state": states})
+    return _merge(sources, dest, _surviving_lines, {**extra, "partial": True, "source_state": states}, keep)
 
 
 def _sealed_lines(label: str, shard: Path) -> Iterator[tuple[bytes, dict]]:

@@ -189,7 +189,9 @@ def salvage(log_path: Path, iteration: int, apply: bool, split: str = "train") -
               "state": {label: s["state"] for label, s in preview.items()},
               "records": sum(s["records"] for s in preview.values()), "written": None}
     if apply:
-        m = shards.salvage(sources, it.aggregate(split), split=split, iteration=iteration, planned=sum(per_rank), salvaged_at=time.time())
+        # A group a partial rollout stopped (rollout.partial) is not trained: the salvage keeps finished ones.
+        m = shards.salvage(sources, it.aggregate(split), lambda _label, record: not record.get("unfinished"), split=split,
+                           iteration=iteration, planned=sum(per_rank), salvaged_at=time.time())
         result.update(records=m.count, per_rank=m.extra["per_source"], trajectories=m.extra["trajectories"],
                       written=str(it.aggregate(split).relative_to(layout.root)))
     return result

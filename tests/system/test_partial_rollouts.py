@@ -2,7 +2,8 @@
 engines stop their unfinished groups, which the next iteration continues from their recorded
 tokens; every process killed (kill -9) part-way through the rollout that continues them, and
 the run resumed on one node: every task drawn is trained exactly once, every carried sample
-continued from its recorded ids, no token past the staleness bound, eval never partial."""
+continued from its recorded ids, no token past the staleness bound, eval never partial. And
+multi-turn samples (rl.environment) stopped in a turn or between turns, continued where they were."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 from orchestrator.phase_table import Phase
 from orchestrator.protocol.layout import RunLayout
 from tests.harness import aggregate_records, kill_tree, rl_flags, run_local, start_ranks, status_json, wait_state
+from tests.system.test_environments import ENVS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -79,3 +81,53 @@ def test_carried_groups_continue_from_their_tokens_and_every_task_trains_once_ac
     partial = [it["partial"] for it in status_json(log_path)["iterations"]]
     assert all(p["dropped"] == 0 and p["trained"] == 12 for p in partial), partial
     assert sum(p["carried_in"] for p in partial) > 0 and partial[0]["carried_in"] == 0
+
+
+SLOW_RETRY = ENVS + '''
+
+class SlowRetry(Retry):
+    """Retry's answers, each after a while: a stop finds samples in their environment call."""
+
+    def step(self, completion):
+        time.sleep(0.05)
+        return super().step(completion)
+'''
+
+
+def test_multi_turn_samples_stopped_in_a_turn_or_between_turns_continue_where_they_were(chat_demo_data, tmp_path):
+    """rl.environment with rollout.partial, one rank: a stopped sample's environment is given its
+    turns again and the sample goes on from its ids; every task trained once."""
+    (tmp_path / "retry_env.py").write_text(SLOW_RETRY)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log_path = tmp_path / "run"
+    flags = rl_flags(chat_demo_data, log_path, num_nodes=1, weights=None, max_iterations=3, extra=[
+        *PARTIAL, "rl.environment=retry_env:SlowRetry", "rl.reward=orchestrator.rewards:math", "rl.max_turns=2", "rl.temperature=3"])
+    result = run_local(flags, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    layout = RunLayout(log_path)
+    drawn, trained, begun = set(), [], 0
+    for i in (1, 2, 3):
+        pool = {r["task_id"]: r for r in _records(layout, i, "pool")}
+        drawn |= {(i, t) for t, r in pool.items() if r.get("origin_iteration", i) == i}
+        train = aggregate_records(layout, i)
+        assert len(train) == 12
+        trained += [(r.get("origin_iteration") or r["iteration"], r["task_id"]) for r in train]
+        for r in train:
+            for s in r["samples"]:
+                assert s["finish_reason"] != "abort" and "reward" in s and len(s["token_ids"]) == len(s["loss_mask"]) == len(s["logprobs"])
+        for c in _records(layout, i - 1, "carry") if i > 1 else []:
+            for before, after in zip(c["samples"], pool[c["task_id"]]["samples"]):
+                if before["finish_reason"] != "abort":
+                    assert after == before
+                    continue
+                begun += bool(before["token_ids"])
+                n = len(before["token_ids"])
+                assert after["token_ids"][:n] == before["token_ids"] and after["loss_mask"][:n] == before["loss_mask"]
+                assert after["logprobs"][:n] == before["logprobs"]
+                done = before["turns"][:-1] if before["turns"] and before["turns"][-1].get("finish_reason") == "abort" else before["turns"]
+                assert after["turns"][: len(done)] == done, "the turns it had, as they were"
+                if len(done) < len(before["turns"]):  # stopped in its turn: the same turn, gone on
+                    assert after["turns"][len(done)]["text"].startswith(before["turns"][-1]["text"])
+    assert begun, "a carried sample had begun"
+    left = [(r["origin_iteration"], r["task_id"]) for r in _records(layout, 3, "carry")]
+    assert len(trained) == len(set(trained)) and sorted(trained + left) == sorted(drawn)

@@ -97,9 +97,13 @@ def test_a_group_past_the_staleness_bound_is_dropped_and_counted_never_trained_o
     assert split.age_max == 1
 
 
-def test_a_torn_carry_aggregate_is_refused_not_read(tmp_path):
+def test_the_carry_aggregate_is_read_once_there_and_a_torn_one_is_refused(tmp_path):
     path = tmp_path / "carry.jsonl"
-    assert carry.read(path) == []  # none: nothing carried
+    assert carry.read(path) is None  # not there (yet)
+    carry.ensure(path, 1)
+    assert carry.read(path) == []  # made empty by the master: nothing carried
+    path.unlink()
+    shards.manifest_path(path).unlink()
     _write(path, [_record("a", [_cut(2)], unfinished=True)])
     path.write_bytes(path.read_bytes().replace(b'"a"', b'"b"'))
     with pytest.raises(shards.ShardError, match="do not match their manifest"):

@@ -197,9 +197,9 @@ def test_rules_between_fields_still_apply_after_the_bounds():
         _build("rollout.gpus_per_engine=4", "rollout.pipeline_parallel_size=3")
     with pytest.raises(ConfigError, match="exceeds --num-nodes 1"):
         _run(coordination=config.CoordinationConfig(min_nodes=2))
-    for rl in (config.RLConfig(environment="m:Env"), config.RLConfig(agent="m:agent"), config.RLConfig(filter_groups=True)):
-        key = "rl.environment" if rl.environment else "rl.agent" if rl.agent else "rl.filter_groups"
-        with pytest.raises(ConfigError, match=f"rollout.partial=true continues single-turn samples only, and {key}="):
+    for rl in (config.RLConfig(agent="m:agent"), config.RLConfig(filter_groups=True)):
+        key = "rl.agent" if rl.agent else "rl.filter_groups"
+        with pytest.raises(ConfigError, match=f"rollout.partial=true does not continue samples of {key}, and {key}="):
             _run(workload=config.WorkloadKind.RL, rl=rl, rollout=config.RolloutConfig(partial=True))
 
 

@@ -16,7 +16,7 @@ from orchestrator.engine.client import Completion
 from orchestrator.environments import Step
 from orchestrator.data import turns
 from orchestrator.workloads.rl.episodes import ROOM_WARNING_MIN_SAMPLES, Episodes, EnvThreads, RoomWatch
-from orchestrator.workloads.rl.engine_requests import Answer
+from orchestrator.workloads.rl.engine_requests import Answer, Stopped
 
 
 @pytest.fixture(scope="module")
@@ -352,3 +352,80 @@ def test_an_environments_tools_are_rendered_with_its_prompt_and_observations(tok
     _, samples, _ = run(tokenizer, BadTools)
     assert all(s["reward"] == 0.0 and "WithTools" not in s["reward_error"] and "BadTools.tools must be a list of function schemas"
                in s["reward_error"] for s in samples), samples[0].get("reward_error")
+
+
+class Stopping(Engine):
+    """The first turn as :class:`Engine` answers it; the later ones as a rollout's stop leaves
+    them: stopped part-way (``<calc>``, finish reason abort), or never sent (Stopped)."""
+
+    def __init__(self, tokenizer, how: str):
+        super().__init__(tokenizer)
+        self.how = how
+
+    async def complete(self, request):
+        if not self.requests:
+            return await super().complete(request)
+        self.requests.append(request)
+        if self.how == "unsent":
+            raise Stopped()
+        ids = self.tokenizer("<calc>", add_special_tokens=False)["input_ids"]
+        return Answer(request, [[Completion("<calc>", "abort", [-0.25] * len(ids), None, ids, request.prompts[0])]], 0.0, 0.0)
+
+
+class Counted(Tool):
+    steps: list[str] = []
+
+    def step(self, completion):
+        Counted.steps.append(str(completion))
+        return super().step(completion)
+
+
+@pytest.mark.parametrize("how", ["in-its-turn", "unsent"])
+def test_a_stopped_sample_is_continued_where_it_was_its_environment_given_its_turns_again(tokenizer, how):
+    """rollout.partial: a sample stopped in its second turn (or before it was sent) ends with
+    finish reason abort and no reward; continued, a new environment is reset and given the first
+    turn again, and the sample goes on from its ids: the second turn's text is what it had and
+    what followed, its reward the steps' summed as if never stopped."""
+    Counted.steps = []
+    prompt_ids, [cut], _engine = run(tokenizer, Counted, Stopping(tokenizer, how), n=1, max_turns=3)
+    assert cut["finish_reason"] == "abort" and "reward" not in cut and Counted.steps == ["<calc>1</calc>"]
+    assert len(cut["turns"]) == (2 if how == "in-its-turn" else 1)
+    Counted.steps = []
+    engine = Engine(tokenizer)
+    episodes = Episodes(Counted, "my:Env", tokenizer, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, threads=EnvThreads(2))
+    try:
+        _text, ids, [done], _ = asyncio.run(episodes.resume(engine, {"id": "t1", "prompt": "1+1?"},
+                                                            {"prompt_token_ids": prompt_ids, "samples": [cut]}, seed="s2"))
+    finally:
+        episodes.close()
+    assert ids == prompt_ids and done["finish_reason"] == "stop" and len(done["turns"]) == 3
+    assert done["token_ids"][: len(cut["token_ids"])] == cut["token_ids"] and done["logprobs"][: len(cut["logprobs"])] == cut["logprobs"]
+    second = "<calc><calc>1</calc>" if how == "in-its-turn" else "<calc>1</calc>"
+    assert Counted.steps == ["<calc>1</calc>", second, "<calc>1</calc>"], "turn 1 again, then the rest"
+    assert done["turns"][1]["text"] == second and done["reward"] == pytest.approx(0.75)
+    assert engine.requests[0].prompts[0] == prompt_ids + cut["token_ids"], "it goes on from the ids it had"
+
+
+class Replies(Tool):
+    """Answers turn 1 otherwise each time it is made: a carried sample cannot be walked back."""
+
+    made = 0
+
+    def __init__(self, task):
+        super().__init__(task)
+        Replies.made += 1
+
+    def step(self, completion):
+        step = super().step(completion)
+        return Step(observation=[{"role": "tool", "content": str(Replies.made)}]) if self.turn == 1 else step
+
+
+def test_an_environment_that_answers_a_replayed_turn_otherwise_fails_the_carried_sample(tokenizer):
+    prompt_ids, [cut], _ = run(tokenizer, Replies, Stopping(tokenizer, "unsent"), n=1, max_turns=3)
+    episodes = Episodes(Replies, "my:Env", tokenizer, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, threads=EnvThreads(2))
+    try:
+        _t, _ids, [done], _ = asyncio.run(episodes.resume(Engine(tokenizer), {"id": "t1", "prompt": "1+1?"},
+                                                          {"prompt_token_ids": prompt_ids, "samples": [cut]}, seed="s2"))
+    finally:
+        episodes.close()
+    assert done["reward"] == 0.0 and "answered turn 1 of a carried sample otherwise" in done["reward_error"]

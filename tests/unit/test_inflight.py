@@ -4,6 +4,7 @@ seam it calls, ``acomplete``; tests/system/test_rollout_inflight.py runs a real 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -154,3 +155,53 @@ def test_a_request_whose_connection_closed_under_it_is_sent_once_more(closed):
     with pytest.raises(EngineUnavailable):
         asyncio.run(go(httpx.AsyncClient(transport=httpx.MockTransport(timeout))))
     assert len(sent) == 1  # a timed-out request may still be running: not sent again
+
+
+class PausingEngine(FakeEngine):
+    """An engine that pauses as vLLM's does: what it samples comes back at once with finish
+    reason abort; a request that reaches it while paused waits for the resume. ``transit_s``:
+    how long each prompt's request takes to reach it."""
+
+    def __init__(self, delay_s: float, transit_s: dict[str, float]):
+        super().__init__(delay_s)
+        self.transit_s, self.calls, self.arrived = transit_s, [], []
+        self.paused = False
+
+    def pause(self):
+        self.calls.append("pause")
+        self.paused = True
+
+    def resume(self):
+        self.calls.append("resume")
+        self.paused = False
+
+    async def acomplete(self, http, prompts, *, n=1, **_):
+        await asyncio.sleep(max(self.transit_s.get(p, 0.0) for p in prompts))
+        self.arrived.extend(prompts)
+        while self.paused:  # reached it paused: held until the resume
+            await asyncio.sleep(0.01)
+        began = asyncio.get_running_loop().time()
+        while asyncio.get_running_loop().time() - began < self.delay_s:
+            if self.paused:
+                return [[Completion(p, "abort", None, None)] * n for p in prompts]
+            await asyncio.sleep(0.01)
+        return [[Completion(p, "stop", None, None)] * n for p in prompts]
+
+
+def test_a_stop_answers_what_the_engine_was_sampling_and_returns_the_unsent_and_the_held_requests():
+    engine = PausingEngine(delay_s=30, transit_s={"p1-0": 1.0})  # p1 reaches the engine after the pause
+    inflight = Inflight([engine], max_sequences=2, sampling={"n": 1}, timeout_s=60)
+    try:
+        inflight.submit(_requests(3))  # p0 and p1 sent, p2 waits for room
+        deadline = time.monotonic() + 10
+        while "p0-0" not in engine.arrived:  # p0 is being sampled
+            assert time.monotonic() < deadline, "p0 never reached the engine"
+            time.sleep(0.01)
+        unsent = inflight.stop(timeout_s=10)
+        answers = inflight.answers(timeout_s=0)
+    finally:
+        inflight.close()
+    assert engine.calls == ["pause", "resume"]
+    assert sorted(r.task_ids[0] for r in unsent) == ["t1-0", "t2-0"]  # held (withdrawn), and never sent
+    assert [(a.request.task_ids[0], a.groups[0][0].finish_reason) for a in answers] == [("t0-0", "abort")]
+    assert inflight.queued_sequences == 0

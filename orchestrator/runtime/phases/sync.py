@@ -6,7 +6,7 @@ from __future__ import annotations
 from orchestrator.config import RolloutSplit
 from orchestrator.config import WorkloadKind
 from orchestrator.checkpoints import retention
-from orchestrator.data import claims, resample, summary
+from orchestrator.data import carry, claims, resample, summary
 from orchestrator.phase_table import RLPhase, eval_due
 from orchestrator.protocol import fsio
 from orchestrator.runtime.context import PhaseContext
@@ -25,6 +25,8 @@ def make_plan(ctx: PhaseContext) -> dict:
         train = True
         evaluate = eval_due(ctx.iteration, cfg.eval_interval)
     plan = {"iteration": ctx.iteration}
+    if train and cfg.workload is WorkloadKind.RL and cfg.rollout.partial and ctx.iteration > 1:  # what every rank reads first
+        carry.ensure(ctx.layout.iteration(ctx.iteration - 1).aggregate("carry"), ctx.iteration - 1)
     weights = rollout.weights(ctx)  # a rank the run goes on without (coordination.elastic) gets none
     c = cfg.coordination
 

@@ -48,6 +48,11 @@ def drain(items: queue.SimpleQueue, timeout_s: float) -> list:
             return got
 
 
+class Stopped(Exception):
+    """A coroutine's request that a stop (:meth:`Inflight.stop`) left unsent or withdrew: its
+    sample ends where it is."""
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     task_ids: list[str]
@@ -146,7 +151,7 @@ class Inflight:
         self._failed = False
         self._halted = False  # stop(): nothing more is sent
         self._sending: set[asyncio.Task] = set()  # the requests sent and not answered yet
-        self._sending_requests: dict[asyncio.Task, Request] = {}
+        self._sending_requests: dict[asyncio.Task, tuple[Request, asyncio.Future | None]] = {}
         self._loop = asyncio.new_event_loop()
         self._stopping = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-inflight", daemon=True)
@@ -191,7 +196,7 @@ class Inflight:
         each request in flight is answered at once with what it sampled, finish reason
         ``abort``; those answers are queued for :meth:`answers` like any), and resumed (free for
         eval). Returns the requests never sent, and those that reached an engine only after it
-        paused (withdrawn)."""
+        paused (withdrawn); a coroutine's such request raises :class:`Stopped` in it instead."""
         future = asyncio.run_coroutine_threadsafe(self._halt(), self._loop)
         return future.result(timeout=timeout_s)
 
@@ -213,7 +218,10 @@ class Inflight:
 
     async def _halt(self) -> list[Request]:
         self._halted = True
-        unsent = [request for request, _future in self._waiting]
+        unsent = [request for request, future in self._waiting if future is None]
+        for _request, future in self._waiting:
+            if future is not None and not future.done():
+                future.set_exception(Stopped())
         self._waiting.clear()
         with self._lock:
             self._queued = 0
@@ -232,7 +240,12 @@ class Inflight:
             for task in held:
                 task.cancel()
             await asyncio.gather(*held, return_exceptions=True)
-            unsent += [self._sending_requests.pop(task) for task in held]
+            for task in held:
+                request, future = self._sending_requests.pop(task)
+                if future is None:
+                    unsent.append(request)
+                elif not future.done():
+                    future.set_exception(Stopped())
         finally:
             await loop.run_in_executor(None, lambda: [c.resume() for c in clients])
         return unsent
@@ -280,7 +293,7 @@ class Inflight:
             self.stats.requests += 1
             task = self._loop.create_task(self._send(engine, request, sequences, future))
             self._sending.add(task)
-            self._sending_requests[task] = request
+            self._sending_requests[task] = (request, future)
             task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task) -> None:

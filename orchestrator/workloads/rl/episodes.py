@@ -12,6 +12,13 @@ context. Its reward is its steps' rewards summed (``rl.step_rewards=sum``) or th
 its metrics the last value of each name its steps gave. The environment's ``close()``, when
 it has one, is called once as the sample ends, however it ends.
 
+With ``rollout.partial`` a rollout that stops (:attr:`Episodes.stopping`) cuts each sample
+where it is: a turn the engine was sampling keeps what it had (finish reason ``abort``), a
+sample in an environment call finishes the call and stops before its next turn. The next
+rollout continues it (:meth:`Episodes.resume`): a new environment, reset, is walked through
+the sample's turns again (its ``step`` given each recorded turn, which must answer as it did),
+then the stopped turn goes on from its ids, or the next turn starts.
+
 The samples run as coroutines on the rollout's event loop (:class:`inflight.Inflight`), so a
 sample waiting for its environment holds no request slot. The environments' code (the class,
 ``reset``, ``step``, ``close``) runs on threads of its own (:class:`EnvThreads`), never on the
@@ -33,9 +40,10 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from orchestrator.data.carry import ABORTED
 from orchestrator.plugins import environments
 from orchestrator.plugins.environments import OneTurn, Turn
-from orchestrator.workloads.rl.engine_requests import Inflight, Request
+from orchestrator.workloads.rl.engine_requests import Inflight, Request, Stopped
 from orchestrator.workloads.rl.scoring import ERROR_CHARS
 from orchestrator.data.turns import Conversation, render
 
@@ -167,6 +175,8 @@ class Episode:
         ids = c.token_ids if c else []
         sample = {"text": decode(ids) if ids else "", "token_ids": ids, "reward": self.reward, "finish_reason": self.finish_reason,
                   "logprobs": c.logprobs if c else [], "loss_mask": c.loss_mask if c else [], "turns": c.turns if c else []}
+        if self.finish_reason == ABORTED:  # stopped (rollout.partial): scored once it is finished
+            del sample["reward"]
         if self.metrics:
             sample["metrics"] = self.metrics
         if self.error is not None:
@@ -195,6 +205,8 @@ class Episodes:
     threads: EnvThreads = field(default_factory=EnvThreads)
     room: RoomWatch = field(default_factory=RoomWatch)
     """Samples cut for room: the workload keeps one across the run's rollouts, to warn once."""
+    stopping: bool = False
+    """The rollout stops (rollout.partial): a sample between turns goes no further."""
 
     async def run(self, inflight: Inflight, task: dict, *, n: int, seed: str) -> tuple[str, list[int], list[dict], float]:
         """``n`` samples of ``task``: (the prompt's text and ids, the samples as records hold
@@ -217,9 +229,14 @@ class Episodes:
             together = []
         if together:
             request = Request([task["id"]], [prompt], request_seed(seed), n=len(together), max_tokens=self._room(prompt, []))
-            first = (await inflight.complete(request)).groups[0]
-            for i, completion in zip(together, first):
+            for i in together:
                 episodes[i].conversation = Conversation(list(prompt))
+            try:
+                first = (await inflight.complete(request)).groups[0]
+            except Stopped:  # the rollout stopped before it was sent: carried unbegun
+                for i in together:
+                    episodes[i].finish_reason = ABORTED
+                first = []
             await asyncio.gather(*(self._episode(inflight, task, episodes[i], completion, f"{seed}:{i}")
                                    for i, completion in zip(together, first)))
         await asyncio.gather(*(self._close(e) for e in episodes))  # those that opened apart, or not at all
@@ -251,11 +268,87 @@ class Episodes:
             self._fail(episode, f"{self.spec}: reset() gave messages the chat template cannot render: {e!r}")
         return None
 
-    async def _episode(self, inflight: Inflight, task: dict, episode: Episode, completion, seed: str) -> None:
+    async def resume(self, inflight: Inflight, task: dict, record: dict, *, seed: str) -> tuple[str, list[int], list[dict], float]:
+        """``record``'s group (carried by a rollout that stopped) continued: its finished samples
+        as they are, each stopped one walked to where it was and on (:meth:`_resume`); as
+        :meth:`run` returns them."""
+        prompt = record["prompt_token_ids"]
+        sent_at = time.time()
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        samples = await asyncio.gather(*(self._resume(inflight, task, prompt, s, f"{seed}:{i}", decode)
+                                         if s.get("finish_reason") == ABORTED else _same(s) for i, s in enumerate(record["samples"])))
+        return decode(prompt), prompt, list(samples), sent_at
+
+    async def _resume(self, inflight: Inflight, task: dict, prompt: list[int], sample: dict, seed: str, decode) -> dict:
+        """A stopped sample continued: a new environment, reset (to the same prompt), given the
+        sample's turns again (each answered as it was, or the sample fails), then the stopped
+        turn goes on from its ids, or the next one starts."""
+        episode = Episode()
+        opening = await self._open(episode, task)
+        if opening is not None and opening != prompt:
+            self._fail(episode, f"{self.spec}: reset() opened a carried sample with other messages than when it was sampled")
+        turns = [dict(t) for t in sample["turns"]]
+        c = episode.conversation = Conversation(list(prompt), list(sample["token_ids"]), list(sample["loss_mask"]),
+                                                list(sample["logprobs"]), turns)
+        partial = bool(turns) and turns[-1].get("finish_reason") == ABORTED
+        if episode.error is None:
+            await self._replay(episode, turns[:-1] if partial else turns)
+        first = len(turns) if partial else len(turns) + 1
+        room = self._room(c.context, c.token_ids)
+        if episode.error is not None or room <= 0 or first > self.max_turns:
+            episode.finish_reason = "length" if episode.error is None else episode.finish_reason
+            await self._close(episode)
+            return episode.sample(decode)
+        request = Request([task["id"]], [c.context], request_seed(f"{seed}:{first}:continued"), n=1, max_tokens=room)
+        try:
+            completion = (await inflight.complete(request)).groups[0][0]
+        except Stopped:
+            episode.finish_reason = ABORTED
+            await self._close(episode)
+            return episode.sample(decode)
+        if partial:  # the stopped turn goes on: its ids, log-probs and text, one turn
+            c.token_ids += completion.token_ids
+            c.loss_mask += [1] * len(completion.token_ids)
+            c.logprobs += completion.token_logprobs
+            turns[-1] |= {"text": turns[-1]["text"] + completion.text, "tokens": turns[-1]["tokens"] + len(completion.token_ids),
+                          "finish_reason": completion.finish_reason} | (
+                {"stop": completion.stop_string} if completion.stop_string is not None else {})
+        await self._episode(inflight, task, episode, completion, seed, first=first, merged=partial)
+        return episode.sample(decode)
+
+    async def _replay(self, episode: Episode, turns: list[dict]) -> None:
+        """The environment given ``turns`` (a carried sample's, each with its observation) as
+        they were sampled: its rewards and metrics summed up again. One that answers a turn
+        otherwise than it did fails the sample."""
+        for k, t in enumerate(turns, 1):
+            try:
+                step = await self._step(episode, Turn(t["text"], t.get("finish_reason") or "stop", t.get("stop")))
+                if step.done or step.observation != t.get("observation"):
+                    raise EnvironmentFailed(
+                        f"{self.spec}: step() answered turn {k} of a carried sample otherwise than when it was sampled; a "
+                        f"sample stopped by rollout.partial is continued by giving a new environment its turns again, "
+                        f"which needs an environment that answers the same turns the same way")
+            except EnvironmentFailed as e:
+                self._fail(episode, str(e))
+                return
+
+    async def _step(self, episode: Episode, turn: Turn):
+        """The environment's answer to ``turn``, its reward and metrics taken in."""
+        answer = await self._call(episode.env.step, turn)
+        try:
+            step = environments.as_step(answer)
+        except ValueError as e:
+            raise EnvironmentFailed(f"{self.spec}: {e}") from None
+        episode.reward = episode.reward + step.reward if self.step_rewards == "sum" else step.reward
+        episode.metrics.update(step.metrics)
+        return step
+
+    async def _episode(self, inflight: Inflight, task: dict, episode: Episode, completion, seed: str, *, first: int = 1,
+                       merged: bool = False) -> None:
         """The sample's turns, then its environment closed, however they ended (cancelled: the
         close is sent to a thread and not waited for)."""
         try:
-            await self._turns(inflight, task, episode, completion, seed)
+            await self._turns(inflight, task, episode, completion, seed, first=first, merged=merged)
         except asyncio.CancelledError:
             if episode.env is not None and callable(close := getattr(episode.env, "close", None)):
                 self.threads.call(close)
@@ -263,23 +356,24 @@ class Episodes:
             raise
         await self._close(episode)
 
-    async def _turns(self, inflight: Inflight, task: dict, episode: Episode, completion, seed: str) -> None:
+    async def _turns(self, inflight: Inflight, task: dict, episode: Episode, completion, seed: str, *, first: int = 1,
+                     merged: bool = False) -> None:
+        """Turns ``first`` on, ``completion`` the first's (``merged``: already in the
+        conversation, a stopped turn's continuation)."""
         c = episode.conversation
-        for turn in range(1, self.max_turns + 1):
+        for turn in range(first, self.max_turns + 1):
             stop = completion.stop_string
-            c.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
+            if not merged:
+                c.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
+            text, merged = c.turns[-1]["text"], False
             episode.finish_reason = completion.finish_reason
+            if completion.finish_reason == ABORTED:  # stopped in its turn (rollout.partial): carried as it stands
+                return
             try:
-                answer = await self._call(episode.env.step, Turn(completion.text, completion.finish_reason, stop))
-                try:
-                    step = environments.as_step(answer)
-                except ValueError as e:
-                    raise EnvironmentFailed(f"{self.spec}: {e}") from None
+                step = await self._step(episode, Turn(text, completion.finish_reason, stop))
             except EnvironmentFailed as e:
                 self._fail(episode, str(e))
                 return
-            episode.reward = episode.reward + step.reward if self.step_rewards == "sum" else step.reward
-            episode.metrics.update(step.metrics)
             if step.done or turn == self.max_turns:
                 return
             try:
@@ -292,8 +386,15 @@ class Episodes:
                 episode.finish_reason, episode.cut_for_room = "length", True
                 return
             c.observed(step.observation, ids)
+            if self.stopping:  # stopped between its turns: carried, its next turn to sample
+                episode.finish_reason = ABORTED
+                return
             request = Request([task["id"]], [c.context], request_seed(f"{seed}:{turn + 1}"), n=1, max_tokens=room)
-            completion = (await inflight.complete(request)).groups[0][0]
+            try:
+                completion = (await inflight.complete(request)).groups[0][0]
+            except Stopped:
+                episode.finish_reason = ABORTED
+                return
 
     def _room(self, context: list[int], after_prompt: list[int]) -> int:
         """Tokens the next turn may sample: what rl.max_tokens and the context leave."""
@@ -329,6 +430,10 @@ class Episodes:
 
     def close(self) -> None:
         self.threads.close()
+
+
+async def _same(sample: dict) -> dict:
+    return sample
 
 
 def failure(what: str, e: BaseException) -> str:

@@ -111,7 +111,7 @@ class RLRolloutPipe:
 
     def overdue(self, max_carry: int) -> bool:
         """Whether a group in hand was carried ``max_carry`` times: the rollout may not stop it."""
-        return any(r.get("carried", 0) >= max_carry for r in self._continuing.values())
+        return any(r.get("carried", 0) >= max_carry for r in list(self._continuing.values()))  # a copy: the loop may end one
 
     def stop(self, unsent: list[str]) -> list[dict]:
         """End the rollout now: the engines stop what they sample (their abort), and every
@@ -137,7 +137,7 @@ class RLRolloutPipe:
         """The record of a task stopped before it was sent: no samples; it is rolled out anew."""
         task = self._tasks[task_id]
         return {"task_id": task_id, "split": self.split, "iteration": self.ctx.iteration, "rank": self.ctx.rank,
-                "unfinished": True, "prompt": self._texts[task_id], "prompt_token_ids": None, "answer": task["answer"],
+                "unfinished": True, "prompt": self._texts.get(task_id, ""), "prompt_token_ids": None, "answer": task["answer"],
                 "policy_iteration": self.ctx.policy.iteration, "samples": []} | {
                     k: self._carried[task_id][k] for k in ("carried", "origin_iteration") if k in self._carried.get(task_id, {})}
 
@@ -230,8 +230,8 @@ class MultiTurnPipe(RLRolloutPipe):
     on the engines' event loop; its record comes when all of them have ended."""
 
     def __init__(self, ctx: PhaseContext, split: str, start: Callable[[], Inflight], scorer: Scorer, episodes: Episodes,
-                 tasks: dict[str, dict], record: Callable[..., dict], *, samples: int):
-        super().__init__(ctx, split, start, scorer, {}, tasks, record, prompts_per_request=1)
+                 tasks: dict[str, dict], record: Callable[..., dict], *, samples: int, carried: dict[str, dict] | None = None):
+        super().__init__(ctx, split, start, scorer, {}, tasks, record, prompts_per_request=1, carried=carried)
         self.episodes, self.samples = episodes, samples
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # each task's future, as it ends
 
@@ -245,14 +245,58 @@ class MultiTurnPipe(RLRolloutPipe):
         if self.inflight is None:
             self.inflight = self._start()
         for task_id in task_ids:
+            if self._tokens(task_id):
+                self._continuing[task_id] = self._carried[task_id]
             self.inflight.spawn(self._episode(self._tasks[task_id])).add_done_callback(self._done.put)
 
     async def _episode(self, task: dict) -> dict:
+        """The task's record once its samples ended (a carried group's: continued, data/carry.py)."""
         began = time.monotonic()
         ctx = self.ctx
-        prompt, prompt_ids, samples, sent_at = await self.episodes.run(
-            self.inflight, task, n=self.samples, seed=f"{ctx.config.seed}:{self.split}:{ctx.iteration}:{task['id']}")
-        return self._record(ctx, self.split, task, prompt, prompt_ids, samples, time.monotonic() - began, sent_at=sent_at)
+        seed = f"{ctx.config.seed}:{self.split}:{ctx.iteration}:{task['id']}"
+        carried = self._carried.get(task["id"])
+        try:
+            if carried and carried["samples"]:
+                prompt, prompt_ids, samples, sent_at = await self.episodes.resume(self.inflight, task, carried, seed=seed)
+                samples = [{**s, "policy_versions": carry.extended(carry.versions(carried, old), len(s["token_ids"]) - len(old["token_ids"]),
+                                                                   ctx.policy.iteration)} if carry.unfinished(old) else s
+                           for old, s in zip(carried["samples"], samples)]
+            else:
+                prompt, prompt_ids, samples, sent_at = await self.episodes.run(self.inflight, task, n=self.samples, seed=seed)
+        finally:
+            self._continuing.pop(task["id"], None)
+        if all(carry.unfinished(s) and not s["token_ids"] for s in samples):  # stopped before it began
+            samples = []
+        record = self._record(ctx, self.split, task, prompt, prompt_ids, samples, time.monotonic() - began, sent_at=sent_at)
+        if carried:
+            record |= {k: carried[k] for k in ("carried", "origin_iteration") if k in carried}
+        if not samples or any(map(carry.unfinished, samples)):
+            record["unfinished"] = True
+        return carry.with_versions(record) if carried or record.get("unfinished") else record
+
+    def stop(self, unsent: list[str]) -> list[dict]:
+        """End the rollout now: the engines stop what they sample, every sample between its
+        turns goes no further (one in an environment call finishes it first), and every task
+        submitted and not returned yet comes back (a finished group as a record like any, one
+        with a stopped sample ``unfinished``), and so do the ``unsent`` tasks."""
+        self.episodes.stopping = True
+        try:
+            if self.inflight is not None:
+                self.inflight.stop(STOP_TIMEOUT_S)
+            self.outstanding += len(unsent)
+            records = self._ready + [self._untouched(t) for t in unsent]
+            self._ready, self._since = [], None
+            deadline = time.monotonic() + STOP_TIMEOUT_S + 2 * self.episodes.timeout_s  # a call, then the close
+            while len(records) < self.outstanding:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.outstanding - len(records)} multi-turn samples did not stop within "
+                                       f"{STOP_TIMEOUT_S + 2 * self.episodes.timeout_s:g} s of the rollout's stop")
+                records += self._take(1.0)
+        finally:
+            self.episodes.stopping = False
+        self.scorer.check(records)
+        self.outstanding -= len(records)
+        return records
 
     def _take(self, timeout_s: float) -> list[dict]:
         """The records of the tasks that ended, waiting up to ``timeout_s`` for the first;

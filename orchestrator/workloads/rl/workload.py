@@ -26,6 +26,7 @@ from orchestrator.data import carry, prompts, resample, shards
 from orchestrator.engine.client import EngineClient
 from orchestrator.node.procs import Children
 from orchestrator.protocol.layout import RunLayout
+from orchestrator.protocol.waiting import Backoff, Deadline, poll
 from orchestrator.protocol.schema import TrainingPlan
 from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
@@ -117,7 +118,14 @@ class RLWorkload:
         if not self.config.rollout.partial or iteration <= 1:
             return {}
         if self._carry_of[0] != iteration:
-            self._carry_of = (iteration, {r["task_id"]: r for r in carry.read(self.layout.iteration(iteration - 1).aggregate("carry"))})
+            path = self.layout.iteration(iteration - 1).aggregate("carry")  # the master made one before this iteration's plan
+            timeout = self.config.coordination.node_timeout_s
+            records = poll(lambda: carry.read(path), deadline=Deadline.after(timeout, f"the carried groups {path}"),
+                           backoff=Backoff(0.05, 1.0), on_timeout=lambda: shards.ShardError(
+                               f"the carried groups of iteration {iteration - 1} ({path}) are not there (waited "
+                               f"coordination.node_timeout_s={timeout:g} s): the master writes them as it aggregates that "
+                               f"iteration; check that this node sees --log-path as the master does"))
+            self._carry_of = (iteration, {r["task_id"]: r for r in records})
         return self._carry_of[1]
 
     def prompts_too_long(self, split: str) -> int:
@@ -263,14 +271,15 @@ class RLWorkload:
         policy = ctx.policy  # what the engines serve: phase 1 or 6 moved them to it
         record = functools.partial(self._record, policy=str(policy.path), policy_iteration=policy.iteration)
         tasks = resample.base(split)
+        carried = self.carried(ctx.iteration) if split == "train" else {}
         if self.rl.environment:
             scorer = Scorer(None, f"rl.environment={self.rl.environment}", self.rl.max_reward_error_fraction, split)
-            return MultiTurnPipe(ctx, split, start, scorer, self._episodes(), self.by_id[tasks], record, samples=sampling["n"])
+            return MultiTurnPipe(ctx, split, start, scorer, self._episodes(), self.by_id[tasks], record, samples=sampling["n"],
+                                 carried=carried)
         if self.rl.agent:
             scorer = Scorer(None, f"rl.agent={self.rl.agent}", self.rl.max_reward_error_fraction, split)
             return MultiTurnPipe(ctx, split, start, scorer, self._agents(), self.by_id[tasks], record, samples=sampling["n"])
         scorer = Scorer(self.reward, f"rl.reward={self.rl.reward}", self.rl.max_reward_error_fraction, split)
-        carried = self.carried(ctx.iteration) if split == "train" else {}
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[tasks].texts, self.by_id[tasks], record,
                              prompts_per_request=self.prompts_per_request(sampling["n"]), carried=carried, max_tokens=self.rl.max_tokens)
 
