@@ -27,7 +27,10 @@ import httpx
 from orchestrator.engine.client import Completion, EngineClient
 
 _CLOSE_WAIT_S = 10.0  # how long close() waits for the loop's thread to end
-_STOP_QUIET_S = 0.1
+_STOP_SETTLE_S = 0.05
+"""How long stop() lets the requests just sent reach their engines before it pauses them: one
+that reaches an engine paused is held there, and withdrawn."""
+_STOP_QUIET_S = 0.5
 """stop() takes the answers of what a paused engine was sampling until none has come for this
 long: an engine sends them at once, so what has not come by then is a request it holds for the
 resume (an answer that would have come later only loses what it had sampled: the request
@@ -227,6 +230,8 @@ class Inflight:
             self._queued = 0
         clients = [e.client for e in self._engines]
         loop = asyncio.get_running_loop()
+        if self._sending:  # a request sent a moment ago reaches its engine before the pause, not after
+            await asyncio.sleep(_STOP_SETTLE_S)
         await loop.run_in_executor(None, lambda: [c.pause() for c in clients])
         try:
             # What an engine was sampling comes back at once; a request still on its way when its
