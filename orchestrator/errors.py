@@ -24,6 +24,11 @@ class BadInput(OrchestratorError):
     exit_code = EXIT_BAD_INPUT
 
 
+class ServiceError(OrchestratorError):
+    """A child's service (an inference engine's server) could not serve a request: it answered
+    with an error, or not at all. When the rank was stopping, a consequence of its stop."""
+
+
 class ChildFailed(OrchestratorError):
     """A child process of this rank (a train worker, an engine) failed. ``child`` is the
     error record it wrote itself (``protocol/child_error.py``), or None when it died without

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import httpx
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import ServiceError
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
 
 _HEALTH_BACKOFF = Backoff(min_s=0.05, max_s=1.0)
@@ -23,7 +23,7 @@ _HEALTH_PROBE_TIMEOUT_S = 5.0
 _MESSAGE_LIMIT = 2000
 
 
-class EngineError(OrchestratorError):
+class EngineError(ServiceError):
     """The engine could not serve a request."""
 
 

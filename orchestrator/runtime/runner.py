@@ -30,6 +30,7 @@ from orchestrator.errors import (
     PeerFailed,
     Retrain,
     RunFinished,
+    ServiceError,
     StopRequested,
 )
 from orchestrator.data import claims, resample, summary
@@ -270,6 +271,8 @@ class Rank:
             return self.cancel.reason
         if isinstance(e, ChildFailed):  # a child killed because the rank was cancelled fails too
             return self.cancel.reason or e
+        if isinstance(e, ServiceError) and isinstance(self.cancel.reason, PeerFailed):
+            return self.cancel.reason  # its engines were stopped as it stopped for the peer (a request answered 503)
         if isinstance(e, OrchestratorError) or not isinstance(e, Exception):
             return e
         return self.cancel.reason or e

@@ -1,16 +1,20 @@
-"""Partial rollouts for real (rollout.partial, data/carry.py): two ranks on the demo's embedded
-engines stop their unfinished groups, which the next iteration continues from their recorded
-tokens; every process killed (kill -9) part-way through the rollout that continues them, and
-the run resumed on one node: every task drawn is trained exactly once, every carried sample
-continued from its recorded ids, no token past the staleness bound, eval never partial. And
-multi-turn samples (rl.environment) stopped in a turn or between turns, continued where they were."""
+"""Partial rollouts for real (rollout.partial, data/carry.py). Two ranks rolling out against a
+heavy-tailed engine (bench/partial.py's: a sample's length and pace are its own, so a stop always
+finds the long ones part-way) stop their unfinished groups, which the next iteration continues
+from their recorded tokens; every rank killed (kill -9) part-way through the rollout that
+continues them, and the run resumed on one node: every task drawn is aggregated for training
+exactly once, every carried sample continued from its recorded ids, no token past the staleness
+bound. And multi-turn samples (rl.environment) on the chat demo's embedded engine, stopped in a
+turn or between turns, continued where they were, trained."""
 
 import json
 import os
 import signal
+import threading
 
 import pytest
 
+from bench.partial import TailEngine
 from orchestrator.phase_table import Phase
 from orchestrator.protocol.layout import RunLayout
 from tests.harness import aggregate_records, kill_tree, rl_flags, run_local, start_ranks, status_json, wait_state
@@ -18,11 +22,21 @@ from tests.system.test_environments import ENVS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-# 12 tasks trained of 18 rolled out an iteration; all of a rank's prompts sampled at once (a
-# request each), hot enough that the demo's model answers at lengths from 1 to 48 tokens: when a
-# rank has its share of groups complete, the others are part-way.
-PARTIAL = ["rl.train_tasks=12", "rollout.partial=true", "rollout.oversample=0.5", "rollout.max_inflight=64",
-           "rollout.prompts_per_request=1", "rl.max_tokens=48", "rl.temperature=4"]
+# 12 tasks trained of 18 rolled out an iteration, a prompt a request.
+PARTIAL = ["rl.train_tasks=12", "rollout.partial=true", "rollout.oversample=0.5", "rollout.prompts_per_request=1"]
+
+
+@pytest.fixture
+def tail_engine():
+    """Samples of 4 to 12 tokens, or for 10% of them 40, a token every 50 ms (the lengths drawn
+    from each request's seed: the same on every run)."""
+    engine = TailEngine(median=8, tail_fraction=0.1, tail_factor=5, token_s=0.05)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        engine.server_close()
 
 
 def _records(layout, i, split):
@@ -30,9 +44,11 @@ def _records(layout, i, split):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_carried_groups_continue_from_their_tokens_and_every_task_trains_once_across_kill_9_and_fewer_nodes(demo_data, tmp_path):
+def test_carried_groups_continue_from_their_tokens_and_every_task_trains_once_across_kill_9_and_fewer_nodes(
+        chat_demo_data, tmp_path, tail_engine):
     log_path = tmp_path / "run"
-    flags = rl_flags(demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=3, extra=PARTIAL)
+    flags = rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", rl_phase="rollout", max_iterations=3, extra=[
+        *PARTIAL, "--rollout-split=train-only", "--debug-mode", f"rollout.engine_url={tail_engine.url}", "rl.max_tokens=40"])
     layout = RunLayout(log_path)
     # Rank 0 held as iteration 2's rollout begins, rank 1 once its first records of it are durable.
     procs = start_ranks(flags, 2, env_for={0: {"ORCHESTRATOR_FAULT": f"hold@2:{int(Phase.ROLLOUT)}"},
@@ -44,7 +60,7 @@ def test_carried_groups_continue_from_their_tokens_and_every_task_trains_once_ac
         carried = _records(layout, 1, "carry")
         assert any(s["token_ids"] for r in carried for s in r["samples"] if s["finish_reason"] == "abort"), \
             "iteration 1 carried samples stopped part-way"
-        for p in procs:  # every process: ranks, engines, trainers
+        for p in procs:  # every process
             os.kill(p.pid, signal.SIGKILL)
             kill_tree(p.pid)
         for p in procs:
@@ -66,15 +82,14 @@ def test_carried_groups_continue_from_their_tokens_and_every_task_trains_once_ac
         trained += [(r.get("origin_iteration") or r["iteration"], r["task_id"]) for r in train]
         for r in train:
             assert not r.get("unfinished") and all(s["finish_reason"] != "abort" and "reward" in s for s in r["samples"])
-            ages = [i - 1 - v for s in r["samples"] for v, n in s.get("policy_versions") or [[r["policy_iteration"], 1]] if n]
-            assert max(ages) <= 0 + 1, f"a token of {r['task_id']} past rl.max_staleness + rollout.max_carry"
+            assert all(v == 0 for s in r["samples"] for v, n in s.get("policy_versions") or [[r["policy_iteration"], 1]]), \
+                "a rollout-only run samples with the base model only"
         # Each carried sample went on from the ids (and log-probs) it had when it was stopped.
         later = {r["task_id"]: r for r in pool}
         for c in _records(layout, i - 1, "carry") if i > 1 else []:
             for before, after in zip(c["samples"], later[c["task_id"]]["samples"]):
                 assert after["token_ids"][: len(before["token_ids"])] == before["token_ids"]
                 assert after["logprobs"][: len(before["logprobs"])] == before["logprobs"]
-        assert all("unfinished" not in r and "carried" not in r for r in _records(layout, i, "eval"))
     left = [(r["origin_iteration"], r["task_id"]) for r in _records(layout, 3, "carry")]
     assert len(trained) == len(set(trained)), "a task trained twice"
     assert sorted(trained + left) == sorted(drawn), "every task drawn is trained once or still carried"
@@ -95,13 +110,15 @@ class SlowRetry(Retry):
 
 
 def test_multi_turn_samples_stopped_in_a_turn_or_between_turns_continue_where_they_were(chat_demo_data, tmp_path):
-    """rl.environment with rollout.partial, one rank: a stopped sample's environment is given its
-    turns again and the sample goes on from its ids; every task trained once."""
+    """rl.environment with rollout.partial, one rank, trained: a stopped sample's environment is
+    given its turns again and the sample goes on from its ids; every task trained once, no token
+    more than one checkpoint old, eval never partial."""
     (tmp_path / "retry_env.py").write_text(SLOW_RETRY)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log_path = tmp_path / "run"
     flags = rl_flags(chat_demo_data, log_path, num_nodes=1, weights=None, max_iterations=3, extra=[
-        *PARTIAL, "rl.environment=retry_env:SlowRetry", "rl.reward=orchestrator.rewards:math", "rl.max_turns=2", "rl.temperature=3"])
+        *PARTIAL, "rl.environment=retry_env:SlowRetry", "rl.reward=orchestrator.rewards:math", "rl.max_turns=2", "rl.temperature=3",
+        "rollout.max_inflight=64", "rl.max_tokens=48"])
     result = run_local(flags, timeout=240, env=env)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
@@ -115,6 +132,9 @@ def test_multi_turn_samples_stopped_in_a_turn_or_between_turns_continue_where_th
         for r in train:
             for s in r["samples"]:
                 assert s["finish_reason"] != "abort" and "reward" in s and len(s["token_ids"]) == len(s["loss_mask"]) == len(s["logprobs"])
+                ages = [i - 1 - v for v, n in s.get("policy_versions") or [[r["policy_iteration"], 1]] if n]
+                assert max(ages, default=0) <= 0 + 1, f"a token of {r['task_id']} past rl.max_staleness + rollout.max_carry"
+        assert all("unfinished" not in r and "carried" not in r for r in _records(layout, i, "eval")), "eval is never partial"
         for c in _records(layout, i - 1, "carry") if i > 1 else []:
             for before, after in zip(c["samples"], pool[c["task_id"]]["samples"]):
                 if before["finish_reason"] != "abort":

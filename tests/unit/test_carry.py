@@ -108,3 +108,17 @@ def test_the_carry_aggregate_is_read_once_there_and_a_torn_one_is_refused(tmp_pa
     path.write_bytes(path.read_bytes().replace(b'"a"', b'"b"'))
     with pytest.raises(shards.ShardError, match="do not match their manifest"):
         carry.read(path)
+
+
+def test_the_counts_reach_the_summary_and_the_trackers(tmp_path):
+    from orchestrator.data import summary
+    from orchestrator.protocol.layout import RunLayout
+    from orchestrator.tracking.metrics import iteration_metrics
+
+    counts = carry.Split(trained=12, carried_in=3, carried_out=6, unfinished_samples=5, dropped=1, tokens_dropped=40,
+                         tokens_trained=100, age_max=1, age_tokens=25).summary()
+    layout = RunLayout(tmp_path / "run")
+    summary.update(layout, 2, complete=True, partial=counts)
+    tracked = iteration_metrics(layout, 2)
+    assert (tracked["rollout/carried_groups"], tracked["rollout/carried_in_groups"], tracked["rollout/dropped_groups"],
+            tracked["rollout/dropped_tokens"], tracked["rollout/token_age_max"], tracked["rollout/token_age_mean"]) == (6, 3, 1, 40, 1, 0.25)

@@ -355,21 +355,59 @@ def test_an_environments_tools_are_rendered_with_its_prompt_and_observations(tok
 
 
 class Stopping(Engine):
-    """The first turn as :class:`Engine` answers it; the later ones as a rollout's stop leaves
-    them: stopped part-way (``<calc>``, finish reason abort), or never sent (Stopped)."""
+    """The first turn as :class:`Engine` answers it; the later ones as the rollout's stop of
+    ``episodes`` leaves them: stopped part-way (``<calc>``, finish reason abort), or never sent
+    (Stopped)."""
 
     def __init__(self, tokenizer, how: str):
         super().__init__(tokenizer)
-        self.how = how
+        self.how, self.episodes = how, None
 
     async def complete(self, request):
         if not self.requests:
             return await super().complete(request)
         self.requests.append(request)
+        self.episodes.stopping = True
         if self.how == "unsent":
             raise Stopped()
         ids = self.tokenizer("<calc>", add_special_tokens=False)["input_ids"]
         return Answer(request, [[Completion("<calc>", "abort", [-0.25] * len(ids), None, ids, request.prompts[0])]], 0.0, 0.0)
+
+
+def _stopped(tokenizer, env, how: str) -> tuple[list[int], list[dict]]:
+    """One sample of ``env`` through :class:`Stopping`: (the prompt's ids, the samples)."""
+    engine = Stopping(tokenizer, how)
+    episodes = engine.episodes = Episodes(env, "my:Env", tokenizer, max_turns=3, max_tokens=200, context=None, timeout_s=5.0,
+                                          threads=EnvThreads(2))
+    try:
+        _text, prompt_ids, samples, _ = asyncio.run(episodes.run(engine, {"id": "t1", "prompt": "1+1?"}, n=1, seed="s"))
+    finally:
+        episodes.close()
+    return prompt_ids, samples
+
+
+def test_a_turn_stopped_by_another_ranks_stop_of_a_shared_engine_goes_on_at_once(tokenizer):
+    """An abort this rollout did not ask for (another rank paused the engine they share) is
+    not a cut: the turn is asked to go on, and the sample ends as if never stopped."""
+    engine = Stopping(tokenizer, "in-its-turn")
+    engine.episodes = type("Other", (), {"stopping": False})()  # the stop is another's
+    answered = []
+
+    async def complete(request):
+        if len(engine.requests) < 2:
+            return await Stopping.complete(engine, request)
+        engine.episodes.stopping = False
+        answered.append(request)
+        return await Engine.complete(engine, request)
+
+    engine.complete = complete
+    _ids, [done], _ = run(tokenizer, Tool, engine, n=1, max_turns=2)
+    assert done["finish_reason"] == "stop" and done["turns"][1]["text"] == "<calc><calc>1</calc>" and len(done["turns"]) == 2
+    assert answered[0].prompts[0][-len(_calc_ids(tokenizer)):] == _calc_ids(tokenizer), "from the ids it had"
+
+
+def _calc_ids(tokenizer):
+    return tokenizer("<calc>", add_special_tokens=False)["input_ids"]
 
 
 class Counted(Tool):
@@ -387,7 +425,7 @@ def test_a_stopped_sample_is_continued_where_it_was_its_environment_given_its_tu
     turn again, and the sample goes on from its ids: the second turn's text is what it had and
     what followed, its reward the steps' summed as if never stopped."""
     Counted.steps = []
-    prompt_ids, [cut], _engine = run(tokenizer, Counted, Stopping(tokenizer, how), n=1, max_turns=3)
+    prompt_ids, [cut] = _stopped(tokenizer, Counted, how)
     assert cut["finish_reason"] == "abort" and "reward" not in cut and Counted.steps == ["<calc>1</calc>"]
     assert len(cut["turns"]) == (2 if how == "in-its-turn" else 1)
     Counted.steps = []
@@ -421,7 +459,7 @@ class Replies(Tool):
 
 
 def test_an_environment_that_answers_a_replayed_turn_otherwise_fails_the_carried_sample(tokenizer):
-    prompt_ids, [cut], _ = run(tokenizer, Replies, Stopping(tokenizer, "unsent"), n=1, max_turns=3)
+    prompt_ids, [cut] = _stopped(tokenizer, Replies, "unsent")
     episodes = Episodes(Replies, "my:Env", tokenizer, max_turns=3, max_tokens=200, context=None, timeout_s=5.0, threads=EnvThreads(2))
     try:
         _t, _ids, [done], _ = asyncio.run(episodes.resume(Engine(tokenizer), {"id": "t1", "prompt": "1+1?"},

@@ -307,12 +307,7 @@ class Episodes:
             await self._close(episode)
             return episode.sample(decode)
         if partial:  # the stopped turn goes on: its ids, log-probs and text, one turn
-            c.token_ids += completion.token_ids
-            c.loss_mask += [1] * len(completion.token_ids)
-            c.logprobs += completion.token_logprobs
-            turns[-1] |= {"text": turns[-1]["text"] + completion.text, "tokens": turns[-1]["tokens"] + len(completion.token_ids),
-                          "finish_reason": completion.finish_reason} | (
-                {"stop": completion.stop_string} if completion.stop_string is not None else {})
+            _extend(c, completion)
         await self._episode(inflight, task, episode, completion, seed, first=first, merged=partial)
         return episode.sample(decode)
 
@@ -365,7 +360,9 @@ class Episodes:
             stop = completion.stop_string
             if not merged:
                 c.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
-            text, merged = c.turns[-1]["text"], False
+            merged = False
+            completion = await self._through(inflight, task, c, completion, f"{seed}:{turn}")
+            text = c.turns[-1]["text"]
             episode.finish_reason = completion.finish_reason
             if completion.finish_reason == ABORTED:  # stopped in its turn (rollout.partial): carried as it stands
                 return
@@ -395,6 +392,18 @@ class Episodes:
             except Stopped:
                 episode.finish_reason = ABORTED
                 return
+
+    async def _through(self, inflight: Inflight, task: dict, c: Conversation, completion, seed: str):
+        """The turn's last completion: one stopped by another rank's stop of an engine they share
+        (not this rollout's: :attr:`stopping`) goes on now, appended to the turn."""
+        while completion.finish_reason == ABORTED and not self.stopping and (room := self._room(c.context, c.token_ids)) > 0:
+            request = Request([task["id"]], [c.context], request_seed(f"{seed}:{len(c.token_ids)}"), n=1, max_tokens=room)
+            try:
+                completion = (await inflight.complete(request)).groups[0][0]
+            except Stopped:
+                break
+            _extend(c, completion)
+        return completion
 
     def _room(self, context: list[int], after_prompt: list[int]) -> int:
         """Tokens the next turn may sample: what rl.max_tokens and the context leave."""
@@ -430,6 +439,16 @@ class Episodes:
 
     def close(self) -> None:
         self.threads.close()
+
+
+def _extend(c: Conversation, completion) -> None:
+    """The conversation's last turn, stopped part-way, with ``completion`` (what followed) appended."""
+    c.token_ids += completion.token_ids
+    c.loss_mask += [1] * len(completion.token_ids)
+    c.logprobs += completion.token_logprobs
+    c.turns[-1] |= {"text": c.turns[-1]["text"] + completion.text, "tokens": c.turns[-1]["tokens"] + len(completion.token_ids),
+                    "finish_reason": completion.finish_reason} | (
+        {"stop": completion.stop_string} if completion.stop_string is not None else {})
 
 
 async def _same(sample: dict) -> dict:

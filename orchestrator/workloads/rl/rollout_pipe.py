@@ -51,6 +51,7 @@ class RLRolloutPipe:
         self._continuing: dict[str, dict] = {}  # a carried task's record, its samples as they are now
         self._left: dict[str, int] = {}  # a carried task's samples still out
         self._came: list[dict] = []  # carried records complete as they came
+        self._stopping = False  # in this rollout's own stop: an unfinished sample is kept as it stands
         self.prompts_per_request = prompts_per_request
         self._start = start
         self.inflight: Inflight | None = None
@@ -86,23 +87,25 @@ class RLRolloutPipe:
         return bool(record and record["samples"])
 
     def _continue(self, record: dict) -> list[Request]:
-        """The requests that continue a carried group's unfinished samples (none: it is complete)."""
+        """The requests that continue a group's unfinished samples (none: it is complete)."""
         task_id = record["task_id"]
-        record = {**record, "samples": list(record["samples"])}
-        out = []
-        for j, s in enumerate(record["samples"]):
-            if not carry.unfinished(s):
-                continue
-            left = self._max_tokens - len(s["token_ids"])
-            if left <= 0:  # stopped as it reached the limit: it is finished
-                record["samples"][j] = {**s, "finish_reason": "length"}
-                continue
-            seed = random.Random(f"{self.ctx.config.seed}:{self.split}:{self.ctx.iteration}:{task_id}:{j}").randrange(2**31)
-            out.append(Request([task_id], [record["prompt_token_ids"] + s["token_ids"]], seed, n=1, max_tokens=left, part=j))
-        self._continuing[task_id], self._left[task_id] = record, len(out)
+        self._continuing[task_id] = {**record, "samples": list(record["samples"])}
+        out = [r for j, s in enumerate(record["samples"]) if carry.unfinished(s) for r in self._continue_sample(task_id, j)]
+        self._left[task_id] = len(out)
         if not out:
             self._came.append(self._finish(task_id, 0.0, time.time()))
         return out
+
+    def _continue_sample(self, task_id: str, j: int) -> list[Request]:
+        """The request that continues sample ``j`` of a group in hand (none: it reached the limit)."""
+        record = self._continuing[task_id]
+        s = record["samples"][j]
+        left = self._max_tokens - len(s["token_ids"])
+        if left <= 0:  # stopped as it reached the limit: it is finished
+            record["samples"][j] = {**s, "finish_reason": "length"}
+            return []
+        seed = random.Random(f"{self.ctx.config.seed}:{self.split}:{self.ctx.iteration}:{task_id}:{j}:{len(s['token_ids'])}")
+        return [Request([task_id], [record["prompt_token_ids"] + s["token_ids"]], seed.randrange(2**31), n=1, max_tokens=left, part=j)]
 
     @property
     def ready(self) -> int:
@@ -119,6 +122,7 @@ class RLRolloutPipe:
         an unfinished one as it stands (``unfinished``: its samples stopped with finish reason
         ``abort``; one never sent with none), and so do the ``unsent`` tasks (never submitted).
         Raises RewardFailed as :meth:`next_batch` does."""
+        self._stopping = True
         withdrawn = self.inflight.stop(STOP_TIMEOUT_S) if self.inflight is not None else []
         self.outstanding += len(unsent)
         records = self._ready + self._take(0) + [self._untouched(t) for t in unsent]
@@ -129,6 +133,7 @@ class RLRolloutPipe:
         records += [self._cut(t, record) for t, record in self._continuing.items()]
         self._continuing.clear()
         self._left.clear()
+        self._stopping = False
         self.scorer.check(records)
         self.outstanding -= len(records)
         return records
@@ -179,6 +184,9 @@ class RLRolloutPipe:
                 record |= {k: self._carried[t][k] for k in ("carried", "origin_iteration") if k in self._carried[t]}
             if any(map(carry.unfinished, record["samples"])):
                 record = carry.with_versions(record | {"unfinished": True})
+                if not self._stopping:  # stopped by another rank's stop of an engine they share: it goes on now
+                    self.inflight.submit(self._continue(record))
+                    continue
             out.append(record)
         return out
 
@@ -189,8 +197,10 @@ class RLRolloutPipe:
         c = answer.groups[0][0]
         more = {"text": c.text, "token_ids": c.token_ids, "logprobs": c.token_logprobs, "finish_reason": c.finish_reason}
         record["samples"][j] = carry.continued(record["samples"][j], more, self.ctx.policy.iteration)
-        if carry.unfinished(record["samples"][j]):  # stopped (the rollout's stop): the group is cut as it stands
-            return []
+        if carry.unfinished(record["samples"][j]):
+            if not self._stopping:  # another rank's stop of an engine they share: it goes on now
+                self.inflight.submit(self._continue_sample(task_id, j))
+            return []  # (the rollout's own stop: the group is cut as it stands)
         self._left[task_id] -= 1
         if self._left[task_id]:
             return []
@@ -203,7 +213,7 @@ class RLRolloutPipe:
         task = self._tasks[task_id]
         samples = [s if "reward" in s else self._scored(task, s) for s in record["samples"]]
         made = self._record(self.ctx, self.split, task, record["prompt"], record["prompt_token_ids"], samples, seconds, sent_at=sent_at)
-        return carry.with_versions({**made, "carried": record.get("carried", 0), "origin_iteration": record.get("origin_iteration")})
+        return carry.with_versions(made | {k: record[k] for k in ("carried", "origin_iteration") if k in record})
 
     def _scored(self, task: dict, sample: dict) -> dict:
         reward, error = self.scorer.score(task, sample["text"])
