@@ -21,7 +21,6 @@ it), and a record found past the bound is dropped and counted, never trained.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +122,7 @@ def split(whole: Path, train: Path, carry: Path, *, trained: int, iteration: int
     ``max_carry`` times, is in neither. Carry first: a sealed train aggregate means both are
     there. Returns the train aggregate's manifest (``extra`` in it) and the counts."""
     out, take = Split(), set()
-    for _raw, record in _lines(whole):
+    for _end, _raw, record in shards.iter_valid_lines(whole):
         ages = list(token_ages(record, iteration))
         stale = any(a > bound for a, n in ages if n) or record.get("carried", 0) > max_carry or (
             record.get("unfinished") and record.get("carried", 0) >= max_carry)
@@ -142,7 +141,7 @@ def split(whole: Path, train: Path, carry: Path, *, trained: int, iteration: int
     for stale in (shards.manifest_path(carry), carry):  # what a crash in an earlier try left
         stale.unlink(missing_ok=True)
     with shards.ShardWriter(carry) as writer:
-        for _raw, record in _lines(whole):
+        for _end, _raw, record in shards.iter_valid_lines(whole):
             if record["task_id"] in take or record["task_id"] in dropped:
                 continue
             out.carried_out += 1
@@ -154,12 +153,6 @@ def split(whole: Path, train: Path, carry: Path, *, trained: int, iteration: int
     m = shards.merge([("the pool", whole)], train, lambda _label, record: record["task_id"] in take, split="train",
                      iteration=iteration, partial=False, **extra)
     return m, out
-
-
-def _lines(path: Path) -> Iterator[tuple[bytes, dict]]:
-    with open(path, "rb") as f:
-        for raw in f:
-            yield raw, json.loads(raw)
 
 
 def ensure(path: Path, iteration: int) -> None:
@@ -180,4 +173,4 @@ def read(path: Path) -> list[dict] | None:
     if m is None or not shards.verify(path, m):
         raise shards.ShardError(f"the carried groups {path} do not match their manifest: delete both files and the "
                                 f"iteration's train aggregate, and re-run the same command to aggregate that iteration again")
-    return [record for _raw, record in _lines(path)]
+    return [record for _end, _raw, record in shards.iter_valid_lines(path)]

@@ -153,8 +153,8 @@ class Inflight:
         self._queued = 0  # sequences submitted and not yet sent (guarded by _lock)
         self._failed = False
         self._halted = False  # stop(): nothing more is sent
-        self._sending: set[asyncio.Task] = set()  # the requests sent and not answered yet
-        self._sending_requests: dict[asyncio.Task, tuple[Request, asyncio.Future | None]] = {}
+        # The requests sent and not answered yet, by the task that sends each (with its future).
+        self._sending: dict[asyncio.Task, tuple[Request, asyncio.Future | None]] = {}
         self._loop = asyncio.new_event_loop()
         self._stopping = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-inflight", daemon=True)
@@ -246,7 +246,7 @@ class Inflight:
                 task.cancel()
             await asyncio.gather(*held, return_exceptions=True)
             for task in held:
-                request, future = self._sending_requests.pop(task)
+                request, future = self._sending.pop(task)
                 if future is None:
                     unsent.append(request)
                 elif not future.done():
@@ -297,14 +297,12 @@ class Inflight:
             self.stats.peak_sequences[i] = max(self.stats.peak_sequences[i], engine.sequences)
             self.stats.requests += 1
             task = self._loop.create_task(self._send(engine, request, sequences, future))
-            self._sending.add(task)
-            self._sending_requests[task] = (request, future)
+            self._sending[task] = (request, future)
             task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task) -> None:
-        self._sending.discard(task)
-        if not task.cancelled():
-            self._sending_requests.pop(task, None)
+        if not task.cancelled():  # a withdrawn one stays for _halt to hand back
+            self._sending.pop(task, None)
 
     async def _send(self, engine: _Engine, request: Request, sequences: int, future: asyncio.Future | None) -> None:
         began, sent_at = time.monotonic(), time.time()
