@@ -447,7 +447,7 @@ class RolloutConfig:
     """Partial rollouts: a train rollout rolls out rollout.oversample more tasks than it trains,
     each rank stops its engines once its share of rl.train_tasks groups is complete, and the
     unfinished samples are kept (their tokens, log-probs and policies) and continued first by the
-    next iteration's rollout; eval never is. Not with rl.agent or rl.filter_groups."""
+    next iteration's rollout; eval never is. Not with rl.filter_groups."""
     oversample: Annotated[float, _limit("{key} must be in (0, 1], got {value}", gt=0, le=1)] = 0.25
     """With rollout.partial: the share of rl.train_tasks a train rollout rolls out beyond them
     (0.25: 480 tasks for 384 trained); at most that many groups are carried to the next."""
@@ -647,15 +647,11 @@ class RunConfig:
                                       f"(greedy sampling gives one answer); raise the temperature or use 1 sample")
 
     def _check_partial(self) -> None:
-        """rollout.partial continues samples from their tokens (an environment's by replaying its
-        turns): refused where a sample is the user's own code (an agent) or a round is drawn by
-        its groups."""
-        if not self.rollout.partial or self.workload is not WorkloadKind.RL:
-            return
-        for key, value in (("rl.agent", self.rl.agent), ("rl.filter_groups", self.rl.filter_groups)):
-            if value:
-                raise ConfigError(f"rollout.partial=true does not continue samples of {key}, and {key}={value} is set: "
-                                  f"unset one of them")
+        """rollout.partial continues samples from their tokens (an environment's or an agent's by
+        replaying its turns): refused where a round is drawn by its groups."""
+        if self.rollout.partial and self.workload is WorkloadKind.RL and self.rl.filter_groups:
+            raise ConfigError(f"rollout.partial=true does not continue samples of rl.filter_groups, and "
+                              f"rl.filter_groups={self.rl.filter_groups} is set: unset one of them")
 
     def _check_overlap(self, train_nodes: tuple[int, ...], rollout_nodes: tuple[int, ...]) -> None:
         """rl.max_staleness >= 1 overlaps rollout with training: on nodes apart, walking both halves."""

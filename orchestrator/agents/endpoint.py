@@ -24,20 +24,31 @@ Refused, with the OpenAI API's error shape: an unknown session (404), a call for
 whose agent already returned (409), ``n`` > 1, and another model's name (400/404).
 An engine that fails answers 502, and the failure is kept for the rollout to raise when the
 agent returns (an engine's death is the rank's, not the agent's).
+
+With ``rollout.partial``, the rollout's stop (:attr:`AgentEndpoint.stopping`) ends each sample
+at its call: a reply being sampled keeps what it had (finish reason ``abort``), a call made
+after the stop began is recorded (its messages) and not sampled, and the call is refused (409,
+``rollout_stopped``), its sample carried; the next rollout runs the agent again and answers its
+calls from the record (``replay.py``). Without the rollout's own stop, a reply another rank's
+stop of a shared engine cut goes on at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import socket
 import time
 import uuid
 
+from orchestrator.agents import replay
 from orchestrator.agents.sessions import Session
-from orchestrator.workloads.rl.engine_requests import Inflight, Request
+from orchestrator.data.carry import ABORTED
+from orchestrator.engine.client import Completion
+from orchestrator.workloads.rl.engine_requests import Inflight, Request, Stopped
 from orchestrator.workloads.rl.episodes import request_seed
 
 log = logging.getLogger(__name__)
@@ -72,6 +83,8 @@ class AgentEndpoint:
         self._ready: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failure: BaseException | None = None
+        self.stopping = False
+        """The rollout stops (rollout.partial): what is sampled is cut, what is not is not begun."""
         # Imported here, on the rollout's own thread, not on its event loop: importing blocks,
         # and the agents' clocks run on the loop. So is openai, which most agents call with
         # (0.8 s of the loop when the first agent's client imported it), and its resources,
@@ -132,9 +145,11 @@ class AgentEndpoint:
 
     # -- sessions ----------------------------------------------------------------------------
 
-    def open(self, task: dict, seed: str) -> tuple[Session, str]:
-        """A new sample's session and its base URL."""
-        session = Session(uuid.uuid4().hex, task, seed, tool_parser=self.tool_parser)
+    def open(self, task: dict, seed: str, *, key: str = "", script: list[replay.Recorded] = ()) -> tuple[Session, str]:
+        """A new sample's session and its base URL, on the running loop; ``key`` names the sample
+        across rollouts, ``script`` is a carried sample's calls (``replay.py``)."""
+        session = Session(uuid.uuid4().hex, task, seed, key=key, tool_parser=self.tool_parser, script=list(script),
+                          halted=asyncio.get_running_loop().create_future())
         self.sessions[session.id] = session
         return session, f"http://127.0.0.1:{self.port}/sessions/{session.id}/v1"
 
@@ -187,6 +202,8 @@ class AgentEndpoint:
             raise CallRefused(409, f"session {session_id} is over: its agent already returned (or ran out of time)")
         if session is None:
             raise CallRefused(404, f"no session {session_id!r} on this endpoint: each sample calls the base URL it was given")
+        if session.stopped:
+            raise CallRefused(409, f"session {session_id} was stopped by the rollout's stop (rollout.partial)", "rollout_stopped")
         if session.closed:
             raise CallRefused(409, f"session {session_id} is over: its agent already returned (or ran out of time)")
         return session
@@ -213,29 +230,65 @@ class AgentEndpoint:
             text, finish, sampled = "", "length", 0
         else:
             session.answered_text(completion)
+            if completion.finish_reason == ABORTED:
+                self._stopped(session)
             text, finish, sampled = completion.text, completion.finish_reason, len(completion.token_ids)
         return {"id": f"cmpl-{session.id[:12]}-{session.calls}", "object": "text_completion", "created": created, "model": MODEL,
                 "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": sampled, "total_tokens": len(prompt) + sampled}}
 
-    async def _sample(self, session: Session, prompt: list[int], body: dict):
-        """The engine's completion of ``prompt`` for the sample, within its room (None: no room)."""
+    async def _sample(self, session: Session, prompt: list[int], body: dict) -> Completion | None:
+        """The model's reply to the call, within its room (None: no room): from the record for a
+        carried sample's call made before its stop (``replay.py``), else the engine's completion
+        of ``prompt``. A reply the engines were stopped in goes on from its ids, unless the stop
+        is this rollout's (:attr:`stopping`): then it comes back as it stands (finish reason
+        ``abort``), and a call not sampled yet is refused, its sample stopped."""
+        reply = None
+        if session.calls <= len(session.script):
+            recorded = session.script[session.calls - 1]
+            if prompt != recorded.context:
+                error = (f"call {session.calls} of a sample carried by rollout.partial is not the call it made before its "
+                         f"rollout stopped: a carried agent is run again and given its replies again, which needs an agent "
+                         f"that makes the same calls given the same replies (docs/environments.md)")
+                session.halt(error)
+                raise CallRefused(409, error)
+            if recorded.reply is not None and recorded.reply.finish_reason != ABORTED:
+                return recorded.reply
+            reply = recorded.reply
         room = self._room(session, prompt)
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if isinstance(asked, int) and asked > 0:
             room = min(room, asked)
-        if room <= 0:
-            return None
-        request = Request([str(session.task["id"])], [prompt], request_seed(f"{session.seed}:{session.calls}"), n=1, max_tokens=room)
-        session.call_began = time.monotonic()
-        try:
-            return (await self.inflight.complete(request)).groups[0][0]
-        except Exception as e:  # noqa: BLE001 - the engine's failure: the rollout's to raise
-            self.engine_failure = self.engine_failure or e
-            raise CallRefused(502, f"the engine failed: {e}", "server_error") from None
-        finally:
-            session.in_calls_s += time.monotonic() - session.call_began
-            session.call_began = None
+        while reply is None or reply.finish_reason == ABORTED:
+            have = len(reply.token_ids) if reply is not None else 0
+            if room - have <= 0:
+                return None if reply is None else dataclasses.replace(reply, finish_reason="length")
+            if self.stopping:
+                return reply if reply is not None else self._stopped(session)
+            name = f"{session.seed}:{session.calls}" + (f":{have}" if have else "")
+            request = Request([str(session.task["id"])], [prompt + (reply.token_ids if reply else [])], request_seed(name), n=1,
+                              max_tokens=room - have)
+            session.call_began = time.monotonic()
+            try:
+                more = (await self.inflight.complete(request)).groups[0][0]
+            except Stopped:  # the rollout stopped before the request reached an engine
+                return reply if reply is not None else self._stopped(session)
+            except Exception as e:  # noqa: BLE001 - the engine's failure: the rollout's to raise
+                self.engine_failure = self.engine_failure or e
+                raise CallRefused(502, f"the engine failed: {e}", "server_error") from None
+            finally:
+                session.in_calls_s += time.monotonic() - session.call_began
+                session.call_began = None
+            reply = replay.joined(reply, more)
+        return reply
+
+    @staticmethod
+    def _stopped(session: Session):
+        """Refuse the call of a sample the rollout's stop ended (its agent is cancelled, or told
+        so): it is carried, and goes on in the next rollout."""
+        session.halt()
+        raise CallRefused(409, "the rollout stopped (rollout.partial): this sample goes on in the next rollout, "
+                               "its agent run again", "rollout_stopped")
 
     async def chat(self, session: Session, body: object) -> dict:
         self._check(body)
@@ -251,6 +304,8 @@ class AgentEndpoint:
         if completion is None:
             return _response(session, {"role": "assistant", "content": ""}, "length", created, prompt, 0)
         message, finish = session.answered(completion)
+        if completion.finish_reason == ABORTED:
+            self._stopped(session)
         return _response(session, message, finish, created, prompt, len(completion.token_ids),
                          completion.token_logprobs if body.get("logprobs") else None, completion)
 

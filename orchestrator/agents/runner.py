@@ -31,8 +31,10 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+from orchestrator.agents import replay
 from orchestrator.agents.endpoint import AgentEndpoint
 from orchestrator.agents.sessions import Session
+from orchestrator.data.carry import ABORTED, unfinished
 from orchestrator.data.turns import render
 from orchestrator.plugins.environments import OneTurn, finite_number
 from orchestrator.workloads.rl.engine_requests import Inflight
@@ -40,6 +42,10 @@ from orchestrator.workloads.rl.episodes import CallTimedOut, EnvThreads, failure
 
 _WAIT_S = 1.0
 """How often a running agent's own time is looked at against rl.env_timeout_s."""
+
+
+class Halted(Exception):
+    """The endpoint ended the sample before its agent returned (``Session.halted``)."""
 
 
 @dataclass
@@ -57,14 +63,20 @@ class Agents:
     _slots: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     """Event loop -> the semaphore of the agents running on it at once."""
 
+    @property
+    def stopping(self) -> bool:
+        """The rollout stops (rollout.partial): each sample is ended at its call (endpoint.py)."""
+        return self.endpoint.stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self.endpoint.stopping = value
+
     async def run(self, inflight: Inflight, task: dict, *, n: int, seed: str) -> tuple[str, list[int], list[dict], float]:
         await self.endpoint.start(inflight)
         sent_at = time.time()
-        loop = asyncio.get_running_loop()
-        if loop not in self._slots:
-            self._slots[loop] = asyncio.Semaphore(inflight.capacity)
-        slots = self._slots[loop]
-        sessions = await asyncio.gather(*(self._sample(task, f"{seed}:{i}", slots) for i in range(n)))
+        slots = self._slots_of(inflight)
+        sessions = await asyncio.gather(*(self._sample(task, f"{seed}:{i}", slots, key=f"{task['id']}:{i}") for i in range(n)))
         if self.endpoint.engine_failure is not None:
             raise self.endpoint.engine_failure
         tokenizer = self.endpoint.tokenizer
@@ -80,11 +92,47 @@ class Agents:
         samples = [_sample(session, outcome, len(common), tokenizer) for session, outcome in sessions]
         return tokenizer.decode(common, skip_special_tokens=False), common, samples, sent_at
 
-    async def _sample(self, task: dict, seed: str, slots: asyncio.Semaphore) -> tuple[Session, dict]:
+    async def resume(self, inflight: Inflight, task: dict, record: dict, *, seed: str) -> tuple[str, list[int], list[dict], float]:
+        """``record``'s group (carried by a rollout that stopped) continued: its finished samples
+        as they are, each stopped one's agent run again, its calls before the stop answered
+        from the record (replay.py); as :meth:`run` returns them."""
+        await self.endpoint.start(inflight)
+        sent_at = time.time()
+        slots, common, tokenizer = self._slots_of(inflight), record["prompt_token_ids"], self.endpoint.tokenizer
+
+        async def sample(i: int, carried: dict) -> dict:
+            if not unfinished(carried):
+                return carried
+            session, outcome = await self._sample(task, f"{seed}:{i}", slots, key=f"{task['id']}:{i}", script=replay.calls(carried, common))
+            if session.conversation is not None and session.conversation.prompt_ids[: len(common)] != common:
+                session.segments, session.conversation = [], None
+                outcome = {"reward": 0.0, "error": f"{self.spec}: a carried sample's first call's prompt is not its group's"}
+            return _sample(session, outcome, len(common), tokenizer)
+
+        samples = await asyncio.gather(*(sample(i, s) for i, s in enumerate(record["samples"])))
+        if self.endpoint.engine_failure is not None:
+            raise self.endpoint.engine_failure
+        return tokenizer.decode(common, skip_special_tokens=False), common, list(samples), sent_at
+
+    def _slots_of(self, inflight: Inflight) -> asyncio.Semaphore:
+        """The running loop's semaphore of the agents running at once."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._slots:
+            self._slots[loop] = asyncio.Semaphore(inflight.capacity)
+        return self._slots[loop]
+
+    async def _sample(self, task: dict, seed: str, slots: asyncio.Semaphore, *, key: str,
+                      script: list[replay.Recorded] = ()) -> tuple[Session, dict]:
         async with slots:
-            session, base_url = self.endpoint.open(task, seed)
+            session, base_url = self.endpoint.open(task, seed, key=key, script=script)
             try:
+                if self.endpoint.stopping:  # the rollout stopped before this agent began: carried unbegun
+                    session.halt()
+                    raise Halted
                 outcome = self._outcome(task, await self._call(dict(task), base_url, session))
+            except Halted:
+                error = session.halted.result()
+                outcome = {"stopped": True} if error is None else {"reward": 0.0, "error": f"{self.spec}: {error}"}
             except CallTimedOut:
                 outcome = {"reward": 0.0, "error": f"{self.spec}: the agent took longer than rl.env_timeout_s={self.timeout_s:g}"}
             except Exception as e:  # noqa: BLE001 - the user's code
@@ -106,7 +154,7 @@ class Agents:
             running = asyncio.wrap_future(future)
             began = lambda: future.started  # noqa: E731 - None while it waits for a thread
         try:
-            while not running.done():
+            while not running.done() and not session.halted.done():
                 start = began()
                 now = time.monotonic()
                 left = _WAIT_S if start is None else start + self.timeout_s + session.busy_s(now) - now
@@ -114,9 +162,13 @@ class Agents:
                     if not isinstance(running, asyncio.Task):
                         self.threads.abandoned()
                     raise CallTimedOut
-                await asyncio.wait({running}, timeout=min(left, _WAIT_S))
+                await asyncio.wait({running, session.halted}, timeout=min(left, _WAIT_S), return_when=asyncio.FIRST_COMPLETED)
+            if session.halted.done():  # whatever the agent made of its refused call
+                if not running.done() and not isinstance(running, asyncio.Task):
+                    self.threads.abandoned()
+                raise Halted
         finally:
-            if isinstance(running, asyncio.Task) and not running.done():  # timed out, or the rollout cancelled
+            if isinstance(running, asyncio.Task) and not running.done():  # timed out, halted, or the rollout cancelled
                 running.cancel()
         return running.result()
 
@@ -160,7 +212,7 @@ def _sample(session: Session, outcome: dict, common: int, tokenizer) -> dict:
     its prompt past the group's common prefix opening its ids, as context."""
     c = session.conversation
     if c is None:  # the agent never called the model
-        sample = {"text": "", "token_ids": [], "logprobs": [], "loss_mask": [], "turns": [], "reward": outcome["reward"],
+        sample = {"text": "", "token_ids": [], "logprobs": [], "loss_mask": [], "turns": [], "reward": outcome.get("reward", 0.0),
                   "finish_reason": "stop"}
     else:
         own = c.prompt_ids[common:]
@@ -168,10 +220,13 @@ def _sample(session: Session, outcome: dict, common: int, tokenizer) -> dict:
         last = c.turns[-1] if c.turns else {}
         sample = {"text": tokenizer.decode(ids, skip_special_tokens=False) if ids else "", "token_ids": ids,
                   "logprobs": [0.0] * len(own) + c.logprobs, "loss_mask": [0] * len(own) + c.loss_mask, "turns": c.turns,
-                  "reward": outcome["reward"], "finish_reason": last.get("finish_reason", "stop")}
+                  "reward": outcome.get("reward", 0.0), "finish_reason": last.get("finish_reason", "stop")}
         if session.segments:
             sample["segments"] = [{"prompt_token_ids": s.prompt_ids, "token_ids": s.token_ids, "logprobs": s.logprobs,
                                    "loss_mask": s.loss_mask, "turns": s.turns} for s in session.segments]
+    if outcome.get("stopped"):  # the rollout's stop (rollout.partial): carried, scored once it is finished
+        sample["finish_reason"] = ABORTED
+        del sample["reward"]
     if outcome.get("metrics"):
         sample["metrics"] = outcome["metrics"]
     if outcome.get("error"):

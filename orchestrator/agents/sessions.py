@@ -17,10 +17,13 @@ a tool call's name and arguments (parsed), not ids or fields the client adds (``
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 from dataclasses import dataclass, field
 
 from orchestrator.agents import tool_parsers
+from orchestrator.agents.replay import Recorded
 from orchestrator.data.turns import Conversation, render
 
 
@@ -73,6 +76,9 @@ class Session:
     task: dict
     seed: str
     """Names the sample's random streams: each call's seed is drawn from it and the call's number."""
+    key: str = ""
+    """Names the sample across rollouts (its task and number): its tool calls' ids are drawn
+    from it, so that a carried sample's calls get the ids they had (``replay.py``)."""
     tool_parser: str = "hermes"
     conversation: Conversation | None = None
     """The current segment."""
@@ -90,6 +96,22 @@ class Session:
     """Seconds the sample's calls spent in the endpoint so far (waiting for and on the engine)."""
     call_began: float | None = None
     """``time.monotonic()`` when the call in progress began; None between calls."""
+    script: list[Recorded] = field(default_factory=list)
+    """A carried sample's calls as it made them (``replay.py``): answered from the record."""
+    halted: asyncio.Future | None = None
+    """Done when the endpoint ended the sample before its agent returned: the rollout stopped it
+    (result None) or it made another call than its record's (result: the error)."""
+
+    def halt(self, error: str | None = None) -> None:
+        """End the sample now (its later calls are refused): stopped (``error`` None), or failed."""
+        self.closed = True
+        if self.halted is not None and not self.halted.done():
+            self.halted.set_result(error)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the rollout's stop ended the sample (it is carried)."""
+        return self.halted is not None and self.halted.done() and self.halted.result() is None
 
     def busy_s(self, now: float) -> float:
         """Seconds the sample spent in calls, the one in progress included: not the agent's own time."""
@@ -158,9 +180,14 @@ class Session:
         stop = completion.stop_string
         self.conversation.sampled(completion.token_ids, completion.token_logprobs, completion.text, completion.finish_reason, stop)
         content, calls = tool_parsers.parse(self.tool_parser, completion.text)
+        calls = [{**c, "id": self._call_id(i)} for i, c in enumerate(calls)]
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         self.seen.append(seen_as(message))
         return message, "tool_calls" if calls else completion.finish_reason
+
+    def _call_id(self, i: int) -> str:
+        """The id of the reply's ``i``-th tool call: the same each time the sample makes this call."""
+        return "call_" + hashlib.sha256(f"{self.key}:{self.calls}:{i}".encode()).hexdigest()[:24]
 
     @property
     def every_segment(self) -> list[Conversation]:

@@ -49,9 +49,15 @@ def unfinished(sample: dict) -> bool:
     return sample.get("finish_reason") == ABORTED
 
 
+def length(sample: dict) -> int:
+    """The ids ``sample`` holds after its prompt: its ``token_ids`` and, an agent's that started
+    new segments, theirs before them (what ``policy_versions`` counts)."""
+    return sum(len(s.get("token_ids") or ()) for s in (*sample.get("segments", ()), sample))
+
+
 def versions(record: dict, sample: dict) -> list[list[int]]:
     """``[[checkpoint iteration, tokens], ...]``: the policies that sampled ``sample``'s tokens."""
-    return sample.get("policy_versions") or [[record["policy_iteration"], len(sample.get("token_ids") or ())]]
+    return sample.get("policy_versions") or [[record["policy_iteration"], length(sample)]]
 
 
 def with_versions(record: dict) -> dict:

@@ -4,8 +4,8 @@ finds the long ones part-way) stop their unfinished groups, which the next itera
 from their recorded tokens; every rank killed (kill -9) part-way through the rollout that
 continues them, and the run resumed on one node: every task drawn is aggregated for training
 exactly once, every carried sample continued from its recorded ids, no token past the staleness
-bound. And multi-turn samples (rl.environment) on the chat demo's embedded engine, stopped in a
-turn or between turns, continued where they were, trained."""
+bound. And multi-turn samples (rl.environment, and rl.agent) on the chat demo's embedded engine,
+stopped in a turn or between turns, continued where they were, trained."""
 
 import json
 import os
@@ -109,16 +109,38 @@ class SlowRetry(Retry):
 '''
 
 
-def test_multi_turn_samples_stopped_in_a_turn_or_between_turns_continue_where_they_were(chat_demo_data, tmp_path):
-    """rl.environment with rollout.partial, one rank, trained: a stopped sample's environment is
-    given its turns again and the sample goes on from its ids; every task trained once, no token
-    more than one checkpoint old, eval never partial."""
+SLOW_AGENT = """
+import asyncio
+
+from orchestrator import rewards
+from orchestrator.agents.clients import client
+
+
+async def retry(task, base_url):
+    \"\"\"SlowRetry as an agent through the endpoint: answers, is told "check it" (after a while in
+    its own code), answers again, graded by the math reward.\"\"\"
+    messages = list(task["prompt"])
+    first = (await client(base_url).chat.completions.create(model="policy", messages=messages)).choices[0].message
+    await asyncio.sleep(1.5 if task["id"][-1] in "13579" else 0.05)  # some long: a stop finds them between calls
+    messages += [first.model_dump(), {"role": "tool", "content": "check it"}]
+    second = (await client(base_url).chat.completions.create(model="policy", messages=messages)).choices[0].message
+    return rewards.math(task, second.content or "")
+"""
+
+
+@pytest.mark.parametrize("how", ["environment", "agent"])
+def test_multi_turn_samples_stopped_in_a_turn_or_between_turns_continue_where_they_were(chat_demo_data, tmp_path, how):
+    """rl.environment (or rl.agent) with rollout.partial, one rank, trained: a stopped sample's
+    environment is given its turns again (its agent run again, its calls answered from the
+    record) and the sample goes on from its ids; every task trained once, no token more than
+    one checkpoint old, eval never partial."""
     (tmp_path / "retry_env.py").write_text(SLOW_RETRY)
+    (tmp_path / "retry_agent.py").write_text(SLOW_AGENT)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log_path = tmp_path / "run"
+    runs = ["rl.environment=retry_env:SlowRetry", "rl.max_turns=2"] if how == "environment" else ["rl.agent=retry_agent:retry"]
     flags = rl_flags(chat_demo_data, log_path, num_nodes=1, weights=None, max_iterations=3, extra=[
-        *PARTIAL, "rl.environment=retry_env:SlowRetry", "rl.reward=orchestrator.rewards:math", "rl.max_turns=2", "rl.temperature=3",
-        "rollout.max_inflight=64", "rl.max_tokens=48"])
+        *PARTIAL, *runs, "rl.reward=orchestrator.rewards:math", "rl.temperature=3", "rollout.max_inflight=64", "rl.max_tokens=48"])
     result = run_local(flags, timeout=240, env=env)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     layout = RunLayout(log_path)
@@ -132,6 +154,7 @@ def test_multi_turn_samples_stopped_in_a_turn_or_between_turns_continue_where_th
         for r in train:
             for s in r["samples"]:
                 assert s["finish_reason"] != "abort" and "reward" in s and len(s["token_ids"]) == len(s["loss_mask"]) == len(s["logprobs"])
+                assert "reward_error" not in s, s["reward_error"]
                 ages = [i - 1 - v for v, n in s.get("policy_versions") or [[r["policy_iteration"], 1]] if n]
                 assert max(ages, default=0) <= 0 + 1, f"a token of {r['task_id']} past rl.max_staleness + rollout.max_carry"
         assert all("unfinished" not in r and "carried" not in r for r in _records(layout, i, "eval")), "eval is never partial"

@@ -17,7 +17,7 @@ from orchestrator.agents.runner import Agents  # noqa: E402
 from orchestrator.data import turns  # noqa: E402
 from orchestrator.engine.client import Completion  # noqa: E402
 from orchestrator.plugins import rewards  # noqa: E402
-from orchestrator.workloads.rl.engine_requests import Answer  # noqa: E402
+from orchestrator.workloads.rl.engine_requests import Answer, Stopped  # noqa: E402
 
 CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
@@ -294,3 +294,138 @@ def test_the_completions_route_extends_a_text_or_ids_prompt_token_exact(tokenize
     assert engine.requests[1].prompts[0] == prompt + first + check
     assert s["token_ids"] == first + check + second and s["loss_mask"] == [1] * len(first) + [0] * len(check) + [1] * len(second)
     assert s["reward"] == 1.0 and "segments" not in s
+
+
+class Stopping(Engine):
+    """The first call as :class:`Engine` answers it; at the second the rollout's stop begins
+    (``agents.stopping``): the reply stopped part-way (``\\box``, finish reason abort), never sent
+    (Stopped), or, ``how`` "other", stopped by another rank's stop of a shared engine."""
+
+    def __init__(self, tokenizer, how):
+        super().__init__(tokenizer, [CALL, "\\boxed{6}"])
+        self.how, self.agents = how, None
+
+    async def complete(self, request):
+        if not self.requests or len(self.requests) > 1 and self.how == "other":
+            return await super().complete(request)
+        self.requests.append(request)
+        self.agents.stopping = self.how != "other"
+        if self.how == "unsent":
+            raise Stopped()
+        ids = self.tokenizer("\\box", add_special_tokens=False)["input_ids"]
+        return Answer(request, [[Completion("\\box", "abort", [-0.25] * len(ids), None, ids, request.prompts[0])]], 0.0, 0.0)
+
+
+def calculator(seen: list, *, sync: bool = False, stop_in_tool=None, answer=lambda: "6"):
+    """The calculator agent; ``seen`` gets each tool call's id; ``stop_in_tool()`` runs in its tool."""
+    def tool(call, messages):
+        seen.append(call.id)
+        if stop_in_tool is not None:
+            stop_in_tool()
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": answer()})
+
+    if sync:
+        def agent(task, base_url):
+            client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+            messages = list(task["prompt"])
+            for _ in range(3):
+                reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0]
+                messages.append(reply.message.model_dump())
+                if reply.finish_reason != "tool_calls":
+                    return reply.message.content
+                for call in reply.message.tool_calls:
+                    tool(call, messages)
+            return ""
+        return agent
+
+    async def agent(task, base_url):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        messages = list(task["prompt"])
+        for _ in range(3):
+            reply = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)).choices[0]
+            messages.append(reply.message.model_dump())
+            if reply.finish_reason != "tool_calls":
+                return reply.message.content
+            for call in reply.message.tool_calls:
+                tool(call, messages)
+        return ""
+    return agent
+
+
+def _agents(tokenizer, agent, engine):
+    endpoint = AgentEndpoint(tokenizer, tool_parser="hermes", max_tokens=200, context=None)
+    return Agents(agent, "rl.agent=my:agent", endpoint, rewards.math, 5.0)
+
+
+def _through(agents, coroutine):
+    async def main():
+        try:
+            return await coroutine
+        finally:
+            await agents.endpoint.stop()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        agents.threads.close()
+
+
+@pytest.mark.parametrize("how", ["in-its-call", "in-its-call-thread", "unsent", "in-its-tool"])
+def test_a_stopped_agent_sample_is_carried_and_its_agent_run_again_is_answered_from_the_record(tokenizer, how):
+    """rollout.partial: the stop ends a sample at its call: a reply being sampled keeps what it
+    had, a call not sent (or made while its tool ran) is recorded unsampled; the agent is
+    cancelled or told 409. Continued, the agent runs again: its first call is answered from the
+    record without the engine, with the same tool call id; the stopped call goes on from its ids
+    (or is sampled now), and the sample ends as if never stopped."""
+    seen = []
+    engine = Stopping(tokenizer, "unsent" if how == "in-its-tool" else how.removesuffix("-thread"))
+    agents = engine.agents = _agents(tokenizer, None, engine)
+    stop_in_tool = (lambda: setattr(agents, "stopping", True)) if how == "in-its-tool" else None
+    agents.agent = calculator(seen, sync=how.endswith("thread"), stop_in_tool=stop_in_tool)
+    _text, prompt_ids, [cut], _ = _through(agents, agents.run(engine, TASK, n=1, seed="s"))
+    assert cut["finish_reason"] == "abort" and "reward" not in cut and "reward_error" not in cut, cut.get("reward_error")
+    call = engine.ids(CALL)
+    obs = turns.observation_ids(tokenizer, [{"role": "tool", "content": "6"}], TOOLS)
+    if how.startswith("in-its-call"):
+        assert [t["text"] for t in cut["turns"]] == [CALL, "\\box"] and cut["turns"][1]["finish_reason"] == "abort"
+    else:
+        assert [t["text"] for t in cut["turns"]] == [CALL] and cut["turns"][0]["observation"][0]["content"] == "6"
+        assert cut["token_ids"] == call + obs, "the call made at the stop: its messages recorded, not sampled"
+    assert len(engine.requests) == (1 if how == "in-its-tool" else 2)
+
+    class Rest(Engine):
+        async def complete(self, request):  # the stopped reply's rest, or the answer
+            self.replies = ["ed{6}" if how.startswith("in-its-call") else "\\boxed{6}"]
+            return await super().complete(request)
+
+    again = Rest(tokenizer, [])
+    agents = _agents(tokenizer, calculator(seen, sync=how.endswith("thread")), again)
+    _text, ids, [done], _ = _through(agents, agents.resume(again, TASK, {"prompt_token_ids": prompt_ids, "samples": [cut]}, seed="s2"))
+    assert ids == prompt_ids and done["finish_reason"] == "stop" and "reward_error" not in done, done.get("reward_error")
+    assert done["reward"] == 1.0 and len(done["turns"]) == 2 and done["turns"][1]["text"] == "\\boxed{6}"
+    assert len(again.requests) == 1, "the first call answered from the record"
+    assert again.requests[0].prompts[0] == prompt_ids + cut["token_ids"], "it goes on from the ids it had"
+    n = len(cut["token_ids"])
+    assert done["token_ids"][:n] == cut["token_ids"] and done["logprobs"][:n] == cut["logprobs"] and done["loss_mask"][:n] == cut["loss_mask"]
+    assert len(seen) == 2 and seen[0] == seen[1], "the replayed reply's tool call has the id it had"
+
+
+def test_an_agent_that_makes_another_call_when_run_again_fails_its_carried_sample(tokenizer):
+    answers = iter(["6", "7"])
+    engine = Stopping(tokenizer, "in-its-call")
+    agents = engine.agents = _agents(tokenizer, calculator([], answer=lambda: next(answers)), engine)
+    _text, prompt_ids, [cut], _ = _through(agents, agents.run(engine, TASK, n=1, seed="s"))
+    again = Engine(tokenizer, [CALL, "\\boxed{6}"])
+    agents = _agents(tokenizer, calculator([], answer=lambda: next(answers)), again)
+    _t, _ids, [done], _ = _through(agents, agents.resume(again, TASK, {"prompt_token_ids": prompt_ids, "samples": [cut]}, seed="s2"))
+    assert done["reward"] == 0.0 and "call 2 of a sample carried by rollout.partial is not the call it made" in done["reward_error"]
+    assert again.requests == [], "nothing sampled for a sample that went astray"
+
+
+def test_a_reply_stopped_by_another_ranks_stop_of_a_shared_engine_goes_on_at_once(tokenizer):
+    engine = Stopping(tokenizer, "other")
+    agents = engine.agents = _agents(tokenizer, calculator([]), engine)
+    _text, prompt_ids, [done], _ = _through(agents, agents.run(engine, TASK, n=1, seed="s"))
+    assert done["finish_reason"] == "stop" and done["turns"][1]["text"] == "\\box\\boxed{6}" and done["reward"] == 1.0
+    box = tokenizer("\\box", add_special_tokens=False)["input_ids"]
+    assert engine.requests[2].prompts[0] == engine.requests[1].prompts[0] + box, "from the ids it had"

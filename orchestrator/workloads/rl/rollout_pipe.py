@@ -268,7 +268,7 @@ class MultiTurnPipe(RLRolloutPipe):
         try:
             if carried and carried["samples"]:
                 prompt, prompt_ids, samples, sent_at = await self.episodes.resume(self.inflight, task, carried, seed=seed)
-                samples = [{**s, "policy_versions": carry.extended(carry.versions(carried, old), len(s["token_ids"]) - len(old["token_ids"]),
+                samples = [{**s, "policy_versions": carry.extended(carry.versions(carried, old), carry.length(s) - carry.length(old),
                                                                    ctx.policy.iteration)} if carry.unfinished(old) else s
                            for old, s in zip(carried["samples"], samples)]
             else:

@@ -278,7 +278,8 @@ class RLWorkload:
                                  carried=carried)
         if self.rl.agent:
             scorer = Scorer(None, f"rl.agent={self.rl.agent}", self.rl.max_reward_error_fraction, split)
-            return MultiTurnPipe(ctx, split, start, scorer, self._agents(), self.by_id[tasks], record, samples=sampling["n"])
+            return MultiTurnPipe(ctx, split, start, scorer, self._agents(), self.by_id[tasks], record, samples=sampling["n"],
+                                 carried=carried)
         scorer = Scorer(self.reward, f"rl.reward={self.rl.reward}", self.rl.max_reward_error_fraction, split)
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[tasks].texts, self.by_id[tasks], record,
                              prompts_per_request=self.prompts_per_request(sampling["n"]), carried=carried, max_tokens=self.rl.max_tokens)
