@@ -12,6 +12,12 @@ from tests.faultfs_fixtures import faultfs_mounts  # noqa: F401 - a fixture for 
 from tests.harness import Cluster, require
 from tests.sshfs import SshfsMounts, missing_prerequisites
 
+# Where PYTHONDONTWRITEBYTECODE is set (some sandboxes and CI images set it) Python caches no
+# bytecode, so each of the hundreds of processes the suite starts (ranks, engines, trainers,
+# `status`) compiles again every orchestrator module it imports: 0.1 s of CPU a rank. The
+# processes the tests start write and reuse __pycache__ (git ignores it), as on a developer's machine.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 @pytest.fixture
 def cluster(tmp_path):

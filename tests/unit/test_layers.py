@@ -134,7 +134,9 @@ def test_the_users_seams_live_in_one_package():
         defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
         assert not defined, f"orchestrator/{face}.py defines {defined}: its code belongs in orchestrator/plugins/{face}.py"
         assert all(n.module == f"orchestrator.plugins.{face}" for n in tree.body if isinstance(n, ast.ImportFrom))
-    loaders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if "importlib.import_module" in p.read_text()]
+    # cli/__init__.py imports its own commands by name on first use (orchestrator.cli.COMMANDS): no user code
+    loaders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+               if "importlib.import_module" in p.read_text() and p != ROOT / "cli" / "__init__.py"]
     assert all(p.startswith("plugins/") for p in loaders), f"module:name is loaded outside orchestrator/plugins/: {loaders}"
 
 
