@@ -284,6 +284,10 @@ class RLConfig(UpdateSettings):
     """Agents through an OpenAI-compatible endpoint: the agent function, as module:function,
     called once per sample as function(task, base_url) (docs/environments.md); verifiers:<id>:
     a verifiers environment's episodes. Empty: none."""
+    teacher: str = ""
+    """On-policy distillation: the name of the model (models.<name>.path) whose log-probs of
+    every sampled token the rollout records (teacher_logprobs); the update takes the per-token
+    reverse KL to it into the advantage, weighted by rl.distill_coef. Empty: none."""
     max_turns: Count = 4
     """With rl.environment: the most turns of the model in a sample (given to the environment
     as max_turns when it takes an argument of that name)."""
@@ -572,6 +576,20 @@ class ModelConfig:
     <data-path>/model."""
 
 
+MODEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+"""What a models.<name> may be called."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AuxModelConfig:
+    """A model the run serves beside the policy, ``models.<name>``: a teacher (rl.teacher)."""
+
+    path: str = ""
+    """Its Hugging Face directory (a relative path is under --data-path) or a hub id found in
+    the local Hugging Face cache, as model.path. Served by an engine of its own on every node
+    that rolls out (rollout.engine's kind), started with the policy's, never reloaded."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     data_path: Path
@@ -600,6 +618,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    models: dict[str, AuxModelConfig] = field(default_factory=dict)
+    """The models served beside the policy, by name (``models.<name>.path=...``)."""
     keys_from_data: tuple[str, ...] = ()
     """The ``key=value`` settings taken from --data-path's demo.json because the command line
     did not set them (data/run_keys.py); their values are in the sections like any other."""
@@ -637,6 +657,7 @@ class RunConfig:
             placement.check_cpu_weights(self.rank_weights, rollout_nodes)
         self._check_overlap(train_nodes, rollout_nodes)
         self._check_partial()
+        self._check_models()
         if self.workload is WorkloadKind.RL and self.rollout.engine == "vllm" and self.train.lora_rank > VLLM_MAX_LORA_RANK:
             raise ConfigError(f"train.lora_rank={self.train.lora_rank}: vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANK}")
         if self.workload is WorkloadKind.RL and self.rollout.engine == "vllm" and not self.debug_mode:
@@ -652,6 +673,30 @@ class RunConfig:
         if self.rollout.partial and self.workload is WorkloadKind.RL and self.rl.filter_groups:
             raise ConfigError(f"rollout.partial=true does not continue samples of rl.filter_groups, and "
                               f"rl.filter_groups={self.rl.filter_groups} is set: unset one of them")
+
+    def _check_models(self) -> None:
+        """Every models.<name> has a path; rl.teacher names one of them, and the update weighs it."""
+        for name, model in self.models.items():
+            if not MODEL_NAME.fullmatch(name) or name == "policy":
+                raise ConfigError(f"models.{name}: a model's name is a letter then letters, digits, - or _ (and not policy)")
+            if not model.path:
+                raise ConfigError(f"models.{name} has no path: set models.{name}.path=<a Hugging Face model directory>")
+        if self.models and (self.train.device_mapping or self.rollout.device_mapping):
+            raise ConfigError(f"models.{next(iter(self.models))}: models beside the policy are served on the CPU of each node "
+                              f"that rolls out, and train.device_mapping/rollout.device_mapping place this run on GPUs; "
+                              f"their GPU placement is not there yet: run them without device mappings")
+        if self.models and self.debug_mode:
+            raise ConfigError(f"models.{next(iter(self.models))}: --debug-mode serves only the policy, at rollout.engine_url; "
+                              f"run without --debug-mode to serve models beside it")
+        teacher, coef = self.rl.teacher, self.rl.distill_coef
+        if teacher and teacher not in self.models:
+            named = f"the models are {', '.join(self.models)}" if self.models else "no models.<name>.path is set"
+            raise ConfigError(f"rl.teacher={teacher} names no model: {named}; set models.{teacher}.path=<its directory>")
+        if teacher and not coef:
+            raise ConfigError(f"rl.teacher={teacher} needs rl.distill_coef > 0 (the weight of the per-token reverse KL to "
+                              f"it in the advantage), e.g. rl.distill_coef=1")
+        if coef and not teacher:
+            raise ConfigError(f"rl.distill_coef={coef:g} needs a teacher: set rl.teacher=<name> and models.<name>.path")
 
     def _check_overlap(self, train_nodes: tuple[int, ...], rollout_nodes: tuple[int, ...]) -> None:
         """rl.max_staleness >= 1 overlaps rollout with training: on nodes apart, walking both halves."""
@@ -672,6 +717,10 @@ class RunConfig:
         """The base model's directory on this node: ``model.path`` resolved, checked by the
         preflight. Raises ConfigError for a hub id the local Hugging Face cache lacks."""
         return base_model.resolve(self.model.path, Path(self.data_path))
+
+    def aux_model_path(self, name: str) -> Path:
+        """The directory of ``models.<name>`` on this node, resolved as :attr:`model_path` is."""
+        return base_model.resolve(self.models[name].path, Path(self.data_path), f"models.{name}.path")
 
     def task_file(self, split: str) -> Path:
         """The task file of ``split`` ("train" or "eval"): ``data.train_file`` or ``data.test_file``."""
@@ -702,6 +751,8 @@ class RunConfig:
             "data": dataclasses.asdict(self.data) if self.workload is WorkloadKind.RL else None,
             "train": dataclasses.asdict(self.train),
             "rollout": {k: v for k, v in dataclasses.asdict(self.rollout).items() if k not in ("engine_url", "engine_start_timeout_s")},
+            "models": {name: base_model.identity(self.aux_model_path(name)) for name in sorted(self.models)}
+            if self.workload is WorkloadKind.RL else None,
             # Not `checkpoint`: only the master removes checkpoints, so the workers' values are never
             # used, and a rerun may change them (keep fewer when the disk fills) without a mismatch.
         }
@@ -724,6 +775,10 @@ def _section_classes() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
 
 
+MODEL_KEY = "models.<name>."
+"""How the keys of a models.<name> section are listed (``orchestrator config``)."""
+
+
 @functools.cache
 def _override_types() -> dict[str, object]:
     """Every key an override may set, in the order ``valid keys`` lists them, with the type its
@@ -733,6 +788,7 @@ def _override_types() -> dict[str, object]:
     keys = {name: top[name] for name in _TOP_LEVEL_OVERRIDABLE}
     for section, cls in _section_classes().items():
         keys.update((f"{section}.{name}", ftype) for name, ftype in typing.get_type_hints(cls).items())
+    keys.update((MODEL_KEY + name, ftype) for name, ftype in typing.get_type_hints(AuxModelConfig).items())
     return keys
 
 
@@ -751,6 +807,7 @@ def override_fields() -> dict[str, tuple[type, dataclasses.Field, object]]:
     fields = dict(of(RunConfig, _TOP_LEVEL_OVERRIDABLE))
     for section, cls in _section_classes().items():
         fields.update((f"{section}.{name}", entry) for name, entry in of(cls, {f.name for f in dataclasses.fields(cls)}))
+    fields.update((MODEL_KEY + name, entry) for name, entry in of(AuxModelConfig, {f.name for f in dataclasses.fields(AuxModelConfig)}))
     return fields
 
 
@@ -815,6 +872,7 @@ def parse_overrides(items: typing.Iterable[str]) -> dict[str, dict[str, object] 
     types_ = _override_types()
     sections: dict[str, dict[str, object]] = {section: {} for section in _section_classes()}
     top: dict[str, object] = {}
+    models: dict[str, dict[str, object]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -823,11 +881,15 @@ def parse_overrides(items: typing.Iterable[str]) -> dict[str, dict[str, object] 
                                   f"(`orchestrator config {item.strip()}` shows its type and default)")
             raise ConfigError(f"override {item!r} is not key=value, e.g. rl.lr=1e-5 (`orchestrator config` lists every key)")
         key = key.strip()
-        if key not in types_:
+        model = re.fullmatch(r"models\.([^.]+)\.([^.]+)", key)
+        if model is not None and MODEL_KEY + model.group(2) in types_:  # models.<name>.<key>: a section per name
+            models.setdefault(model.group(1), {})[model.group(2)] = _coerce(key, raw, types_[MODEL_KEY + model.group(2)])
+            continue
+        if key not in types_ or key.startswith(MODEL_KEY):
             raise ConfigError(f"unknown config key {key!r}: {unknown_key_hint(key)}")
         section, _, name = key.rpartition(".")
         (sections[section] if section else top)[name] = _coerce(key, raw, types_[key])
-    return {"sections": sections, "top": top}
+    return {"sections": sections, "top": top, "models": models}
 
 
 def _coerce(key: str, raw: str, ftype) -> object:
@@ -858,4 +920,5 @@ def build_sections(overrides: dict) -> dict[str, object]:
     classes = _section_classes()
     built: dict[str, object] = {name: classes[name](**values) for name, values in overrides["sections"].items()}
     built.update(overrides["top"])
+    built["models"] = {name: AuxModelConfig(**values) for name, values in overrides.get("models", {}).items()}
     return built

@@ -81,6 +81,22 @@ def _check(config: RunConfig) -> None:
         check_agent(config)
     if config.train.lora_rank:
         check_lora_targets(model, config.train.lora_target_modules)
+    check_models(config)
+
+
+def check_models(config: RunConfig) -> None:
+    """Each ``models.<name>`` is a model directory this node reads; a teacher's tokenizer is the
+    policy's (its log-probs are of the ids the policy sampled, sent as they are)."""
+    for name, aux in config.models.items():
+        base_model.check(config.aux_model_path(name), aux.path, f"models.{name}.path")
+    if config.rl.teacher:
+        from transformers import AutoTokenizer
+
+        policy, teacher = (AutoTokenizer.from_pretrained(str(p)) for p in (config.model_path, config.aux_model_path(config.rl.teacher)))
+        if policy.get_vocab() != teacher.get_vocab() or policy.all_special_ids != teacher.all_special_ids:
+            raise ConfigError(f"rl.teacher={config.rl.teacher}: the model {config.aux_model_path(config.rl.teacher)} has another "
+                              f"tokenizer than the policy's ({config.model_path}): a teacher scores the policy's own token ids, "
+                              f"so both must share one tokenizer (the same vocabulary and special tokens)")
 
 
 def check_lora_targets(model: Path, targets: list[str]) -> None:

@@ -5,6 +5,8 @@ which speak the same OpenAI-compatible HTTP API, over httpx.
 at the root on both servers. :meth:`EngineClient.complete` sends one request and waits for
 it; :meth:`EngineClient.acomplete` sends one on an ``httpx.AsyncClient`` of the caller's, so
 that many requests can be in flight at once (``workloads/rl/engine_requests.py``).
+:meth:`EngineClient.aprompt_logprobs` asks a model to score token ids it is given rather than
+sample (a teacher's log-probs of a student's tokens), with vLLM's ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -240,6 +242,62 @@ class EngineClient:
         if not prompts:
             return []
         body = self._completion_body(prompts, n, temperature, top_p, max_tokens, stop, seed, logprobs, return_token_ids)
+        return self._completions(await self._apost_completions(http, body), len(prompts), n, return_token_ids)
+
+    async def aprompt_logprobs(self, http: httpx.AsyncClient, prompts: Sequence[list[int]], *,
+                               start: int | Sequence[int] = 1) -> list[list[float]]:
+        """For each token-id prompt, the model's log-prob of each of its tokens from position
+        ``start`` on (``start[j]`` for prompt ``j``; 1 at the least, as the first token has
+        nothing before it), given the tokens before it, under the raw model distribution:
+        ``result[j][i]`` is that of ``prompts[j][start_j + i]``. One request on ``http`` as
+        :meth:`acomplete` sends it (the served name must be known), with vLLM's
+        ``prompt_logprobs`` 0 and ``max_tokens`` 1: vLLM refuses 0 without ``echo``, and the
+        one token sampled costs one row of a decoding step.
+
+        Raises ValueError for a ``start`` out of its prompt's range, and as :meth:`acomplete`
+        does otherwise: EngineHTTPError (a refused request: an id past the vocabulary, a
+        prompt with no room for one more token), EngineUnavailable, and EngineError when the
+        answer lacks the prompt's log-probs (an engine without ``prompt_logprobs``, or a pause
+        that aborted the request before its prefill)."""
+        prompts = [list(p) for p in prompts]
+        starts = [start] * len(prompts) if isinstance(start, int) else list(start)
+        if len(starts) != len(prompts):
+            raise ValueError(f"{len(starts)} starts for {len(prompts)} prompts")
+        for j, (ids, at) in enumerate(zip(prompts, starts)):
+            if not 1 <= at <= len(ids):
+                raise ValueError(f"start {at} of prompt {j} is out of 1..{len(ids)} (its length): the first token has no log-prob")
+        if not prompts:
+            return []
+        body = {"model": self.model(), "prompt": prompts, "n": 1, "temperature": 0.0, "max_tokens": 1, "prompt_logprobs": 0}
+        return self._prompt_logprobs(await self._apost_completions(http, body), prompts, starts)
+
+    def _prompt_logprobs(self, response: dict, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """Each prompt's own tokens' log-probs from its start on, out of a /v1/completions answer
+        with vLLM's ``prompt_logprobs``: per choice, None for the first token, then per position
+        a dict from token id (as a string) to ``{"logprob", "rank", "decoded_token"}``."""
+        url = f"{self.base_url}/v1/completions"
+        try:
+            choices = sorted(response["choices"], key=lambda c: c["index"])
+            scored = [c.get("prompt_logprobs") for c in choices]
+        except (KeyError, TypeError) as e:
+            raise EngineError(f"{url} answered an unexpected shape: {e!r}") from e
+        if len(choices) != len(prompts):
+            raise EngineError(f"{url} answered {len(choices)} choices for {len(prompts)} prompts")
+        result = []
+        for j, (ids, at, positions, choice) in enumerate(zip(prompts, starts, scored, choices)):
+            if not isinstance(positions, list) or len(positions) != len(ids):
+                raise EngineError(
+                    f"{url} answered prompt {j} ({len(ids)} tokens) with prompt_logprobs {str(positions)[:200]} "
+                    f"(finish_reason {choice.get('finish_reason')!r}): expected one entry per prompt token"
+                )
+            try:
+                result.append([float(positions[i][str(ids[i])]["logprob"]) for i in range(at, len(ids))])
+            except (KeyError, TypeError, ValueError) as e:
+                raise EngineError(f"{url} answered prompt {j} without its own token's log-prob at a position: {e!r}") from e
+        return result
+
+    async def _apost_completions(self, http: httpx.AsyncClient, body: dict) -> dict:
+        """POST ``body`` to /v1/completions on ``http``; the JSON answer."""
         url = f"{self.base_url}/v1/completions"
         for attempt in (1, 2):
             try:
@@ -254,10 +312,9 @@ class EngineClient:
                 raise EngineUnavailable(f"cannot reach the engine at POST {url}: {e!r}") from e
         raw = self._checked("POST", url, response)
         try:
-            answer = json.loads(raw)
+            return json.loads(raw)
         except ValueError as e:
             raise EngineError(f"POST {url} answered with invalid JSON: {raw[:200]!r}") from e
-        return self._completions(answer, len(prompts), n, return_token_ids)
 
     def _completion_body(self, prompts: list, n, temperature, top_p, max_tokens, stop, seed, logprobs,
                          return_token_ids: bool) -> dict:

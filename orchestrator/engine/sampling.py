@@ -23,10 +23,16 @@ cache rows dropped) and runs the others one position further. Within a request, 
 ``j``'s samples are rows ``j*n .. j*n+n-1``: each prompt is prefilled once and its cache rows
 repeated ``n`` times. Each request's settings (temperature, top-p, max_tokens, stop strings,
 logprobs, n) apply to its own rows.
+
+Prompt logprobs (vLLM's ``prompt_logprobs``: what a teacher says of a student's tokens) come
+from the prefill that runs the prompt anyway, no second pass: the decoder's last hidden states
+at every prompt position go through the model's output embeddings, a bounded number of
+positions at a time, so that a long prompt never holds its full (positions, vocabulary) logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,6 +45,9 @@ if TYPE_CHECKING:
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 _SEED_MODULUS = 2**64  # torch generators take 64-bit seeds; vLLM accepts signed ones too
+# Prompt positions scored at once: this many float32 logits (32 MiB). Larger chunks ran slower on
+# the CPU (2**25: 2.5x, 64 prompts of 128 tokens, vocabulary 32000): each pass leaves the cache.
+_SCORING_CHUNK_ELEMENTS = 2**23
 
 
 class PromptRejected(ValueError):
@@ -55,6 +64,11 @@ class EmptyPrompt(PromptRejected):
 
 class UnknownToken(PromptRejected):
     """A token-id prompt holds an id past the model's vocabulary."""
+
+
+class CannotScorePrompts(PromptRejected):
+    """Prompt logprobs were asked of a model whose logits are not its output embeddings applied
+    to its last hidden states (soft-capped or scaled after the head)."""
 
 
 class FinishReason(str, enum.Enum):
@@ -81,6 +95,9 @@ class SamplingParams:
     """Seed of this request's generator; None draws a fresh one."""
     logprobs: int | None = None
     """None: no top logprobs. k: the k most likely tokens at each step, besides the sampled one."""
+    prompt_logprobs: int | None = None
+    """None: none. k: each prompt token's logprob given the tokens before it (from the second
+    token on), and the k most likely tokens there."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -97,6 +114,8 @@ class SamplingParams:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +134,27 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A prompt's tokens scored by the model, from its second token on: entry ``i`` is about
+    prompt token ``i + 1`` given the tokens before it, under the raw model distribution."""
+
+    token_logprobs: list[float]
+    ranks: list[int]
+    """How many vocabulary entries are at least as likely as the token (1: the most likely), as vLLM counts."""
+    top: list[list[tuple[int, float]]]
+    """The ``prompt_logprobs`` most likely (token id, logprob), best first; empty lists for 0."""
+
+
+@dataclass(frozen=True, slots=True)
 class Generation:
     prompt_token_ids: list[list[int]]
     samples: list[list[Sample]]
     """``samples[j][i]``: sample ``i`` of prompt ``j``."""
     peak_batch_requests: int = 1
     """The most requests, this one included, that had rows in one decoding step with it."""
+    prompt_logprobs: list[PromptLogprobs] | None = None
+    """One per prompt, when asked (``SamplingParams.prompt_logprobs``) and the prompts were
+    prefilled (a request aborted while queued has none)."""
 
 
 class _Row:
@@ -153,6 +187,8 @@ class Request:
         """The most requests, this one included, with rows in one of its steps."""
         self.generation: Generation | None = None
         """Set by the step in which its last row ends."""
+        self.prompt_logprobs: list[PromptLogprobs] | None = None
+        """Set by its prefill when asked."""
 
 
 class Batch:
@@ -279,6 +315,7 @@ class Sampler:
         self._token_strings: dict[int, str] = {}
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
+        self._plain_head: bool | None = None  # whether prompt logprobs can be computed (_check_head); None: not checked yet
 
     def token_string(self, token_id: int) -> str:
         """How vLLM names a token in logprobs: the token decoded on its own, specials kept."""
@@ -299,11 +336,14 @@ class Sampler:
     def request(self, prompts: list[str | list[int]], params: SamplingParams) -> Request:
         """``prompts`` (text, or token ids) encoded, ready to join a batch. Raises PromptTooLong
         when a prompt plus ``max_tokens`` exceeds the context length, EmptyPrompt when a prompt
-        has no token, UnknownToken when an id is past the vocabulary, ValueError when there is no prompt."""
+        has no token, UnknownToken when an id is past the vocabulary, CannotScorePrompts when
+        prompt logprobs are asked of a model that cannot give them, ValueError when there is no prompt."""
         import torch
 
         if not prompts:
             raise ValueError("no prompts")
+        if params.prompt_logprobs is not None:
+            self._check_head()
         prompt_ids = [self.encode(p) for p in prompts]
         for j, ids in enumerate(prompt_ids):
             if not ids:
@@ -344,10 +384,13 @@ class Sampler:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         batch = Batch()
         batch.rows = [row for r in requests for row in r.rows]
-        with torch.inference_mode():
+        scoring = any(r.params.prompt_logprobs is not None for r in requests)
+        with torch.inference_mode(), self._last_hidden_states(scoring) as hidden:
             out = self.model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
             )
+            if scoring:
+                self._score_prompts(requests, hidden.pop(), width)
             batch.cache, batch.mask = out.past_key_values, mask
             batch.next_pos, batch.logits = positions[:, -1:] + 1, out.logits[:, -1, :]
             if len(batch.rows) > len(prompt_ids):
@@ -356,6 +399,82 @@ class Sampler:
                 batch.cache.batch_select_indices(index)
                 batch.mask, batch.next_pos, batch.logits = mask[index], batch.next_pos[index], batch.logits[index]
         return batch
+
+    @contextlib.contextmanager
+    def _last_hidden_states(self, wanted: bool):
+        """A list that gets the decoder's last hidden states (rows, columns, hidden) of the
+        forward pass run inside, when ``wanted``: what the head turns into logits, at every
+        column, where the forward pass itself keeps only the last column's logits."""
+        captured: list = []
+        if not wanted:
+            yield captured
+            return
+        handle = self.model.get_decoder().register_forward_hook(lambda module, args, output: captured.append(output[0]))
+        try:
+            yield captured
+        finally:
+            handle.remove()
+
+    def _check_head(self) -> None:
+        """Raise CannotScorePrompts unless the model's logits are its output embeddings applied
+        to its decoder's last hidden states, nothing after (no soft-capping, no scaling): how
+        :meth:`_score_prompts` computes them. Checked once, on a one-token forward pass."""
+        import torch
+
+        if self._plain_head is None:
+            with torch.inference_mode(), self._last_hidden_states(True) as hidden:
+                logits = self.model(input_ids=torch.tensor([[self.pad_id]], device=self.device)).logits[0, -1]
+                again = self.model.get_output_embeddings()(hidden.pop()[0, -1])
+            self._plain_head = torch.allclose(again.float(), logits.float(), rtol=1e-3, atol=1e-3)
+        if not self._plain_head:
+            raise CannotScorePrompts(
+                f"{type(self.model).__name__} changes its logits after its output embeddings: the embedded engine cannot "
+                f"give its prompt logprobs; serve this model with vLLM"
+            )
+
+    def _score_prompts(self, requests: list[Request], hidden: torch.Tensor, width: int) -> None:
+        """Set the ``prompt_logprobs`` of the requests that ask for them, from their prefill's last
+        hidden states ``hidden`` (prompts left-padded to ``width`` columns, in request order):
+        the token at column c is scored by the logits at column c - 1, log-softmaxed in float32,
+        ``_SCORING_CHUNK_ELEMENTS`` logits at a time."""
+        import torch
+
+        rows, columns, targets = [], [], []
+        row = 0
+        for r in requests:
+            for ids in r.prompt_ids:
+                if r.params.prompt_logprobs is not None:
+                    rows += [row] * (len(ids) - 1)
+                    columns += range(width - len(ids), width - 1)
+                    targets += ids[1:]
+                row += 1
+        head = self.model.get_output_embeddings()
+        most = min(max(r.params.prompt_logprobs for r in requests if r.params.prompt_logprobs is not None), head.out_features)
+        as_index = dict(dtype=torch.long, device=self.device)  # long even when empty: prompts of one token
+        states = hidden[torch.tensor(rows, **as_index), torch.tensor(columns, **as_index)]
+        target = torch.tensor(targets, **as_index)[:, None]
+        chunk = max(1, _SCORING_CHUNK_ELEMENTS // head.out_features)
+        token_logprobs, ranks, top_ids, top_values = [], [], [], []
+        for start in range(0, len(targets), chunk):
+            logprobs = torch.log_softmax(head(states[start : start + chunk]).float(), dim=-1)
+            chosen = logprobs.gather(1, target[start : start + chunk])
+            token_logprobs += chosen[:, 0].tolist()
+            ranks += (logprobs >= chosen).sum(dim=-1, dtype=torch.int32).tolist()  # int32: twice as fast as int64 on the CPU
+            if most:
+                top = logprobs.topk(most, dim=-1)
+                top_ids += top.indices.tolist()
+                top_values += top.values.tolist()
+        at = 0
+        for r in requests:
+            k = r.params.prompt_logprobs
+            if k is None:
+                continue
+            r.prompt_logprobs = []
+            for ids in r.prompt_ids:
+                end = at + len(ids) - 1
+                top = [list(zip(top_ids[i][:k], top_values[i][:k])) if k else [] for i in range(at, end)]
+                r.prompt_logprobs.append(PromptLogprobs(token_logprobs[at:end], ranks[at:end], top))
+                at = end
 
     def step(self, batch: Batch) -> list[Request]:
         """Sample the next token of every row of ``batch``; rows that end leave it and the
@@ -487,7 +606,7 @@ class Sampler:
         samples = [
             [self._finish(request.rows[j * n + i], request.params) for i in range(n)] for j in range(len(request.prompt_ids))
         ]
-        return Generation(request.prompt_ids, samples, request.peak_batch_requests)
+        return Generation(request.prompt_ids, samples, request.peak_batch_requests, request.prompt_logprobs)
 
     def _finish(self, row: _Row, params: SamplingParams) -> Sample:
         assert row.finish_reason is not None, "every row ends by max_tokens at the latest, or by an abort"

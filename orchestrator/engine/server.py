@@ -17,7 +17,12 @@ and ``GET /stats`` (this engine's own: the scheduler's counters, ``scheduler.Sta
 that cannot be served as asked gets a 400 rather than a silent approximation: unknown
 fields, ``stream`` and ``echo`` included. A prompt is text, or token ids (a list of them for
 several prompts), continued as they are, as vLLM does: what a multi-turn rollout sends, so
-that nothing it sampled is tokenized again. SIGTERM or SIGINT stops the
+that nothing it sampled is tokenized again. vLLM's ``prompt_logprobs`` (k, 0 to 20) scores the
+prompt itself: each choice's ``prompt_logprobs`` has ``None`` for the first token, then for each
+later one a dict from token id (a string) to ``{"logprob", "rank", "decoded_token"}``: the prompt's
+own token and the k most likely there, under the raw model distribution, computed on the
+prefill (``max_tokens`` 1 is the cheapest such request; 0 is refused, as vLLM refuses it without
+``echo``). SIGTERM or SIGINT stops the
 server and the process exits 0. One log line per request goes to stderr; a completion's
 line also gives ``batch_requests``: the most requests that decoded in one step with it,
 itself included.
@@ -70,7 +75,7 @@ from pathlib import Path
 from orchestrator import checkpoints
 from orchestrator.checkpoints import sums
 from orchestrator.engine import loading, lora
-from orchestrator.engine.sampling import Generation, PromptRejected, Sampler, SamplingParams
+from orchestrator.engine.sampling import Generation, PromptLogprobs, PromptRejected, Sampler, SamplingParams
 from orchestrator.engine.scheduler import EngineStopped, Scheduler
 from orchestrator.errors import EXIT_BAD_INPUT
 from orchestrator.protocol import child_error, fsio
@@ -114,7 +119,8 @@ class CompletionRequest:
 _RELOAD_FIELDS = frozenset({"model", "served_model_name"})
 
 _FIELDS = frozenset(
-    {"model", "prompt", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs", "return_token_ids"}
+    {"model", "prompt", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs", "prompt_logprobs",
+     "return_token_ids"}
 )
 
 
@@ -184,6 +190,7 @@ def parse_completion_request(body, served_model_name: str) -> CompletionRequest:
             stop=tuple(stop),
             seed=_field(body, "seed", None, _is_int, "an integer or null"),
             logprobs=_field(body, "logprobs", None, _is_int, "an integer or null"),
+            prompt_logprobs=_field(body, "prompt_logprobs", None, _is_int, "an integer or null"),
         )
     except ValueError as e:
         raise RequestRejected(str(e)) from e
@@ -194,13 +201,28 @@ def parse_completion_request(body, served_model_name: str) -> CompletionRequest:
 def token_strings(request: CompletionRequest, generation: Generation, sampler: Sampler) -> dict[int, str]:
     """How vLLM names each token the response's logprobs mention (none when not asked): the
     tokenizer's work of :func:`completion_response`, for the thread that owns the tokenizer."""
-    if request.params.logprobs is None:
-        return {}
-    ids = {t for samples in generation.samples for sample in samples for t in sample.token_ids}
+    ids = set()
+    if request.params.logprobs is not None:
+        ids.update(t for samples in generation.samples for sample in samples for t in sample.token_ids)
     if request.params.logprobs:
         ids.update(alt for samples in generation.samples for sample in samples
                    for alternatives in sample.top_logprobs for alt, _ in alternatives)
+    for prompt_ids, scored in zip(generation.prompt_token_ids, generation.prompt_logprobs or ()):
+        ids.update(prompt_ids[1:])
+        ids.update(alt for alternatives in scored.top for alt, _ in alternatives)
     return {t: sampler.token_string(t) for t in ids}
+
+
+def prompt_logprobs(prompt_ids: list[int], scored: PromptLogprobs, token_string: dict[int, str]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` of one prompt: None for its first token (nothing before it to
+    score it), then the token itself first and the k most likely after it, keyed by token id."""
+    positions: list[dict | None] = [None]
+    for t, lp, rank, alternatives in zip(prompt_ids[1:], scored.token_logprobs, scored.ranks, scored.top, strict=True):
+        step = {str(t): {"logprob": max(lp, _LOGPROB_FLOOR), "rank": rank, "decoded_token": token_string[t]}}
+        for i, (alt, alt_lp) in enumerate(alternatives):
+            step.setdefault(str(alt), {"logprob": max(alt_lp, _LOGPROB_FLOOR), "rank": i + 1, "decoded_token": token_string[alt]})
+        positions.append(step)
+    return positions
 
 
 def completion_response(request: CompletionRequest, generation: Generation, token_string: dict[int, str],
@@ -210,6 +232,9 @@ def completion_response(request: CompletionRequest, generation: Generation, toke
     choices = []
     completion_tokens = 0
     for j, samples in enumerate(generation.samples):
+        scored = None
+        if generation.prompt_logprobs is not None:  # the same list in each of the prompt's choices, as vLLM sends it
+            scored = prompt_logprobs(generation.prompt_token_ids[j], generation.prompt_logprobs[j], token_string)
         for sample in samples:
             logprobs = None
             if request.params.logprobs is not None:
@@ -238,7 +263,7 @@ def completion_response(request: CompletionRequest, generation: Generation, toke
                     "logprobs": logprobs,
                     "finish_reason": sample.finish_reason.value,
                     "stop_reason": sample.stop_reason,
-                    "prompt_logprobs": None,
+                    "prompt_logprobs": scored,
                     "prompt_token_ids": generation.prompt_token_ids[j] if request.return_token_ids else None,
                     "token_ids": sample.token_ids if request.return_token_ids else None,
                 }
@@ -464,8 +489,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestRejected(str(e), HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError") from e
         response = completion_response(request, generation, strings, job.model_name)
         p = request.params
+        scoring = "" if p.prompt_logprobs is None else f" prompt_logprobs={p.prompt_logprobs}"
         detail = (
-            f"prompts={len(request.prompts)} n={p.n} max_tokens={p.max_tokens} "
+            f"prompts={len(request.prompts)} n={p.n} max_tokens={p.max_tokens}{scoring} "
             f"completion_tokens={response['usage']['completion_tokens']} batch_requests={generation.peak_batch_requests}"
         )
         return HTTPStatus.OK, response, detail

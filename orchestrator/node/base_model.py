@@ -26,15 +26,15 @@ _VOCABULARIES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 _PICKLES = ("pytorch_model*.bin", "*.pt", "*.pth")
 
 
-def resolve(spec: str, data_path: Path) -> Path:
-    """The directory ``model.path=spec`` names on this node. Raises ConfigError when it is
-    no directory under ``data_path`` and a hub id that the local Hugging Face cache lacks."""
+def resolve(spec: str, data_path: Path, key: str = "model.path") -> Path:
+    """The directory ``model.path=spec`` (or ``key``) names on this node. Raises ConfigError when
+    it is no directory under ``data_path`` and a hub id that the local Hugging Face cache lacks."""
     path = data_path / (spec or DEFAULT)  # an absolute spec stays as it is
     if not spec or Path(spec).is_absolute() or path.is_dir() or not is_hub_id(spec):
         return path
     from huggingface_hub import constants
 
-    return _from_cache(spec, constants.HF_HUB_CACHE, data_path)
+    return _from_cache(spec, constants.HF_HUB_CACHE, data_path, key)
 
 
 def is_hub_id(spec: str) -> bool:
@@ -49,7 +49,7 @@ def is_hub_id(spec: str) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _from_cache(repo_id: str, cache_dir: str, data_path: Path) -> Path:
+def _from_cache(repo_id: str, cache_dir: str, data_path: Path, key: str = "model.path") -> Path:
     """The snapshot of ``repo_id``'s main revision in ``cache_dir``. Cached per process, so a
     download that moves ``refs/main`` mid-run does not change the model under a running rank."""
     from huggingface_hub import snapshot_download
@@ -59,16 +59,16 @@ def _from_cache(repo_id: str, cache_dir: str, data_path: Path) -> Path:
     except OSError as e:  # LocalEntryNotFoundError; IncompleteSnapshotError says where the partial snapshot is
         if getattr(e, "snapshot_path", None):
             return Path(e.snapshot_path)  # the files it lacks may be ones a run never reads: check() names those it needs
-    raise ConfigError(f"model.path={repo_id!r}: no directory {data_path / repo_id}, and {repo_id} is not in the local Hugging Face "
+    raise ConfigError(f"{key}={repo_id!r}: no directory {data_path / repo_id}, and {repo_id} is not in the local Hugging Face "
                       f"cache {cache_dir} (set by HF_HUB_CACHE or HF_HOME; a run never downloads). Download it on every node first "
-                      f"(hf download {repo_id}), or set model.path to a model directory")
+                      f"(hf download {repo_id}), or set {key} to a model directory")
 
 
-def check(directory: Path, spec: str) -> None:
+def check(directory: Path, spec: str, key: str = "model.path") -> None:
     """Raise ConfigError naming every piece the model directory lacks: config.json,
     safetensors weights (every shard its index names) and a tokenizer."""
-    named = f"model.path={spec!r} names {directory}" if spec else f"the base model {directory} (model.path unset)"
-    fix = ("Set model.path to a Hugging Face model directory (absolute, or relative to --data-path) or to a hub id in "
+    named = f"{key}={spec!r} names {directory}" if spec else f"the base model {directory} (model.path unset)"
+    fix = (f"Set {key} to a Hugging Face model directory (absolute, or relative to --data-path) or to a hub id in "
            "the local Hugging Face cache (download it first: hf download ORG/NAME)")
     if not directory.is_dir():
         raise ConfigError(f"{named}, which is not a directory. {fix}")

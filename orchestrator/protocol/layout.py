@@ -165,14 +165,15 @@ class RunLayout:
     def engine_dir(self, rank: int) -> Path:
         return self.root / "engines" / f"r{rank:05d}"
 
-    def engine_log(self, rank: int, engine: int) -> Path:
-        return self.engine_dir(rank) / f"engine{engine}.log"
+    def engine_log(self, rank: int, engine: int, model: str = "") -> Path:
+        """``model``: an auxiliary model's engine (models.<name>), e.g. teacher-engine0.log."""
+        return self.engine_dir(rank) / f"{_engine(engine, model)}.log"
 
-    def engine_port_file(self, rank: int, engine: int) -> Path:
-        return self.engine_dir(rank) / f"engine{engine}.port"
+    def engine_port_file(self, rank: int, engine: int, model: str = "") -> Path:
+        return self.engine_dir(rank) / f"{_engine(engine, model)}.port"
 
-    def engine_error(self, rank: int, engine: int) -> Path:
-        return self.engine_dir(rank) / f"engine{engine}.error.json"
+    def engine_error(self, rank: int, engine: int, model: str = "") -> Path:
+        return self.engine_dir(rank) / f"{_engine(engine, model)}.error.json"
 
     # -- `orchestrator doctor` -------------------------------------------------------------
     @property
@@ -355,3 +356,8 @@ class IterationLayout:
 
     def aggregate_manifest(self, split: str) -> Path:
         return self.root / "aggregate" / f"{split}.manifest.json"
+
+
+def _engine(engine: int, model: str) -> str:
+    """An engine's file stem: engine0 (the policy's), teacher-engine0 (models.teacher's)."""
+    return f"{model}-engine{engine}" if model else f"engine{engine}"

@@ -10,6 +10,7 @@ names follow the peers' habits (verl, prime-rl), grouped by a prefix::
                                        eval/accuracy/<source> and eval/mean_reward/<source> per task data_source)
     train/loss, train/kl, train/entropy, train/clip_fraction, train/grad_norm   means over the update's steps
     train/is_ratio_mean, train/is_ratio_max, train/is_capped_fraction           with rl.is_correction
+    distill/reverse_kl                 with rl.teacher: the mean per-token reverse KL to the teacher of the trained tokens
     rollout/response_length, rollout/tokens_per_s, rollout/zero_advantage_groups, rollout/filtered_groups,
     rollout/overlong_samples, rollout/staleness
     rollout/carried_groups, rollout/carried_in_groups, rollout/dropped_groups, rollout/dropped_tokens,
@@ -52,6 +53,8 @@ def iteration_metrics(layout: RunLayout, iteration: int, phases: dict[str, float
     ratio = s.get("is_ratio") or {}
     out |= {"train/is_ratio_mean": ratio.get("mean"), "train/is_ratio_max": ratio.get("max"),
             "train/is_capped_fraction": ratio.get("capped_fraction")}
+    if "distill_reverse_kl" in update:
+        out["distill/reverse_kl"] = update["distill_reverse_kl"]
     out["rollout/response_length"] = update.get("response_length")
     for key in ("zero_advantage_groups", "filtered_groups", "overlong_samples"):
         out[f"rollout/{key}"] = update.get(key)

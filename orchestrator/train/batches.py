@@ -79,8 +79,11 @@ def prepare(policy: Policy, config: TrainRequest, records: list[grpo.Record]) ->
     _check_vocabulary(records, vocab, config.init_checkpoint)
     if config.engine_logprobs_needed:
         _check_behaviour_logprobs(records, config.engine_logprobs_needed)
+    if config.rl.distill_coef > 0:
+        check_teacher_logprobs(records, config.rl.distill_coef)
     shaping = grpo.Shaping(config.rl.overlong, config.rl.max_tokens, config.rl.overlong_ramp)
-    completions = [grpo.encode_record(policy.tokenizer, r, config.rl.advantage, shaping) for r in records]
+    distillation = grpo.Distillation(config.rl.distill_coef, config.rl.distill_only)
+    completions = [grpo.encode_record(policy.tokenizer, r, config.rl.advantage, shaping, distillation) for r in records]
     masked = any(not c.trained or c.loss_mask is not None for group in completions for c in group)
     lengths = plan.Lengths(rows=[[len(c.prompt_ids) + len(c.completion_ids) for c in group] for group in completions],
                            completions=[[len(c.completion_ids) for c in group] for group in completions],
@@ -113,13 +116,27 @@ def _check_behaviour_logprobs(records: list[grpo.Record], what: str) -> None:
     """Every sample carries the engine's log-prob of each token it sampled (checked on every
     rank alike, before any collective); ``what``: the option that needs them."""
     key = what.split("=")[0]
-    default = {"is_correction": "none", "old_logprobs": "trainer"}[key]
+    default = {"is_correction": "none", "old_logprobs": "trainer", "distill_coef": "0"}[key]
     for r in records:
         for i, sample in enumerate(r.samples):
             if sample.logprobs is None or any(seg.logprobs is None for seg in sample.segments):
                 raise BadTrainInput(f"{what} needs the engine's log-prob of every sampled token, and trajectory "
                                     f"record {r.task_id} sample {i} has none that fit its token_ids (a record written by "
                                     f"hand, or by an engine asked without logprobs): set rl.{key}={default}")
+
+
+def check_teacher_logprobs(records: list[grpo.Record], coef: float) -> None:
+    """Every sample, and every earlier segment of an agent's, carries the teacher's log-prob
+    of each token it sampled (checked on every rank alike, before any collective)."""
+    for r in records:
+        for i, sample in enumerate(r.samples):
+            parts = [(f"sample {i}", sample), *((f"sample {i} segment {j}", seg) for j, seg in enumerate(sample.segments))]
+            for where, part in parts:
+                if part.teacher_logprobs is None:
+                    raise BadTrainInput(f"rl.distill_coef={coef:g} trains toward the teacher's log-prob of every sampled token, "
+                                        f"and trajectory record {r.task_id} {where} has no teacher_logprobs that fit its token_ids "
+                                        f"(one per token id): roll out with rl.teacher set, which records them, or set "
+                                        f"rl.distill_coef=0")
 
 
 def _engine_logprobs(batches: Batches, key: plan.Key, device):

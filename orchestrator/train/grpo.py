@@ -18,6 +18,11 @@ A multi-turn sample (one that an environment answered between turns) carries ``l
 ``token_ids`` entry: its ids are every turn's sampled ids and, between them, the ids of the
 environment's observations, which are context, not trained (0); its ``logprobs`` hold 0.0 there.
 
+On-policy distillation (``rl.distill_coef``): a sample (and each of an agent sample's
+``segments``) also carries ``teacher_logprobs``, one per ``token_ids`` entry, the teacher's
+log-prob of each sampled token (0.0 where ``loss_mask`` is 0); each token's advantage then
+takes the teacher's term (:func:`token_advantages`).
+
 Token layout of one sample: the trainer trains on the ids the engine sampled, never on the
 text re-tokenized (a BPE tokenizer can tokenize a sampled text differently, which would
 silently break the importance ratio): ``prompt_token_ids``, then the sample's ``token_ids``,
@@ -61,6 +66,7 @@ class Segment:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None
     loss_mask: tuple[int, ...] | None = None
+    teacher_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,9 @@ class Sample:
     the rollout put there (an environment's observation in a multi-turn sample); None: all 1."""
     segments: tuple[Segment, ...] = ()
     """The sample's earlier segments (an agent's rewritten history), before its own ids."""
+    teacher_logprobs: tuple[float, ...] | None = None
+    """The teacher's log-prob of each of ``token_ids`` (on-policy distillation); None when the
+    record has none that fit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +106,8 @@ def _token_ids(value, what: str) -> tuple[int, ...]:
 
 
 def _logprobs(value, ids: tuple[int, ...] | None) -> tuple[float, ...] | None:
-    """The engine's log-probs when they are one finite number per sampled id, else None (a
-    record without them trains as before; the correction that needs them says so)."""
+    """The engine's (or the teacher's) log-probs when they are one finite number per sampled
+    id, else None (a record without them trains as before; the option that needs them says so)."""
     if ids is None or not isinstance(value, list) or len(value) != len(ids):
         return None
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value):
@@ -128,7 +137,8 @@ def _segments(value, prompt_ids: tuple[int, ...] | None, i: int) -> tuple[Segmen
         if not prompt:
             raise ValueError(f"{where}.prompt_token_ids must not be empty")
         ids = _token_ids(seg.get("token_ids"), f"{where}.token_ids")
-        out.append(Segment(prompt, ids, _logprobs(seg.get("logprobs"), ids), _loss_mask(seg.get("loss_mask"), ids, i)))
+        out.append(Segment(prompt, ids, _logprobs(seg.get("logprobs"), ids), _loss_mask(seg.get("loss_mask"), ids, i),
+                           _logprobs(seg.get("teacher_logprobs"), ids)))
     return tuple(out)
 
 
@@ -162,7 +172,8 @@ def parse_record(obj: object) -> Record:
                 raise ValueError(f"samples[{i}].token_ids is missing, but the record has prompt_token_ids")
             ids = _token_ids(s["token_ids"], f"samples[{i}].token_ids")
         samples.append(Sample(s["text"], float(reward), s["finish_reason"], ids, _logprobs(s.get("logprobs"), ids),
-                              _loss_mask(s.get("loss_mask"), ids, i), _segments(s.get("segments"), prompt_ids, i)))
+                              _loss_mask(s.get("loss_mask"), ids, i), _segments(s.get("segments"), prompt_ids, i),
+                              _logprobs(s.get("teacher_logprobs"), ids)))
     return Record(obj["task_id"], obj["prompt"], tuple(samples), prompt_ids)
 
 
@@ -211,6 +222,40 @@ def group_advantages(rewards: Sequence[float], kind: str = "grpo") -> list[float
     raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {kind!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Distillation:
+    """On-policy distillation's share of the advantage (``rl.distill_coef``, ``rl.distill_only``)."""
+
+    coef: float = 0.0
+    only: bool = False
+    """No reward term: each token's advantage is the teacher's term alone."""
+
+
+def token_advantages(advantage: float, behaviour: Sequence[float], teacher: Sequence[float],
+                     loss_mask: Sequence[int] | None, distillation: Distillation) -> tuple[float, ...]:
+    """Each completion token's advantage under on-policy distillation (Agarwal et al. 2024;
+    Thinking Machines' "On-policy distillation", prime-rl's and slime's OPD):
+    ``A_t = A + coef * (q_t - s_t)``, with ``A`` the sample's group advantage, ``s_t`` the
+    engine's (the behaviour policy's) log-prob of the sampled token and ``q_t`` the
+    teacher's: minus the per-token reverse KL to the teacher, the sample's own estimate of
+    it. With ``only`` the reward's term is left out, ``A_t = coef * (q_t - s_t)``. A token
+    with ``loss_mask`` 0 (context, not sampled) takes no teacher's term.
+
+    How it composes with the update's other options, each unchanged and applied to the whole
+    ``A_t``: the loss of a token is ``-w_t * min(r A_t, clip(r) A_t)`` (``rl.is_correction``'s
+    weight ``w_t``; ``r`` the token's ratio, or with ``rl.ratio_level=sequence`` its
+    sequence's, the same ``r`` for every token, each keeping its own ``A_t``), aggregated by
+    ``rl.loss_agg``, plus the reference KL term (``rl.kl_coef``) as before. ``s_t`` is the
+    sampling policy's, fixed for the iteration (the teacher's term is a reward per token, not
+    a loss to differentiate). ``rl.overlong=penalty`` shapes the rewards, so ``A`` alone, and
+    nothing with ``only``; ``rl.overlong=mask`` keeps a cut sample out of the loss whole, its
+    teacher's term too. An agent's earlier segment takes its sample's ``A`` and its own
+    tokens' terms."""
+    base = 0.0 if distillation.only else advantage
+    mask = loss_mask or (1,) * len(teacher)
+    return tuple(base + distillation.coef * (q - s) if m else base for s, q, m in zip(behaviour, teacher, mask, strict=True))
+
+
 # --- batching ------------------------------------------------------------------------------
 
 
@@ -248,6 +293,11 @@ class Completion:
     of the loss (``rl.overlong=mask`` on a completion cut at ``rl.max_tokens``)."""
     loss_mask: tuple[int, ...] | None = None
     """Per completion token, whether it is in the loss (``Sample.loss_mask``); None: all are."""
+    teacher_logprobs: tuple[float, ...] | None = None
+    """The teacher's log-prob of each completion token (on-policy distillation), or None."""
+    token_advantages: tuple[float, ...] | None = None
+    """Per completion token, its advantage when they differ (:func:`token_advantages`); None:
+    each is ``advantage``."""
 
     def trained_tokens(self) -> int:
         """How many of its tokens the loss counts."""
@@ -265,11 +315,15 @@ class Shaping:
     buffer: int = 0
 
 
-def encode_record(tokenizer, record: Record, advantage: str = "grpo", shaping: Shaping = Shaping()) -> list[Completion]:
+def encode_record(tokenizer, record: Record, advantage: str = "grpo", shaping: Shaping = Shaping(),
+                  distillation: Distillation = Distillation()) -> list[Completion]:
     """The record's samples as token ids, in sample order: the engine's ids when the record
     has them, else its text tokenized (layout: module docstring). With ``penalty`` each
     reward takes :func:`overlong_penalty` of its length before the advantages; with ``mask``
-    a sample cut at the length limit (``finish_reason == "length"``) is not trained."""
+    a sample cut at the length limit (``finish_reason == "length"``) is not trained. With a
+    ``distillation`` coefficient every token takes the teacher's term (:func:`token_advantages`),
+    which needs the engine's and the teacher's log-probs of every sample and segment
+    (train/batches.py checks the records for them first; ValueError naming the task here)."""
     if record.prompt_token_ids is not None:
         prompt = record.prompt_token_ids
         ids = [s.token_ids for s in record.samples]
@@ -280,13 +334,40 @@ def encode_record(tokenizer, record: Record, advantage: str = "grpo", shaping: S
     rewards = [s.reward for s in record.samples]
     if shaping.overlong == "penalty":
         rewards = [r + overlong_penalty(len(i), max_tokens=shaping.max_tokens, buffer=shaping.buffer) for r, i in zip(rewards, ids)]
-    advantages = group_advantages(rewards, advantage)
-    completions = [Completion(prompt, i, a, s.logprobs, trained=not (shaping.overlong == "mask" and s.finish_reason == "length"),
-                              loss_mask=s.loss_mask)
-                   for s, i, a in zip(record.samples, ids, advantages)]
+    advantages = [0.0] * len(rewards) if distillation.only else group_advantages(rewards, advantage)
+
+    def per_token(a: float, part: Sample | Segment, where: str) -> tuple[float, ...] | None:
+        if not distillation.coef:
+            return None
+        if part.logprobs is None or part.teacher_logprobs is None:
+            raise ValueError(f"trajectory record {record.task_id} {where} lacks the engine's or the teacher's log-probs of its "
+                             f"token_ids, which rl.distill_coef={distillation.coef:g} needs")
+        return token_advantages(a, part.logprobs, part.teacher_logprobs, part.loss_mask, distillation)
+
+    completions = [Completion(prompt, i, a, s.logprobs,
+                              trained=not (shaping.overlong == "mask" and s.finish_reason == "length"), loss_mask=s.loss_mask,
+                              teacher_logprobs=s.teacher_logprobs, token_advantages=per_token(a, s, f"sample {n}"))
+                   for n, (s, i, a) in enumerate(zip(record.samples, ids, advantages))]
     # An agent's earlier segments: sequences of their own after the group's samples, each with its sample's advantage.
-    return completions + [Completion(seg.prompt_ids, seg.token_ids, a, seg.logprobs, loss_mask=seg.loss_mask)
-                          for s, a in zip(record.samples, advantages) for seg in s.segments]
+    return completions + [Completion(seg.prompt_ids, seg.token_ids, a, seg.logprobs, loss_mask=seg.loss_mask,
+                                     teacher_logprobs=seg.teacher_logprobs, token_advantages=per_token(a, seg, f"sample {n} segment {j}"))
+                          for n, (s, a) in enumerate(zip(record.samples, advantages)) for j, seg in enumerate(s.segments)]
+
+
+def mean_reverse_kl(completions: Sequence[Completion]) -> float | None:
+    """The mean over the tokens the loss counts of ``s_t - q_t``, the engine's log-prob of the
+    sampled token less the teacher's: the sampled estimate of the per-token reverse KL from
+    the policy to the teacher. None when no completion has the teacher's log-probs."""
+    if all(c.teacher_logprobs is None for c in completions):
+        return None
+    total, tokens = 0.0, 0
+    for c in completions:
+        if c.teacher_logprobs is None or c.behaviour_logprobs is None or not c.trained:
+            continue
+        mask = c.loss_mask or (1,) * len(c.teacher_logprobs)
+        total += sum(s - q for s, q, m in zip(c.behaviour_logprobs, c.teacher_logprobs, mask) if m)
+        tokens += sum(mask)
+    return total / max(tokens, 1)
 
 
 
@@ -393,7 +474,7 @@ def collate_rows(rows: Sequence[Sequence[Completion]], pad_id: int, loss_agg: st
                 position_ids[r, start : start + n] = torch.arange(n)
             # target position t predicts input_ids[t + 1]: the completion starts at len(prompt) - 1
             target_mask[r, start + len(c.prompt_ids) - 1 : start + n - 1] = True
-            advantages.extend([c.advantage] * len(c.completion_ids))
+            advantages.extend(c.token_advantages if c.token_advantages is not None else [c.advantage] * len(c.completion_ids))
             start += n
         if position_ids is not None:
             position_ids[r, start:] = torch.arange(width - start)

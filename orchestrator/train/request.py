@@ -106,6 +106,8 @@ class TrainRequest:
             return "old_logprobs=engine"
         if self.correction != "none":
             return f"is_correction={self.correction}"
+        if self.rl.distill_coef > 0:  # the teacher's term is the teacher's log-prob less the engine's
+            return f"distill_coef={self.rl.distill_coef:g}"
         return None
 
     @classmethod

@@ -53,6 +53,7 @@ KLCoef = Annotated[float, msgspec.Meta(ge=0)]
 MaxGradNorm = Annotated[float, msgspec.Meta(gt=0)]
 ISCorrection = Annotated[str, one_of(IS_CORRECTIONS, "corrections")]
 ISCap = Annotated[float, limit("{key} must be >= 1, got {value}", ge=1)]
+DistillCoef = Annotated[float, limit("{key} must be >= 0 (0: no distillation), got {value}", ge=0)]
 LoraRank = Annotated[int, limit("{key} must be >= 0 (0: no LoRA, the whole model is trained), got {value}", ge=0)]
 LoraAlpha = Annotated[float, limit("{key} must be a positive number, got {value}", gt=0)]
 LoraDropout = Annotated[float, limit("{key} must be in [0, 1), got {value}", ge=0, lt=1)]
@@ -117,6 +118,13 @@ class UpdateSettings:
     """The largest importance weight rl.is_correction keeps."""
     max_tokens: Count = 8
     """Longest completion, in tokens."""
+    distill_coef: DistillCoef = 0.0
+    """On-policy distillation: the weight of the teacher's term in each token's advantage,
+    distill_coef * (teacher log-prob - engine log-prob) of the sampled token, the per-token
+    reverse KL to the teacher with its sign turned (prime-rl's, slime's OPD, Thinking Machines').
+    Every sample then needs the teacher's log-probs (rl.teacher) and the engine's. 0: none."""
+    distill_only: bool = False
+    """With rl.distill_coef > 0: no reward term, each token's advantage is the teacher's term alone."""
 
     def check(self) -> None:
         """The rules between fields; ValueError naming the keys."""
@@ -126,6 +134,12 @@ class UpdateSettings:
         if self.old_logprobs == "engine" and self.is_correction not in ("auto", "none"):
             raise ValueError(f"rl.is_correction={self.is_correction} weighs by the trainer's log-probs over the engine's, and "
                              f"rl.old_logprobs=engine makes them the same: nothing is left to correct; set one of them back")
+        if self.distill_only and self.distill_coef <= 0:
+            raise ValueError("rl.distill_only makes the teacher's term the whole advantage, and rl.distill_coef=0 gives it no "
+                             "weight: set rl.distill_coef > 0 (e.g. rl.distill_coef=1), or rl.distill_only=false")
+        if self.distill_only and self.filter_groups:
+            raise ValueError("rl.filter_groups leaves out the groups whose rewards do not vary, and rl.distill_only trains on "
+                             "no reward: every group has the teacher's term to learn from; set rl.filter_groups=false")
 
     @property
     def overlong_ramp(self) -> int:

@@ -57,6 +57,8 @@ def update(policy: Policy, config: TrainRequest, started: float) -> tuple[dict, 
     if config.correction != "none":
         stats |= {"is_correction": config.correction, "is_cap": config.rl.is_cap,
                   **{k: round(v, 6) for k, v in (batches.is_stats if batches else {}).items()}}
+    if config.rl.distill_coef > 0:
+        stats |= _distillation(batches, policy.rdv.rank)
     checkpoint_writer.write(policy, config, stats, started, base)
     del base
     lap("checkpoint")
@@ -148,11 +150,21 @@ def _options(config: TrainRequest) -> dict:
     chosen = {"advantage": (config.rl.advantage, "grpo"), "clip": (list(config.rl.clip), [config.rl.clip_eps] * 2),
               "kl_estimator": (config.rl.kl_estimator, "k3"), "old_logprobs": (config.rl.old_logprobs, "trainer"),
               "loss_agg": (config.rl.loss_agg, "token_mean"), "ratio_level": (config.rl.ratio_level, "token"),
-              "overlong": (config.rl.overlong, "keep"), "filter_groups": (config.rl.filter_groups, False)}
+              "overlong": (config.rl.overlong, "keep"), "filter_groups": (config.rl.filter_groups, False),
+              "distill_coef": (config.rl.distill_coef, 0.0), "distill_only": (config.rl.distill_only, False)}
     out = {key: value for key, (value, default) in chosen.items() if value != default}
     if config.rl.overlong == "penalty":
         out["overlong_buffer"] = config.rl.overlong_ramp
     return out
+
+
+def _distillation(batches: Batches | None, rank: int) -> dict:
+    """``distill_reverse_kl``: the mean over the trained tokens of the engine's log-prob of the
+    sampled token less the teacher's (None when nothing was trained)."""
+    reverse_kl = grpo.mean_reverse_kl([c for group in batches.completions for c in group]) if batches else None
+    if rank == 0 and reverse_kl is not None:
+        log.info("distillation: mean per-token reverse KL to the teacher over the trained tokens %.5f", reverse_kl)
+    return {"distill_reverse_kl": None if reverse_kl is None else round(reverse_kl, 6)}
 
 
 def _optimizer_steps(policy: Policy, config: TrainRequest, batches: Batches, steps: list[list[plan.Step]],

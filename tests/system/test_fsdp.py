@@ -287,6 +287,14 @@ def _segmented(sample: dict) -> None:
                                "loss_mask": [1, 1]}]
 
 
+def _taught(sample: dict) -> None:
+    """On-policy distillation: an agent's segmented sample, each token with a teacher's
+    log-prob (-2, -0.5 by position) that is not the engine's."""
+    _segmented(sample)
+    for part in (sample, *sample.get("segments", ())):
+        part["teacher_logprobs"] = [-2.0 + 1.5 * (i % 2) for i in range(len(part["token_ids"]))]
+
+
 OPTIONS = {
     "rloo-k2-clip-higher": {"advantage": "rloo", "kl_estimator": "k2", "clip_eps_high": 0.28},
     "dr-grpo-k1-engine-old": {"advantage": "dr_grpo", "kl_estimator": "k1", "old_logprobs": "engine"},
@@ -295,6 +303,7 @@ OPTIONS = {
                               "overlong": "penalty", "max_tokens": 4, "overlong_buffer": 2},
     "multi-turn-gspo-tis": {"ratio_level": "sequence", "loss_agg": "seq_mean_token_mean", "is_correction": "tis"},
     "agent-segments-tis": {"is_correction": "tis"},
+    "distill-only-agent-segments": {"distill_coef": 0.5, "distill_only": True},
 }
 UNREPORTED = ("clip_eps_low", "clip_eps_high", "max_tokens")  # "clip" says the first two
 
@@ -302,7 +311,8 @@ UNREPORTED = ("clip_eps_low", "clip_eps_high", "max_tokens")  # "clip" says the 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_each_update_option_gives_the_same_update_at_any_worker_count_packed_or_padded(work, trained, ddp_two, name):
     """Two DDP workers, sequences padded, against three FSDP workers, sequences packed."""
-    data = _derived(work, "agg-cut.jsonl", _cut) if "overlong" in OPTIONS[name] else \
+    data = _derived(work, "agg-taught.jsonl", _taught) if "distill" in name else \
+        _derived(work, "agg-cut.jsonl", _cut) if "overlong" in OPTIONS[name] else \
         _derived(work, "agg-turns.jsonl", _observed) if "multi-turn" in name else \
         _derived(work, "agg-segments.jsonl", _segmented) if "segments" in name else _with_engine_logprobs(work)
     options = {**OPTIONS[name], "data": str(data)}

@@ -133,12 +133,15 @@ def test_multi_turn_samples_stopped_in_a_turn_or_between_turns_continue_where_th
     """rl.environment (or rl.agent) with rollout.partial, one rank, trained: a stopped sample's
     environment is given its turns again (its agent run again, its calls answered from the
     record) and the sample goes on from its ids; every task trained once, no token more than
-    one checkpoint old, eval never partial."""
+    one checkpoint old, eval never partial; the agent's samples, carried ones too, are scored by a
+    teacher once finished."""
     (tmp_path / "retry_env.py").write_text(SLOW_RETRY)
     (tmp_path / "retry_agent.py").write_text(SLOW_AGENT)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log_path = tmp_path / "run"
-    runs = ["rl.environment=retry_env:SlowRetry", "rl.max_turns=2"] if how == "environment" else ["rl.agent=retry_agent:retry"]
+    # The agent's run distills too: its samples (carried ones whole, once finished) scored by a teacher.
+    teacher = [f"models.teacher.path={chat_demo_data / 'model'}", "rl.teacher=teacher", "rl.distill_coef=0.1"]
+    runs = ["rl.environment=retry_env:SlowRetry", "rl.max_turns=2"] if how == "environment" else ["rl.agent=retry_agent:retry", *teacher]
     flags = rl_flags(chat_demo_data, log_path, num_nodes=1, weights=None, max_iterations=3, extra=[
         *PARTIAL, *runs, "rl.reward=orchestrator.rewards:math", "rl.temperature=3", "rollout.max_inflight=64", "rl.max_tokens=48"])
     result = run_local(flags, timeout=240, env=env)
@@ -155,13 +158,19 @@ def test_multi_turn_samples_stopped_in_a_turn_or_between_turns_continue_where_th
             for s in r["samples"]:
                 assert s["finish_reason"] != "abort" and "reward" in s and len(s["token_ids"]) == len(s["loss_mask"]) == len(s["logprobs"])
                 assert "reward_error" not in s, s["reward_error"]
+                if how == "agent":
+                    taught = s["teacher_logprobs"]
+                    assert len(taught) == len(s["token_ids"]) and all(t == 0.0 for t, m in zip(taught, s["loss_mask"]) if not m)
+                    sampled = [t for t, m in zip(taught, s["loss_mask"]) if m]
+                    assert all(t <= 0 for t in sampled) and any(t < 0 for t in sampled), "the sampled ids scored"
                 ages = [i - 1 - v for v, n in s.get("policy_versions") or [[r["policy_iteration"], 1]] if n]
                 assert max(ages, default=0) <= 0 + 1, f"a token of {r['task_id']} past rl.max_staleness + rollout.max_carry"
         assert all("unfinished" not in r and "carried" not in r for r in _records(layout, i, "eval")), "eval is never partial"
         for c in _records(layout, i - 1, "carry") if i > 1 else []:
             for before, after in zip(c["samples"], pool[c["task_id"]]["samples"]):
-                if before["finish_reason"] != "abort":
-                    assert after == before
+                if before["finish_reason"] != "abort":  # as it was (the teacher scores the group once it is complete)
+                    assert {k: v for k, v in after.items() if k != "teacher_logprobs"} == {
+                        k: v for k, v in before.items() if k != "teacher_logprobs"}
                     continue
                 begun += bool(before["token_ids"])
                 n = len(before["token_ids"])

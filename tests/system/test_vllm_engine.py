@@ -9,9 +9,11 @@ tie of a random model cannot make the two pick different tokens).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import math
 import os
+import random
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -35,6 +37,8 @@ SHORT = "17+25="
 # runs with --block-size 32), so a reload that left the cache alone would be caught.
 LONG = "12+34 56+78 90+12 34+56 78+90 11+22 3+4="
 TOL = 1e-3
+PROMPT_LOGPROBS_TOL = 2e-3
+BOS = 1  # the demo tokenizer's
 
 
 @dataclass
@@ -153,6 +157,23 @@ def test_client_against_vllm(server, client, reference):
             assert all(lp <= 0 and math.isfinite(lp) for lp in c.token_logprobs)
     again = client.complete(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=8, seed=3, logprobs=0)
     assert [[c.text for c in g] for g in again] == [[c.text for c in g] for g in groups]  # seeded
+
+
+def test_prompt_logprobs_of_token_ids_are_those_of_a_forward_pass(server, client, reference):
+    # BOS then ids of the demo vocabulary, four lengths in one request (one of them near the
+    # 64-token context), each scored from its own start: a teacher scoring a student's tokens.
+    rng = random.Random(0)
+    ids = [[rng.randrange(19) for _ in range(n)] for n in (1, 8, 31, 62)]
+    starts = [1, 1, 12, 40]
+
+    async def score():
+        async with client.async_http(timeout=120) as http:
+            return await client.aprompt_logprobs(http, [[BOS, *t] for t in ids], start=starts)
+
+    scored = asyncio.run(score())
+    for t, at, got in zip(ids, starts, scored, strict=True):
+        expected = reference(server.base, "", t)  # "" is [BOS]
+        assert got == pytest.approx(expected[at - 1 :], abs=PROMPT_LOGPROBS_TOL), f"{len(t) + 1} tokens from {at}"
 
 
 def test_reload_weights_in_place(server, client, reference):

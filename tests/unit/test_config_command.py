@@ -108,6 +108,9 @@ def test_the_defaults_are_the_ones_a_run_gets():
     built = config.build_sections(config.parse_overrides([]))
     for e in _json():
         section, _, name = e["key"].rpartition(".")
+        if section == config.MODEL_KEY.rstrip("."):  # a models.<name> section: what a named one gets
+            assert getattr(config.AuxModelConfig(), name) == e["default"], e["key"]
+            continue
         value = getattr(built[section], name) if section else config.RunConfig.__dataclass_fields__[name].default
         assert e["default"] == value, e["key"]
 

@@ -5,6 +5,7 @@ tests/system/test_bad_input.py rely on, word for word."""
 
 import dataclasses
 import math
+import re
 import typing
 from pathlib import Path
 
@@ -187,6 +188,7 @@ def test_the_valid_keys_are_the_fields_of_every_section_in_order():
     sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(f.default_factory)]
     assert sections == ["coordination", "deadlines", "rehearsal", "model", "rl", "data", "train", "rollout", "checkpoint", "publish", "tracking"]
     expected = ["seed"] + [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(_run(), s))]
+    expected += [f"models.<name>.{f.name}" for f in dataclasses.fields(config.AuxModelConfig)]  # a section per named model
     assert keys == expected
 
 
@@ -209,3 +211,20 @@ def test_the_trainer_types_keep_their_msgspec_bounds():
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(bad, hint)
         assert msgspec.convert(good, hint) == good
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["models.teacher.pth=/m"], "unknown config key 'models.teacher.pth': did you mean models.<name>.path"),
+    (["models.<name>.path=/m"], "models.<name>: a model's name is a letter then letters, digits, - or _"),
+    (["models.policy.path=/m"], "models.policy: a model's name is a letter"),
+    (["models.teacher.path="], "models.teacher has no path: set models.teacher.path="),
+    (["rl.teacher=t", "rl.distill_coef=1"], "rl.teacher=t names no model: no models.<name>.path is set; set models.t.path="),
+    (["models.a.path=/m", "rl.teacher=t", "rl.distill_coef=1"], "rl.teacher=t names no model: the models are a;"),
+    (["models.t.path=/m", "rl.teacher=t"], "rl.teacher=t needs rl.distill_coef > 0"),
+    (["rl.distill_coef=1"], "rl.distill_coef=1 needs a teacher: set rl.teacher=<name> and models.<name>.path"),
+    (["models.t.path=/m", "train.device_mapping=0", "rollout.device_mapping=0"], "models.t: models beside the policy are served on the CPU"),
+])
+def test_models_beside_the_policy_and_a_teacher_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _run(workload=config.WorkloadKind.RL, **_build(*overrides))
+    assert _run(workload=config.WorkloadKind.RL, **_build("models.t.path=/m", "rl.teacher=t", "rl.distill_coef=1")).models["t"].path == "/m"

@@ -234,3 +234,31 @@ def test_a_rank_whose_model_differs_is_named_at_join(tmp_path):
     assert config_mismatch(master, {1: {"fingerprint": _run(tmp_path / "data", str(a)).fingerprint()}}) is None
     rank, detail = config_mismatch(master, {1: {"fingerprint": _run(tmp_path / "data", str(b)).fingerprint()}})
     assert rank == 1 and detail.startswith("model: master {'directory': " + repr(str(a))) and repr(str(b)) in detail
+
+
+def _tokenizer(directory: Path, words: list[str]) -> Path:
+    """A model directory with a real (word-level) tokenizer of ``words``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    _model(directory, tokenizer=())
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", *words])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(directory)
+    return directory
+
+
+def test_a_model_beside_the_policy_is_checked_as_the_base_is_and_a_teacher_shares_its_tokenizer(tmp_path, hf_cache):
+    """models.<name>.path is resolved and checked as model.path is, named by its own key; a
+    teacher (rl.teacher) with another vocabulary than the policy's is refused."""
+    data = tmp_path / "data"
+    _tokenizer(data / "model", ["a", "b"])
+    distill = {"rl": config.RLConfig(teacher="teacher", distill_coef=1.0)}
+    run = _run(data, models={"teacher": config.AuxModelConfig(path="teacher")}, **distill)
+    with pytest.raises(ConfigError, match="models.teacher.path='teacher': no directory .*/data/teacher, .* or set models.teacher.path"):
+        preflight.check_models(run)
+    _tokenizer(data / "teacher", ["a", "c"])
+    with pytest.raises(ConfigError, match="rl.teacher=teacher: the model .*/data/teacher has another tokenizer than the policy's"):
+        preflight.check_models(run)
+    _tokenizer(tmp_path / "same", ["a", "b"])
+    preflight.check_models(_run(data, models={"teacher": config.AuxModelConfig(path=str(tmp_path / "same"))}, **distill))

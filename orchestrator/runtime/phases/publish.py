@@ -59,7 +59,8 @@ def _update_figures(stats: dict) -> dict:
     figures |= {"mean_reward": stats.get("mean_reward"), "samples": samples, "records": stats.get("records"),
                 "completion_tokens": tokens, "response_length": length,
                 "zero_advantage_groups": stats.get("zero_advantage_groups"), "seconds": stats.get("seconds")}
-    figures |= {key: stats[key] for key in ("filtered_groups", "overlong_samples", "replayed", "published") if key in stats}
+    figures |= {key: stats[key] for key in ("filtered_groups", "overlong_samples", "replayed", "published", "distill_reverse_kl")
+                if key in stats}
     return {"update": figures}
 
 

@@ -5,6 +5,10 @@ cancellable), moved to a new checkpoint in place where the engine can (the embed
 group. An engine without GPUs has nothing to free for training: the embedded one serves on
 through it, and takes the new checkpoint in place.
 
+A model served beside the policy (``models.<name>``: a teacher) runs in the same kind of
+process, named after it (``teacher engine 0``, ``engines/rNNNNN/teacher-engine0.log``), started
+once on its model and never moved.
+
 Ports are node-local: engine k of a node gets the first free port from the planned one
 (``rollout.engine_port`` + k), and if another process takes it first the engine's failed
 bind is retried on the next free port. Every start gets a served-model name of its own that
@@ -48,15 +52,19 @@ class EngineFailed(ChildFailed):
 
 class EngineProcess:
     def __init__(self, children: Children, spec: Engine, rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0,
-                 base: Path | None = None, lora_rank: int = 0):
+                 base: Path | None = None, lora_rank: int = 0, model: str = ""):
+        """``model``: the name of the auxiliary model (models.<name>) it serves; "": the policy."""
         self.children = children
         self.spec = spec
         self.base = base  # with LoRA: the base model, which each checkpoint (an adapter) applies to
         self.lora_rank = lora_rank
         self.rollout = rollout
-        self.log_file = layout.engine_log(rank, spec.engine)
-        self._port_file = layout.engine_port_file(rank, spec.engine)
-        self._error_file = layout.engine_error(rank, spec.engine)
+        self.model = model
+        self.label = f"{model} engine {spec.engine}" if model else f"engine {spec.engine}"
+        """What messages call it: engine 0, or teacher engine 0 (models.teacher's)."""
+        self.log_file = layout.engine_log(rank, spec.engine, model)
+        self._port_file = layout.engine_port_file(rank, spec.engine, model)
+        self._error_file = layout.engine_error(rank, spec.engine, model)
         self.seed = seed
         self.rank = rank
         self.proc: subprocess.Popen | None = None
@@ -81,9 +89,9 @@ class EngineProcess:
             self.port = free_port(self.spec.port or 8000, exclude=taken)
         else:  # the embedded server reports the port it bound (any free one with 0)
             self.port = free_port(self.spec.port, exclude=taken) if self.spec.port else 0
-        self.name = _policy_name()
+        self.name = _served_name(self.model)
         argv, env = self._command(checkpoint)
-        log.info("starting engine %d (%s, GPUs %s, port %s) on %s; log %s", self.spec.engine, self.rollout.engine,
+        log.info("starting %s (%s, GPUs %s, port %s) on %s; log %s", self.label, self.rollout.engine,
                  ",".join(map(str, self.spec.gpus)) or "none", self.port or "any", checkpoint, self.log_file)
         with open(self.log_file, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start on {checkpoint} as {self.name}, port {self.port}, "
@@ -124,18 +132,18 @@ class EngineProcess:
         """Wait until the launched engine serves its own name; a lost port race is retried."""
 
         def relaunch(_: Exception) -> None:
-            log.warning("engine %d lost port %s to another process; retrying on the next free port", self.spec.engine, self.port)
+            log.warning("%s lost port %s to another process; retrying on the next free port", self.label, self.port)
             self.launch(self.checkpoint, taken | {self.port})
 
         try:
-            return retry(lambda: self._wait_ready(cancel), what=f"starting engine {self.spec.engine}", attempts=BIND_RETRIES + 1,
+            return retry(lambda: self._wait_ready(cancel), what=f"starting {self.label}", attempts=BIND_RETRIES + 1,
                          backoff=Backoff(0.0, 0.0), retry_on=lambda e: isinstance(e, _BindFailed), before_retry=relaunch)
         except _BindFailed:
-            raise EngineFailed(f"engine {self.spec.engine} could not bind a port after {BIND_RETRIES + 1} tries; see {self.log_file}") from None
+            raise EngineFailed(f"{self.label} could not bind a port after {BIND_RETRIES + 1} tries; see {self.log_file}") from None
 
     def _wait_ready(self, cancel: CancelToken) -> EngineClient:
         timeout = self.rollout.engine_start_timeout_s
-        deadline = Deadline.after(timeout, f"engine {self.spec.engine} to start")
+        deadline = Deadline.after(timeout, f"{self.label} to start")
         if self.rollout.engine == "embedded":  # it reports the port it bound (any, with port 0)
             self.port = poll(self._read_port, deadline=deadline, cancel=cancel, backoff=Backoff(0.05, 0.5),
                              on_timeout=lambda: DeadlineExceeded(self._timeout_message()))
@@ -149,12 +157,12 @@ class EngineProcess:
         cancel.check()
         self._raise_if_exited()
         if self.name not in client.models():
-            raise EngineFailed(f"port {self.port} is served by another process, not engine {self.spec.engine}; see {self.log_file}")
+            raise EngineFailed(f"port {self.port} is served by another process, not {self.label}; see {self.log_file}")
         self.client = client
-        log.info("engine %d serves %s on port %d", self.spec.engine, self.checkpoint, self.port)
+        log.info("%s serves %s on port %d", self.label, self.checkpoint, self.port)
         proc = self.proc
         self.children.watch(proc, lambda code: cancel.cancel(EngineFailed(*child_error.explain(
-            f"engine {self.spec.engine} of rank {self.rank} (pid {proc.pid}) exited with code {code} while serving",
+            f"{self.label} of rank {self.rank} (pid {proc.pid}) exited with code {code} while serving",
             self._error_file, self.log_file))))
         return client
 
@@ -170,11 +178,11 @@ class EngineProcess:
             tail = self.log_file.read_text(errors="replace")[-child_error.LOG_TAIL_CHARS:]
             if any(s in tail for s in _BIND_FAILED):
                 raise _BindFailed()
-            raise EngineFailed(*child_error.explain(f"engine {self.spec.engine} exited with code {self.proc.returncode} before "
+            raise EngineFailed(*child_error.explain(f"{self.label} exited with code {self.proc.returncode} before "
                                                     f"serving", self._error_file, self.log_file, tail))
 
     def _timeout_message(self) -> str:
-        return (f"engine {self.spec.engine} did not serve within rollout.engine_start_timeout_s="
+        return (f"{self.label} did not serve within rollout.engine_start_timeout_s="
                 f"{self.rollout.engine_start_timeout_s:g} s; see {self.log_file}")
 
     # -- new weights, release, stop -------------------------------------------------------------
@@ -195,10 +203,10 @@ class EngineProcess:
             if not vllm.reload_weights(self.client.base_url, str(checkpoint), timeout_s=self.rollout.engine_start_timeout_s):
                 return False
         except Exception as e:  # noqa: BLE001 - any failure of the fast path falls back to a restart
-            log.warning("engine %d could not reload weights in place (%s); restarting it", self.spec.engine, e)
+            log.warning("%s could not reload weights in place (%s); restarting it", self.label, e)
             return False
         self.checkpoint = checkpoint
-        log.info("engine %d reloaded %s in place in %.1f s", self.spec.engine, checkpoint, time.monotonic() - began)
+        log.info("%s reloaded %s in place in %.1f s", self.label, checkpoint, time.monotonic() - began)
         return True
 
     def _swap_adapter(self, checkpoint: Path) -> bool:
@@ -216,10 +224,10 @@ class EngineProcess:
             if self.checkpoint is not None and checkpoints.is_adapter(self.checkpoint):
                 vllm.unload_adapter(self.client.base_url, self.name, timeout_s=self.rollout.engine_start_timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure of the fast path falls back to a restart
-            log.warning("engine %d could not take the LoRA adapter %s in place (%s); restarting it", self.spec.engine, checkpoint, e)
+            log.warning("%s could not take the LoRA adapter %s in place (%s); restarting it", self.label, checkpoint, e)
             return False
         self.name, self.checkpoint = name, checkpoint
-        log.info("engine %d serves the LoRA adapter %s as %s, loaded in place in %.2f s", self.spec.engine, checkpoint, name,
+        log.info("%s serves the LoRA adapter %s as %s, loaded in place in %.2f s", self.label, checkpoint, name,
                  time.monotonic() - began)
         return True
 
@@ -230,10 +238,10 @@ class EngineProcess:
         try:
             seconds = self.client.reload(str(checkpoint), name)
         except Exception as e:  # noqa: BLE001 - a refused or failed reload falls back to a restart
-            log.warning("engine %d could not reload %s in place (%s); restarting it", self.spec.engine, checkpoint, e)
+            log.warning("%s could not reload %s in place (%s); restarting it", self.label, checkpoint, e)
             return False
         self.name, self.checkpoint = name, checkpoint
-        log.info("engine %d reloaded %s in place in %.2f s as %s", self.spec.engine, checkpoint, seconds, name)
+        log.info("%s reloaded %s in place in %.2f s as %s", self.label, checkpoint, seconds, name)
         return True
 
     def _can_sleep(self) -> bool:
@@ -257,10 +265,10 @@ class EngineProcess:
                 # base stays (level 1 offloads it to host memory) and only an adapter comes in.
                 if vllm.sleep(self.client.base_url, level=1 if self.lora_rank else 2, timeout_s=60.0):
                     self.asleep = True
-                    log.info("engine %d sleeps until phase 12 brings the new weights", self.spec.engine)
+                    log.info("%s sleeps until phase 12 brings the new weights", self.label)
                     return "slept"
             except Exception as e:  # noqa: BLE001
-                log.warning("engine %d could not sleep (%s); stopping it", self.spec.engine, e)
+                log.warning("%s could not sleep (%s); stopping it", self.label, e)
         self.stop()
         return "stopped"
 
@@ -279,15 +287,22 @@ class _BindFailed(Exception):
 
 def _policy_name() -> str:
     """A served-model name of its own for each start or reload, which the client sends."""
-    return f"policy-{uuid.uuid4().hex[:12]}"
+    return _served_name("")
+
+
+def _served_name(model: str) -> str:
+    """The served-model name of a start of the policy's engine (or of ``model``'s)."""
+    return f"{model or 'policy'}-{uuid.uuid4().hex[:12]}"
 
 
 class NodeEngines:
     """The engines the placement puts on this node."""
 
     def __init__(self, children: Children, specs: list[Engine], rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0,
-                 base: Path | None = None, lora_rank: int = 0, local: Path | None = None):
-        self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed, base=base, lora_rank=lora_rank) for s in specs]
+                 base: Path | None = None, lora_rank: int = 0, local: Path | None = None, model: str = ""):
+        """``model``: the engines of an auxiliary model (models.<name>), not the policy's."""
+        self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed, base=base, lora_rank=lora_rank, model=model)
+                        for s in specs]
         self.base = base
         self.local = local  # the node-local copies (publish.delta): what the engines read there is not the shared filesystem's
         self.rollout = rollout

@@ -68,6 +68,10 @@ class Request:
     """None: the Inflight's ``sampling["max_tokens"]``."""
     part: int | None = None
     """The sample of a carried task this request continues (partial rollouts); None: a new one."""
+    score_from: int | None = None
+    """A scoring request (rl.teacher's): the engine's log-probs of each prompt's ids from this
+    position on, each group one :class:`Completion` holding them (``token_logprobs``) and those
+    ids (``token_ids``); nothing is sampled. None: a completion request."""
 
     @property
     def size(self) -> int:
@@ -307,8 +311,13 @@ class Inflight:
     async def _send(self, engine: _Engine, request: Request, sequences: int, future: asyncio.Future | None) -> None:
         began, sent_at = time.monotonic(), time.time()
         try:
-            groups = await engine.client.acomplete(engine.http(), request.prompts, seed=request.seed,
-                                                   **(self._sampling | request.overrides()))
+            if request.score_from is not None:
+                scored = await engine.client.aprompt_logprobs(engine.http(), request.prompts, start=request.score_from)
+                groups = [[Completion("", "length", logprobs, None, list(prompt[request.score_from:]), list(prompt))]
+                          for prompt, logprobs in zip(request.prompts, scored)]
+            else:
+                groups = await engine.client.acomplete(engine.http(), request.prompts, seed=request.seed,
+                                                       **(self._sampling | request.overrides()))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, which raises it

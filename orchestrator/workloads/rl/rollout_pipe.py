@@ -10,10 +10,15 @@ every group not finished returned as it stands.
 
 With ``rl.environment`` the records come from multi-turn episodes instead
 (:class:`MultiTurnPipe`, ``episodes.py``): a task's record once all its samples have ended.
+
+With ``rl.teacher`` a train rollout's complete records are scored by the teacher
+(``teacher.py``) before they are returned: each sample gets ``teacher_logprobs``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import queue
 import random
 import time
@@ -25,6 +30,7 @@ from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.episodes import Episodes
 from orchestrator.workloads.rl.engine_requests import Answer, Inflight, Request, drain
 from orchestrator.workloads.rl.scoring import Scorer
+from orchestrator.workloads.rl.teacher import Teacher
 
 BATCH_TASKS = 16
 """Records fsynced together: what one request carried before requests were this small."""
@@ -41,12 +47,15 @@ class RLRolloutPipe:
 
     def __init__(self, ctx: PhaseContext, split: str, start: Callable[[], Inflight], scorer: Scorer, texts: dict[str, str],
                  tasks: dict[str, dict], record: Callable[..., dict], *, prompts_per_request: int,
-                 carried: dict[str, dict] | None = None, max_tokens: int = 0):
+                 carried: dict[str, dict] | None = None, max_tokens: int = 0, teacher: Callable[[], Teacher] | None = None):
         """``start()`` makes the engines' :class:`Inflight` when the first task comes: a rank
         with nothing to roll out (no engines on its node) starts none. ``carried``: the groups
         the last rollout carried, by task id (their records), continued when submitted; their
-        samples have what is left of ``max_tokens``."""
+        samples have what is left of ``max_tokens``. ``teacher()`` (rl.teacher), made after
+        ``start()``: it scores each complete record before the record is returned."""
         self.ctx, self.split = ctx, split
+        self._teacher_start, self.teacher = teacher, None
+        self._scoring: list[concurrent.futures.Future] = []  # complete records the teacher is scoring
         self._carried, self._max_tokens = carried or {}, max_tokens
         self._continuing: dict[str, dict] = {}  # a carried task's record, its samples as they are now
         self._left: dict[str, int] = {}  # a carried task's samples still out
@@ -77,9 +86,15 @@ class RLRolloutPipe:
             seed = seeds(f"{ctx.config.seed}:{self.split}:{ctx.iteration}:{ids[0]}").randrange(2**31)
             requests.append(Request(ids, [self._texts[t] for t in ids], seed))
         self.outstanding += len(task_ids)
+        self._started()
+        self.inflight.submit(requests)
+
+    def _started(self) -> None:
+        """The engines' in-flight budget (and the teacher's), made with the first task."""
         if self.inflight is None:
             self.inflight = self._start()
-        self.inflight.submit(requests)
+            if self._teacher_start is not None:
+                self.teacher = self._teacher_start()
 
     def _tokens(self, task_id: str) -> bool:
         """Whether ``task_id`` is a carried group with samples begun (one never sent is rolled out anew)."""
@@ -131,6 +146,8 @@ class RLRolloutPipe:
             if request.part is None:
                 records += [self._untouched(t) for t in request.task_ids]
         records += [self._cut(t, record) for t, record in self._continuing.items()]
+        records += [f.result(timeout=STOP_TIMEOUT_S) for f in self._scoring]  # complete: scored before they are written
+        self._scoring.clear()
         self._continuing.clear()
         self._left.clear()
         self._stopping = False
@@ -167,11 +184,27 @@ class RLRolloutPipe:
         return batch
 
     def _take(self, timeout_s: float) -> list[dict]:
-        """The records that came, waiting up to ``timeout_s`` for the first."""
+        """The records that came, waiting up to ``timeout_s`` for the first (with a teacher,
+        those it has scored)."""
         came, self._came = self._came, []
-        if came:
-            timeout_s = 0
-        return came + [r for answer in (self.inflight.answers(timeout_s) if self.inflight else ()) for r in self._records(answer)]
+        if came or self._scoring:
+            timeout_s = min(timeout_s, 0.05) if self._scoring and not came else 0
+        came += [r for answer in (self.inflight.answers(timeout_s) if self.inflight else ()) for r in self._records(answer)]
+        return self._taught(came)
+
+    def _taught(self, records: list[dict]) -> list[dict]:
+        """``records`` as they are, or with a teacher those it has scored: a complete record is
+        handed to it and comes back scored; an unfinished one is scored once it is complete."""
+        if self.teacher is None:
+            return records
+        out = [r for r in records if r.get("unfinished")]
+        scoring, self._scoring = self._scoring + [self.teacher.submit(r) for r in records if not r.get("unfinished")], []
+        for f in scoring:  # one look at each: one the teacher's thread finishes meanwhile is taken next time, not lost
+            if f.done():
+                out.append(f.result())
+            else:
+                self._scoring.append(f)
+        return out
 
     def _records(self, answer: Answer) -> list[dict]:
         if answer.request.part is not None:
@@ -232,6 +265,8 @@ class RLRolloutPipe:
     def close(self) -> None:
         if self.inflight is not None:
             self.inflight.close()
+        if self.teacher is not None:
+            self.teacher.close()
 
 
 class MultiTurnPipe(RLRolloutPipe):
@@ -240,8 +275,9 @@ class MultiTurnPipe(RLRolloutPipe):
     on the engines' event loop; its record comes when all of them have ended."""
 
     def __init__(self, ctx: PhaseContext, split: str, start: Callable[[], Inflight], scorer: Scorer, episodes: Episodes,
-                 tasks: dict[str, dict], record: Callable[..., dict], *, samples: int, carried: dict[str, dict] | None = None):
-        super().__init__(ctx, split, start, scorer, {}, tasks, record, prompts_per_request=1, carried=carried)
+                 tasks: dict[str, dict], record: Callable[..., dict], *, samples: int, carried: dict[str, dict] | None = None,
+                 teacher: Callable[[], Teacher] | None = None):
+        super().__init__(ctx, split, start, scorer, {}, tasks, record, prompts_per_request=1, carried=carried, teacher=teacher)
         self.episodes, self.samples = episodes, samples
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # each task's future, as it ends
 
@@ -252,8 +288,7 @@ class MultiTurnPipe(RLRolloutPipe):
 
     def submit(self, task_ids: list[str]) -> None:
         self.outstanding += len(task_ids)
-        if self.inflight is None:
-            self.inflight = self._start()
+        self._started()
         for task_id in task_ids:
             if self._tokens(task_id):
                 self._continuing[task_id] = self._carried[task_id]
@@ -282,6 +317,8 @@ class MultiTurnPipe(RLRolloutPipe):
             record |= {k: carried[k] for k in ("carried", "origin_iteration") if k in carried}
         if not samples or any(map(carry.unfinished, samples)):
             record["unfinished"] = True
+        elif self.teacher is not None:  # complete: the teacher's log-probs recorded with it
+            record = await asyncio.wrap_future(self.teacher.submit(record))
         return carry.with_versions(record) if carried or record.get("unfinished") else record
 
     def stop(self, unsent: list[str]) -> list[dict]:

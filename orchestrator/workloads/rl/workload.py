@@ -24,6 +24,7 @@ from orchestrator import checkpoints
 from orchestrator.checkpoints import node_copy, retention, store
 from orchestrator.data import carry, prompts, resample, shards
 from orchestrator.engine.client import EngineClient
+from orchestrator.node.placement import Engine
 from orchestrator.node.procs import Children
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
@@ -34,6 +35,7 @@ from orchestrator.workloads.rl.engine_requests import Inflight
 from orchestrator.workloads.rl.episodes import Episodes, RoomWatch
 from orchestrator.workloads.rl.rollout_pipe import MultiTurnPipe, RLRolloutPipe
 from orchestrator.workloads.rl.scoring import Scorer
+from orchestrator.workloads.rl.teacher import Teacher
 from orchestrator.train import launch
 from orchestrator.train.settings import TrainerSettings, UpdateSettings
 from orchestrator.workloads.rl import trainer_address
@@ -90,6 +92,8 @@ class RLWorkload:
         self.layout = RunLayout(config.log_path)
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
+        self.aux: dict[str, NodeEngines] = {}  # models.<name>: their engines on this node, started with the policy's
+        self.aux_clients: dict[str, list[EngineClient]] = {}
         self._verified = checkpoints.Verified()
         self.copies: node_copy.NodeCopies | None = None  # publish.delta: the versions this node rebuilt (made at the first start)
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
@@ -219,6 +223,17 @@ class RLWorkload:
             wait_memory_released(shared, self.config.rollout, ctx.cancel)
         fault = functools.partial(ctx.run.fault_point, "hold-in-rebuild", ctx.iteration, ctx.phase)
         self.clients = engines.ensure(self.verified(ctx.policy, ctx.run.timing, fault), ctx.cancel, timing=ctx.run.timing)
+        self._aux_start(ctx)
+
+    def _aux_start(self, ctx: PhaseContext) -> None:
+        """The auxiliary models' engines (models.<name>): one each on a node that rolls out, on
+        its CPU, started once on the model and never moved (the policy's new weights are not
+        theirs); one that dies is named and fails the rank, as the policy's do."""
+        for name in self.config.models:
+            if name not in self.aux:
+                self.aux[name] = NodeEngines(self.children, [Engine(engine=0, node=ctx.rank, gpus=(), port=0)], self.config.rollout,
+                                             self.layout, ctx.rank, seed=self.config.seed, model=name)
+            self.aux_clients[name] = self.aux[name].ensure(self.config.aux_model_path(name), ctx.cancel, timing=ctx.run.timing)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
         """Phase 7: free the GPUs training shares with the engines (colocated); disaggregated
@@ -242,6 +257,8 @@ class RLWorkload:
         self.trainers.stop()
         if self.engines is not None:
             self.engines.stop()
+        for aux in self.aux.values():
+            aux.stop()
         if self.copies is not None:
             self.copies.close()
         self.clients = []
@@ -268,21 +285,28 @@ class RLWorkload:
                     client.resume()  # an engine a rank stopped mid-rollout before it died serves on
             return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
 
+        def teacher() -> Teacher:  # after start(): the teacher's engines started with the policy's
+            clients = self.aux_clients[self.rl.teacher]
+            return Teacher(Inflight(clients, max_sequences=self.max_inflight(), sampling={"n": 1}, timeout_s=_REQUEST_TIMEOUT_S),
+                           self.rl.teacher)
+
         policy = ctx.policy  # what the engines serve: phase 1 or 6 moved them to it
         record = functools.partial(self._record, policy=str(policy.path), policy_iteration=policy.iteration)
         tasks = resample.base(split)
         carried = self.carried(ctx.iteration) if split == "train" else {}
+        scores = teacher if train and self.rl.teacher else None  # eval is never distilled
         if self.rl.environment:
             scorer = Scorer(None, f"rl.environment={self.rl.environment}", self.rl.max_reward_error_fraction, split)
             return MultiTurnPipe(ctx, split, start, scorer, self._episodes(), self.by_id[tasks], record, samples=sampling["n"],
-                                 carried=carried)
+                                 carried=carried, teacher=scores)
         if self.rl.agent:
             scorer = Scorer(None, f"rl.agent={self.rl.agent}", self.rl.max_reward_error_fraction, split)
             return MultiTurnPipe(ctx, split, start, scorer, self._agents(), self.by_id[tasks], record, samples=sampling["n"],
-                                 carried=carried)
+                                 carried=carried, teacher=scores)
         scorer = Scorer(self.reward, f"rl.reward={self.rl.reward}", self.rl.max_reward_error_fraction, split)
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[tasks].texts, self.by_id[tasks], record,
-                             prompts_per_request=self.prompts_per_request(sampling["n"]), carried=carried, max_tokens=self.rl.max_tokens)
+                             prompts_per_request=self.prompts_per_request(sampling["n"]), carried=carried, max_tokens=self.rl.max_tokens,
+                             teacher=scores)
 
     def _chat_tokenizer(self):
         """The model's tokenizer, for multi-turn rollouts and agents (loaded once)."""
