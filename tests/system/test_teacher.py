@@ -38,8 +38,10 @@ def test_teacher_logprobs_of_every_train_token_match_its_forward_pass_and_its_en
     log_path = tmp_path / "run"
     layout = RunLayout(log_path)
     teacher = chat_demo_data / "model"  # the base itself: the forward pass below is the check, not what it teaches
+    # 32 tasks a rank, 8 prompts in flight (rollout.max_inflight 32 at 4 samples): its first
+    # durable batch (16 records, or what came within 0.5 s) leaves it part-way.
     flags = rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=2, extra=[
-        f"models.teacher.path={teacher}", "rl.teacher=teacher", "rl.distill_coef=1", "rl.train_tasks=40", "rl.max_tokens=24",
+        f"models.teacher.path={teacher}", "rl.teacher=teacher", "rl.distill_coef=1", "rl.train_tasks=64", "rl.max_tokens=24",
         "coordination.work_stealing=false"])
     procs = start_ranks(flags, 2, env_for=hold_after_first_batch(1, 2))
     try:

@@ -41,6 +41,17 @@ def test_each_samples_ids_are_scored_in_one_request_with_context_ids_zero():
     assert out["samples"][1]["logprobs"] == [-1.0] and record["samples"][0].get("teacher_logprobs") is None, "the record is not changed"
 
 
+def test_a_sample_scored_already_is_kept_and_not_scored_again():
+    """A complete group carried past a rank's share was scored when it completed; a carried
+    group's samples that finished before the stop were not (an unfinished record is not scored)."""
+    engine = Scoring()
+    record = {"task_id": "t1", "prompt_token_ids": [1], "samples": [{"token_ids": [4], "teacher_logprobs": [-9.0]}, {"token_ids": [6]}]}
+    assert [s["teacher_logprobs"] for s in score(record, engine)["samples"]] == [[-9.0], [-0.6]]
+    assert [r.prompts for r in engine.requests] == [[[1, 6]]]
+    engine = Scoring()
+    assert score({**record, "samples": record["samples"][:1]}, engine)["samples"] == record["samples"][:1] and not engine.requests
+
+
 def test_an_agents_segments_are_scored_against_their_own_prompts():
     engine = Scoring()
     record = {"task_id": "t1", "prompt_token_ids": [1], "samples": [

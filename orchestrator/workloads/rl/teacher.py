@@ -35,14 +35,17 @@ class Teacher:
         return self.inflight.spawn(self.score(record))
 
     async def score(self, record: dict) -> dict:
+        """``record`` with every sample scored; one scored already (a complete group carried
+        past a rank's share, scored when it first completed) is kept as it is."""
         task_id, prompt, samples = str(record["task_id"]), record["prompt_token_ids"], record["samples"]
-        whole = await self._logprobs(task_id, [(prompt, s["token_ids"], s.get("loss_mask")) for s in samples])
-        out = [{**s, "teacher_logprobs": lps} for s, lps in zip(samples, whole)]
-        for s in out:
+        todo = [s for s in samples if "teacher_logprobs" not in s]
+        whole = await self._logprobs(task_id, [(prompt, s["token_ids"], s.get("loss_mask")) for s in todo])
+        scored = {id(s): {**s, "teacher_logprobs": lps} for s, lps in zip(todo, whole)}
+        for s in scored.values():
             if s.get("segments"):  # an agent's earlier segments: each its own prompt
-                scored = await self._logprobs(task_id, [(g["prompt_token_ids"], g["token_ids"], g.get("loss_mask")) for g in s["segments"]])
-                s["segments"] = [{**g, "teacher_logprobs": lps} for g, lps in zip(s["segments"], scored)]
-        return {**record, "samples": out}
+                more = await self._logprobs(task_id, [(g["prompt_token_ids"], g["token_ids"], g.get("loss_mask")) for g in s["segments"]])
+                s["segments"] = [{**g, "teacher_logprobs": lps} for g, lps in zip(s["segments"], more)]
+        return {**record, "samples": [scored.get(id(s), s) for s in samples]}
 
     async def _logprobs(self, task_id: str, sequences: list[tuple[list[int], list[int], list[int] | None]]) -> list[list[float]]:
         """Each (prompt, ids, loss mask)'s teacher log-probs of its ids, 0.0 where the mask is 0;
