@@ -438,3 +438,15 @@ def kill_rank_0_mid_rollout_then_rerun(flags: list[str], env: dict, *, tasks: in
     assert len(records) == tasks and len({r["task_id"] for r in records}) == tasks
     kept = [json.loads(line) for line in layout.iteration(1).shard("train", 0).read_text().splitlines()]
     assert kept[: len(partial)] == [json.loads(line) for line in partial], "what was durable stays as it was"
+
+
+def engine_pid(rank_pid: int, served: str = "policy") -> int:
+    """The pid of the embedded engine among the rank's descendants that serves ``served``: the
+    policy, or a model beside it (models.<name>: its name)."""
+    import psutil
+
+    for p in psutil.Process(rank_pid).children(recursive=True):
+        line = " ".join(p.cmdline())
+        if "orchestrator.engine.server" in line and f"--served-model-name {served}-" in line:
+            return p.pid
+    raise AssertionError(f"rank pid {rank_pid} has no engine serving {served}")

@@ -13,23 +13,12 @@ import signal
 import pytest
 
 from orchestrator.protocol.layout import RunLayout
-from tests.harness import (aggregate_records, held_mid_rollout, hold_after_first_batch, kill_tree, rl_flags, run_local, start_ranks,
-                           status_json, wait_for)
+from tests.harness import (aggregate_records, engine_pid, held_mid_rollout, hold_after_first_batch, kill_tree, rl_flags,
+                           run_local, start_ranks, status_json, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-NODE_TIMEOUT_S = 5
-
-
-def _teacher_pid(rank_pid: int) -> int:
-    """The teacher's engine among the rank's descendants."""
-    import psutil
-
-    for p in psutil.Process(rank_pid).children(recursive=True):
-        if "orchestrator.engine.server" in (line := " ".join(p.cmdline())) and "--served-model-name teacher-" in line:
-            return p.pid
-    raise AssertionError(f"rank pid {rank_pid} has no teacher engine")
-
+NODE_TIMEOUT_S = 5  # RL_SMALL's coordination.node_timeout_s
 
 def test_teacher_logprobs_of_every_train_token_match_its_forward_pass_and_its_engine_killed_is_named(chat_demo_data, tmp_path):
     import torch
@@ -48,7 +37,7 @@ def test_teacher_logprobs_of_every_train_token_match_its_forward_pass_and_its_en
         wait_for(lambda: held_mid_rollout(layout, 1) or any(p.poll() is not None for p in procs), 180,
                  "rank 1 to be held part-way through its rollout of iteration 2")
         assert all(p.poll() is None for p in procs), status_json(log_path).get("failure")
-        pid = _teacher_pid(procs[1].pid)
+        pid = engine_pid(procs[1].pid, "teacher")
         os.kill(pid, signal.SIGKILL)
         codes = [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs]
         assert codes == [3, 1], codes

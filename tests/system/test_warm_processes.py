@@ -13,6 +13,7 @@ from orchestrator.protocol.layout import RunLayout
 from tests.harness import (
     NODE_TIMEOUT_S,
     aggregate_task_ids,
+    engine_pid,
     file_sha256,
     hold_after_first_batch,
     kill_trainer_mid_update,
@@ -83,7 +84,7 @@ def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_fin
     procs = start_ranks(flags, 3, env_for=hold_after_first_batch(1))
     try:
         wait_held_mid_rollout(layout, 1)
-        pid = _engine_pid(procs[1].pid)
+        pid = engine_pid(procs[1].pid)
         os.kill(pid, signal.SIGKILL)
         codes = [p.wait(timeout=NODE_TIMEOUT_S + 60) for p in procs]
         assert codes == [3, 1, 3], codes
@@ -97,16 +98,6 @@ def test_an_engine_killed_mid_rollout_fails_its_rank_naming_it_and_the_rerun_fin
     assert result.returncode == 0, result.stdout[-6000:]
     ids = aggregate_task_ids(layout, 1)
     assert len(ids) == 128 and len(set(ids)) == 128
-
-
-def _engine_pid(rank_pid: int) -> int:
-    """The engine server process among the rank's descendants."""
-    import psutil
-
-    for p in psutil.Process(rank_pid).children(recursive=True):
-        if "orchestrator.engine.server" in " ".join(p.cmdline()):
-            return p.pid
-    raise AssertionError(f"rank pid {rank_pid} has no engine process")
 
 
 def test_keep_alive_off_and_restart_start_a_trainer_and_an_engine_per_iteration(demo_data, tmp_path):

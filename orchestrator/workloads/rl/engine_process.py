@@ -214,7 +214,7 @@ class EngineProcess:
         the previous adapter's, the base untouched (the served-name fence as for a reload)."""
         if not checkpoints.is_adapter(checkpoint):
             return False  # a whole model: start on it
-        began, name = time.monotonic(), _policy_name()
+        began, name = time.monotonic(), _served_name(self.model)
         try:
             if self.asleep and not vllm.wake_up(self.client.base_url, timeout_s=self.rollout.engine_start_timeout_s):
                 return False
@@ -234,7 +234,7 @@ class EngineProcess:
     def _reload_embedded(self, checkpoint: Path) -> bool:
         """The embedded server loads ``checkpoint`` into its model and from then on answers to
         a new name only: a request still naming the old policy gets a 404, never the new one."""
-        name = _policy_name()
+        name = _served_name(self.model)
         try:
             seconds = self.client.reload(str(checkpoint), name)
         except Exception as e:  # noqa: BLE001 - a refused or failed reload falls back to a restart
@@ -285,13 +285,9 @@ class _BindFailed(Exception):
     pass
 
 
-def _policy_name() -> str:
-    """A served-model name of its own for each start or reload, which the client sends."""
-    return _served_name("")
-
-
 def _served_name(model: str) -> str:
-    """The served-model name of a start of the policy's engine (or of ``model``'s)."""
+    """A served-model name of its own for each start or reload of the policy's engine (or of
+    ``model``'s), which the client sends."""
     return f"{model or 'policy'}-{uuid.uuid4().hex[:12]}"
 
 
