@@ -257,3 +257,29 @@ def kill_tree(proc: subprocess.Popen, term_grace_s: float = 10.0) -> None:
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+
+
+def orchestrator(*args: str, env: dict) -> None:
+    """``python -m orchestrator ARGS`` from the checkout to its end, its time printed; a failure
+    ends the benchmark with the command's output."""
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"orchestrator {args[0]} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    print(f"  orchestrator {args[0]}: {time.monotonic() - began:.0f} s", flush=True)
+
+
+def accuracies(log: Path, env: dict) -> dict[int, float]:
+    """A run's eval accuracy by iteration, from ``status --json``."""
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", f"--log-path={log}", "--json"], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return {it["iteration"]: it["metrics"]["accuracy"] for it in json.loads(out)["iterations"] if it["evaluated"]}
+
+
+def kernels_env(kernels: str | None) -> dict:
+    """The environment of a learning benchmark's runs: this one's, with ``ATEN_CPU_CAPABILITY``
+    set to ``kernels`` (None: the CPU's own kernels)."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if kernels:
+        env["ATEN_CPU_CAPABILITY"] = kernels
+    return env

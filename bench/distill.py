@@ -23,29 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/x.py` from a checkout that is not installed
+    sys.path.insert(0, str(REPO))
 
-
-def orchestrator(*args: str, env: dict) -> None:
-    began = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"orchestrator {args[0]} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    print(f"  orchestrator {args[0]}: {time.monotonic() - began:.0f} s", flush=True)
-
-
-def accuracies(log: Path, env: dict) -> dict[int, float]:
-    """Eval accuracy by iteration, from ``status --json``."""
-    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", f"--log-path={log}", "--json"], cwd=REPO, env=env,
-                         capture_output=True, text=True, check=True).stdout
-    return {it["iteration"]: it["metrics"]["accuracy"] for it in json.loads(out)["iterations"] if it["evaluated"]}
+from bench.common import accuracies, kernels_env, orchestrator  # noqa: E402
 
 
 def main() -> None:
@@ -57,9 +44,7 @@ def main() -> None:
     ap.add_argument("--coef", type=float, default=1.0, help="rl.distill_coef")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    if args.kernels:
-        env["ATEN_CPU_CAPABILITY"] = args.kernels
+    env = kernels_env(args.kernels)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-distill-") as tmp:
         tmp = Path(tmp)

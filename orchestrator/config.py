@@ -269,7 +269,11 @@ class RLConfig(UpdateSettings):
     """Completions per eval task: accuracy is their mean reward, pass@k their best."""
     eval_temperature: _Temperature = 0.5
     reward: str = "orchestrator.rewards:exact_match"
-    """The reward function, as module:function (task dict, completion text) -> float."""
+    """The reward function, as module:function (task dict, completion text) -> float;
+    orchestrator.rewards:judge asks a judge model (the judge section)."""
+    eval_reward: str = ""
+    """Eval's reward, as rl.reward (empty: rl.reward's): e.g. a verifiable reward measuring a
+    run that trains on a judge's."""
     max_reward_error_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.01
     """A sample whose reward (or environment) raises scores 0; a rank fails when more than this
     share of the samples of its rollout failed."""
@@ -325,6 +329,8 @@ class RLConfig(UpdateSettings):
 
         try:
             rewards.parse(self.reward)  # importing it is the preflight's (it depends on the node)
+            if self.eval_reward:
+                rewards.parse(self.eval_reward, "rl.eval_reward")
             if self.environment:
                 environments.parse(self.environment)
             if self.agent:
@@ -497,6 +503,34 @@ class RolloutConfig:
         return self.gpus_per_engine // self.pipeline_parallel_size
 
 
+JUDGE_PARSES = ("verdict", "score")  # orchestrator/plugins/judge.py
+
+
+@dataclass(kw_only=True, slots=True)
+class JudgeConfig:
+    """The LLM judge of rl.reward=orchestrator.rewards:judge (docs/rl.md, "An LLM judge as the
+    reward"): a model beside the policy asked about each completion."""
+
+    model: str = ""
+    """The judge: the name of a model beside the policy (models.<name>.path)."""
+    template: str = ""
+    """The judge's prompt: a text file (a relative path is under --data-path) with the fields
+    {question}, {completion}, {answer} and {task[column]}; empty: the built-in reference-guided
+    verdict (docs/rl.md)."""
+    parse: Annotated[str, _one_of(JUDGE_PARSES, "judge.parse values")] = "verdict"
+    """How the judge's reply becomes the reward: verdict (its last yes/no, correct/incorrect:
+    1 or 0) or score (its last number divided by judge.max_score)."""
+    max_score: Annotated[float, _limit("{key} must be > 0, got {value}", gt=0)] = 10.0
+    """With judge.parse=score: the score that is a reward of 1."""
+    max_tokens: Annotated[int, _limit("{key} must be >= 1, got {value}", ge=1)] = 256
+    """The longest reply the judge may write (and no longer than its context leaves after the question)."""
+    temperature: Annotated[float, _limit("{key} must be >= 0, got {value}", ge=0)] = 0.0
+    """The judge's sampling temperature (0: greedy)."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "judge")
+
+
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     """Which iteration checkpoints the master keeps (checkpoints/retention.py). Whatever these say,
@@ -618,6 +652,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     models: dict[str, AuxModelConfig] = field(default_factory=dict)
     """The models served beside the policy, by name (``models.<name>.path=...``)."""
     keys_from_data: tuple[str, ...] = ()
@@ -688,6 +723,7 @@ class RunConfig:
         if self.models and self.debug_mode:
             raise ConfigError(f"models.{next(iter(self.models))}: --debug-mode serves only the policy, at rollout.engine_url; "
                               f"run without --debug-mode to serve models beside it")
+        self._check_judge()
         teacher, coef = self.rl.teacher, self.rl.distill_coef
         if teacher and teacher not in self.models:
             named = f"the models are {', '.join(self.models)}" if self.models else "no models.<name>.path is set"
@@ -697,6 +733,28 @@ class RunConfig:
                               f"it in the advantage), e.g. rl.distill_coef=1")
         if coef and not teacher:
             raise ConfigError(f"rl.distill_coef={coef:g} needs a teacher: set rl.teacher=<name> and models.<name>.path")
+
+    def _check_judge(self) -> None:
+        """The judge reward has a judge among the models, and a judge is there for it."""
+        from orchestrator.plugins import rewards
+
+        judged = [f"{key}={spec}" for key, spec in (("rl.reward", self.rl.reward), ("rl.eval_reward", self.rl.eval_reward))
+                  if rewards.is_judge(spec)]
+        model = self.judge.model
+        if model and not judged:
+            raise ConfigError(f"judge.model={model} is set but no reward asks it: set rl.reward=orchestrator.rewards:judge "
+                              f"(or rl.eval_reward), or unset judge.model")
+        if not judged:
+            return
+        if not model:
+            raise ConfigError(f"{judged[0]} asks a judge model: set judge.model=<name> and models.<name>.path=<its directory>")
+        if model not in self.models:
+            named = f"the models are {', '.join(self.models)}" if self.models else "no models.<name>.path is set"
+            raise ConfigError(f"judge.model={model} names no model: {named}; set models.{model}.path=<its directory>")
+        if self.rl.environment or self.rl.agent:
+            how = f"rl.environment={self.rl.environment}" if self.rl.environment else f"rl.agent={self.rl.agent}"
+            raise ConfigError(f"{judged[0]} judges single-turn completions, and {how} is set: an environment or an agent "
+                              f"scores its own samples")
 
     def _check_overlap(self, train_nodes: tuple[int, ...], rollout_nodes: tuple[int, ...]) -> None:
         """rl.max_staleness >= 1 overlaps rollout with training: on nodes apart, walking both halves."""
@@ -721,6 +779,25 @@ class RunConfig:
     def aux_model_path(self, name: str) -> Path:
         """The directory of ``models.<name>`` on this node, resolved as :attr:`model_path` is."""
         return base_model.resolve(self.models[name].path, Path(self.data_path), f"models.{name}.path")
+
+    def judge_template(self) -> str:
+        """The judge's prompt template: judge.template's file (a relative path is under
+        --data-path), or the built-in one; ConfigError when the file cannot be read or is not
+        a template of the judge's fields (plugins/judge.py)."""
+        from orchestrator.plugins import judge
+
+        if not self.judge.template:
+            return judge.DEFAULT_TEMPLATE
+        path = Path(self.data_path) / self.judge.template
+        try:
+            template = path.read_text(encoding="utf-8")
+            judge.check_template(template, f"judge.template={self.judge.template} ({path})")
+        except OSError as e:
+            raise ConfigError(f"judge.template={self.judge.template}: cannot read {path} ({e.strerror or e}): give a text file "
+                              f"(a relative path is under --data-path), or unset it for the built-in template") from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return template
 
     def task_file(self, split: str) -> Path:
         """The task file of ``split`` ("train" or "eval"): ``data.train_file`` or ``data.test_file``."""
@@ -751,6 +828,7 @@ class RunConfig:
             "data": dataclasses.asdict(self.data) if self.workload is WorkloadKind.RL else None,
             "train": dataclasses.asdict(self.train),
             "rollout": {k: v for k, v in dataclasses.asdict(self.rollout).items() if k not in ("engine_url", "engine_start_timeout_s")},
+            "judge": dataclasses.asdict(self.judge) if self.workload is WorkloadKind.RL else None,
             "models": {name: base_model.identity(self.aux_model_path(name)) for name in sorted(self.models)}
             if self.workload is WorkloadKind.RL else None,
             # Not `checkpoint`: only the master removes checkpoints, so the workers' values are never

@@ -31,7 +31,9 @@ _TASK_KEYS = {"seed": ("seed",), "workload": ("workload",), "rehearsal.tasks": (
               "rl.eval_tasks": ("rl", "eval_tasks"), "data.train_file": ("data", "train_file"), "data.test_file": ("data", "test_file"),
               "rollout.partial": ("rollout", "partial"), "rollout.oversample": ("rollout", "oversample")}
 _GRADING_KEYS = {"rl.reward": ("rl", "reward"), "rl.environment": ("rl", "environment"), "rl.agent": ("rl", "agent"),
-                 "rl.environment_args": ("rl", "environment_args"), "rl.step_rewards": ("rl", "step_rewards")}
+                 "rl.environment_args": ("rl", "environment_args"), "rl.step_rewards": ("rl", "step_rewards"),
+                 "rl.eval_reward": ("rl", "eval_reward")} | {
+                     f"judge.{k}": ("judge", k) for k in ("model", "template", "parse", "max_score", "max_tokens", "temperature")}
 """What scores an iteration's samples: a rollout resumed under another would grade its samples
 two ways (the value may come from the data folder's demo.json, data/run_keys.py)."""
 
@@ -51,6 +53,8 @@ def _check(config: RunConfig) -> None:
     check_resume(config)
     try:
         rewards.load(config.rl.reward)
+        if config.rl.eval_reward:
+            rewards.load(config.rl.eval_reward, "rl.eval_reward")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if config.workload is not WorkloadKind.RL:
@@ -86,9 +90,12 @@ def _check(config: RunConfig) -> None:
 
 def check_models(config: RunConfig) -> None:
     """Each ``models.<name>`` is a model directory this node reads; a teacher's tokenizer is the
-    policy's (its log-probs are of the ids the policy sampled, sent as they are)."""
+    policy's (its log-probs are of the ids the policy sampled, sent as they are); a judge's
+    template (judge.template) reads as one."""
     for name, aux in config.models.items():
         base_model.check(config.aux_model_path(name), aux.path, f"models.{name}.path")
+    if config.judge.model:
+        config.judge_template()  # read and checked: ConfigError
     if config.rl.teacher:
         from transformers import AutoTokenizer
 

@@ -52,14 +52,20 @@ def _default(plain: str, chat: str, tools: str) -> str:
               help="The tool demo: products of three- and two-digit numbers, worked out over two turns with a calculator "
                    "(the environment orchestrator.demo.calculator:Calculator) and answered in \\boxed{}, by the chat demo's "
                    "kind of model. Not with --chat.")
+@click.option("--judge", is_flag=True, default=False,
+              help="The chat demo plus a judge model in D/judge (D: --data-path) for rl.reward=orchestrator.rewards:judge, "
+                   "models.judge.path=judge: it answers yes or no, whether a completion's final answer is the task's. "
+                   "Only with --chat.")
 def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_steps: int | None, warm_steps: int | None,
-              chat: bool, tools: bool) -> None:
+              chat: bool, tools: bool, judge: bool) -> None:
     """Write synthetic tasks and a tiny warm-started Llama-style model (with --chat, a
     Qwen2-style chat model) under --data-path."""
     if not data_path.is_absolute():
         terminal.abort(f"--data-path must be an absolute path, got {data_path}", EXIT_BAD_INPUT)
     if chat and tools:
         terminal.abort("--chat and --tools make two different demos: give one of them", EXIT_BAD_INPUT)
+    if judge and not chat:
+        terminal.abort("--judge is the chat demo's judge: give it with --chat", EXIT_BAD_INPUT)
     if warm_steps is not None and warm_steps < 0:
         terminal.abort(f"--warm-steps must be >= 0, got {warm_steps}", EXIT_BAD_INPUT)
     default_band, default_steps = defaults(chat=chat, tools=tools)
@@ -77,10 +83,10 @@ def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_st
     terminal.setup_logging(None, identity.host())
     from orchestrator.demo.build import build
 
-    with terminal.err.status(f"making the demo data (about {'a minute' if tools else 'half a minute'} on a laptop CPU)"):
+    with terminal.err.status(f"making the demo data (about {'a minute' if tools or judge else 'half a minute'} on a laptop CPU)"):
         try:
             manifest = build(data_path, seed=seed, band=band, max_warm_steps=max_warm_steps, warm_steps=warm_steps, chat=chat,
-                             tools=tools)
+                             tools=tools, judge=judge)
         except warm_start.WarmStartError as e:
             terminal.abort(f"demo-data (seed {seed}): {e}", EXIT_ERROR)
     terminal.out.print(json.dumps(manifest, indent=2), markup=False)
@@ -89,6 +95,11 @@ def demo_data(data_path: Path, seed: int, accuracy_band: str | None, max_warm_st
         terminal.err.print(f"the chat demo is graded by the math reward, which {data_path / 'demo.json'} names for its runs, e.g.\n"
                            f"  python3 -m orchestrator run --data-path {data_path} --log-path LOG_PATH --rl-phase both --eval-interval 3 "
                            "--max-iterations 10", markup=False)
+    if judge:
+        terminal.err.print(f"its judge is {data_path / 'judge'}: a run graded by it, with the math reward for eval, e.g.\n"
+                           f"  python3 -m orchestrator run --data-path {data_path} --log-path LOG_PATH --rl-phase both --eval-interval 3 "
+                           "--max-iterations 10 rl.reward=orchestrator.rewards:judge judge.model=judge models.judge.path=judge "
+                           "rl.eval_reward=orchestrator.rewards:math", markup=False)
     if tools:
         terminal.err.print(f"the tool demo runs with the calculator as its environment, graded by the math reward (both named by "
                            f"{data_path / 'demo.json'} for its runs), in {TOOLS_MAX_TOKENS} tokens a sample (both turns and the "

@@ -8,7 +8,9 @@
 With ``chat``: the chat demo, the same tasks as chat messages answered ``\\boxed{42}``, a
 Qwen2-style model and its BPE tokenizer with a chat template (docs/demo.md). With ``tools``:
 the tool demo, products answered over two turns with the calculator of demo/calculator.py, the
-chat demo's kind of model and tokenizer.
+chat demo's kind of model and tokenizer. With ``judge`` (and ``chat``): the chat demo and its judge,
+a model in ``<data-path>/judge`` that answers whether a completion's final answer is the task's
+(demo/judge.py), recorded under ``judge`` in demo.json.
 
 Deterministic for a seed; nothing is downloaded. The model directory is written to a temp
 name and renamed into place, so it is complete or absent.
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from orchestrator.data import run_keys
 from orchestrator.demo import DEFAULT_SEED, VALIDATION_TASKS, chat_tokenizer, defaults, warm_start
+from orchestrator.demo import judge as demo_judge
 from orchestrator.demo import model as demo_model
 from orchestrator.demo import tasks as demo_tasks
 from orchestrator.protocol import fsio
@@ -45,9 +48,10 @@ def run_keys_of(*, chat: bool = False, tools: bool = False) -> dict[str, str]:
 
 
 def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | None = None, max_warm_steps: int | None = None,
-          warm_steps: int | None = None, chat: bool = False, tools: bool = False) -> dict:
+          warm_steps: int | None = None, chat: bool = False, tools: bool = False, judge: bool = False) -> dict:
     """Make the demo data (the chat demo's with ``chat``, the tool demo's with ``tools``), or
-    return what is there if it was made with the same settings.
+    return what is there if it was made with the same settings. With ``judge`` (and ``chat``),
+    the chat demo's judge as well (demo/judge.py), made or reused likewise.
 
     The warm start stops in ``band`` (at most ``max_warm_steps`` steps; None: the demo's
     defaults, demo/__init__.py), or with ``warm_steps`` set, after exactly that many steps.
@@ -56,6 +60,8 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
     """
     if chat and tools:
         raise ValueError("the chat demo and the tool demo are two demos: make one")
+    if judge and not chat:
+        raise ValueError("the judge is the chat demo's: make it with chat")
     default_band, default_steps = defaults(chat=chat, tools=tools)
     band = band or warm_start.Band(*default_band)
     max_warm_steps = default_steps if max_warm_steps is None else max_warm_steps
@@ -69,7 +75,7 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
         if existing.get(run_keys.FIELD) != keys:  # made before demo.json named them
             existing[run_keys.FIELD] = keys
             fsio.atomic_write_bytes(manifest_path(data_path), (json.dumps(existing, indent=2) + "\n").encode())
-        return existing
+        return _with_judge(data_path, existing, seed) if judge else existing
     started = time.monotonic()
     splits = demo_tasks.make_tool_tasks(seed) if tools else demo_tasks.make_tasks(seed, chat=chat)
     fit, validation = splits["train"][:-VALIDATION_TASKS], splits["train"][-VALIDATION_TASKS:]
@@ -109,6 +115,7 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
     final = data_path / "model"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
+    shutil.rmtree(data_path / demo_judge.DIRECTORY, ignore_errors=True)  # a judge of the tasks and model that were there
 
     manifest = {
         "seed": seed,
@@ -126,6 +133,17 @@ def build(data_path: Path, *, seed: int = DEFAULT_SEED, band: warm_start.Band | 
     fsio.atomic_write_bytes(manifest_path(data_path), (json.dumps(manifest, indent=2) + "\n").encode())
     log.info("demo data ready under %s: %d warm-start steps, %s %.3f on validation, %.3f on test",
              data_path, result.steps, check, result.validation_accuracy, test_accuracy)
+    return _with_judge(data_path, manifest, seed, splits) if judge else manifest
+
+
+def _with_judge(data_path: Path, manifest: dict, seed: int, splits: dict | None = None) -> dict:
+    """``manifest`` with the chat demo's judge made (or the one there reused) and recorded under
+    ``judge`` in demo.json."""
+    splits = splits or demo_tasks.make_tasks(seed, chat=True)
+    entry = demo_judge.build(data_path, splits, seed=seed, existing=manifest.get("judge"))
+    if entry is not manifest.get("judge"):
+        manifest = manifest | {"judge": entry}
+        fsio.atomic_write_bytes(manifest_path(data_path), (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
 

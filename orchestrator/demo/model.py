@@ -80,8 +80,9 @@ def chat_config(tokenizer):
     )
 
 
-def create_chat(seed: int, tokenizer):
-    """A freshly initialised chat model for ``tokenizer`` (deterministic for a seed). Its
+def create_chat(seed: int, tokenizer, initializer_range: float | None = None):
+    """A freshly initialised chat model for ``tokenizer`` (deterministic for a seed), its weights
+    drawn with ``initializer_range`` as their standard deviation (None: the config's, 0.02). Its
     generation config ends a sample at ``<|im_end|>`` or ``<|endoftext|>``, as Qwen2's do."""
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
@@ -90,7 +91,10 @@ def create_chat(seed: int, tokenizer):
 
     _quiet()
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(chat_config(tokenizer))
+    config = chat_config(tokenizer)
+    if initializer_range is not None:
+        config.initializer_range = initializer_range
+    model = Qwen2ForCausalLM(config)
     vocab = tokenizer.get_vocab()
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=[vocab[chat_tokenizer.IM_END], vocab[chat_tokenizer.ENDOFTEXT]],

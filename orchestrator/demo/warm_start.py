@@ -297,10 +297,10 @@ class Trainer:
         self.rng.setstate(rng_state)
 
 
-def to_band(trainer: Trainer, *, band: Band, max_steps: int) -> WarmStart:
+def to_band(trainer: Trainer, *, band: Band, max_steps: int, check_every: int = CHECK_EVERY) -> WarmStart:
     """Train until the validation accuracy is in ``band``; the model is left there.
 
-    Checks every ``CHECK_EVERY`` steps. A check above the band restores the previous check
+    Checks every ``check_every`` steps. A check above the band restores the previous check
     and walks on one step at a time at half the learning rate. Raises WarmStartError when
     ``max_steps`` pass first, or when the model still jumps over the band after
     ``MAX_ROLLBACKS`` halvings.
@@ -308,7 +308,7 @@ def to_band(trainer: Trainer, *, band: Band, max_steps: int) -> WarmStart:
     result = WarmStart(steps=0, validation_accuracy=trainer.accuracy(), lr=trainer.lr)
     if result.validation_accuracy > band.high:
         raise WarmStartError(f"the untrained model already scores {result.validation_accuracy:.3f}, above the band {band}")
-    every = CHECK_EVERY
+    every = check_every
     last_check = (trainer.snapshot(), copy.deepcopy(result))
     while result.validation_accuracy < band.low:
         if result.steps >= max_steps:

@@ -2,8 +2,8 @@
 ``fn(task, completion) -> float``: ``task`` is the task's JSON object (every column of its row,
 ``answer`` included), ``completion`` the generated text. The default is :func:`exact_match`,
 the verifiable reward of the demo tasks; :func:`math` grades a final math answer;
-:func:`reasoning_gym` scores tasks reasoning-gym generated with the dataset's own scorer.
-docs/rl.md describes the contract."""
+:func:`reasoning_gym` scores tasks reasoning-gym generated with the dataset's own scorer;
+:func:`judge` names a judge model's verdict (plugins/judge.py). docs/rl.md describes the contract."""
 
 from __future__ import annotations
 
@@ -176,14 +176,29 @@ def _math_verify(reference: str, predicted: str) -> bool | None:
 _SPEC = {"key": "rl.reward", "form": "function", "example": "orchestrator.rewards:exact_match"}
 
 
-def parse(spec: str) -> tuple[str, str]:
+def parse(spec: str, key: str = "rl.reward") -> tuple[str, str]:
     """(module, function) of ``module:function``; ValueError when it is not of that form."""
-    return plugins.parse(spec, **_SPEC)
+    return plugins.parse(spec, **(_SPEC | {"key": key}))
 
 
-def load(spec: str) -> Reward:
+def judge(task: dict, completion: str) -> float:
+    """The LLM judge's reward (``rl.reward=orchestrator.rewards:judge``, the judge section):
+    asked by the rollout of the judge model's engines (workloads/rl/judge.py), never called."""
+    raise RuntimeError("orchestrator.rewards:judge is the judge model's verdict, asked by a run's rollout of the judge's engines "
+                       "(judge.model): it is not a function to call")
+
+
+_JUDGE_SPECS = ("orchestrator.rewards:judge", "orchestrator.plugins.rewards:judge")
+
+
+def is_judge(spec: str) -> bool:
+    """Whether ``spec`` names the judge's reward."""
+    return spec.strip() in _JUDGE_SPECS
+
+
+def load(spec: str, key: str = "rl.reward") -> Reward:
     """The reward function ``module:function`` names; ValueError says what is wrong."""
-    fn = plugins.resolve(spec, **_SPEC, noun="function", accept=callable)
+    fn = plugins.resolve(spec, **(_SPEC | {"key": key}), noun="function", accept=callable)
     if fn is math:
         _math_verify_module()
     return fn

@@ -130,7 +130,7 @@ def test_one_key_alone_is_shown_with_its_whole_description():
 def test_an_unknown_prefix_exits_2_naming_the_closest_keys():
     result = _config("rl.lrr")
     assert result.returncode == 2
-    assert "no config key starts with 'rl.lrr': did you mean rl.lr or rl.reward?" in result.stderr
+    assert "no config key starts with 'rl.lrr': did you mean rl.lr, rl.reward or rl.eval_reward?" in result.stderr
 
 
 @pytest.mark.parametrize("text,sentence", [

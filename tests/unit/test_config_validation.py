@@ -159,14 +159,14 @@ def test_a_value_of_the_wrong_type_names_the_key(override, message):
 
 
 def test_an_unknown_key_names_the_closest_keys_and_the_config_command():
-    assert _error("rl.lrr=1") == "unknown config key 'rl.lrr': did you mean rl.lr or rl.reward? (`orchestrator config` lists every key)"
+    assert _error("rl.lrr=1") == "unknown config key 'rl.lrr': did you mean rl.lr, rl.reward or rl.eval_reward? (`orchestrator config` lists every key)"
     assert _error("coordination.nope=1") == ("unknown config key 'coordination.nope': did you mean coordination.min_nodes, "
                                              "coordination.fan_in or coordination.elastic? (`orchestrator config` lists every key)")
 
 
 def test_a_key_without_its_section_is_found_by_its_name():
     assert _error("lr=1e-5") == "unknown config key 'lr': did you mean rl.lr? (`orchestrator config` lists every key)"
-    assert "did you mean rl.temperature or rl.eval_temperature?" in _error("temperature=0")
+    assert "did you mean rl.temperature, judge.temperature or rl.eval_temperature?" in _error("temperature=0")
 
 
 def test_an_unknown_key_with_nothing_close_points_to_its_section_or_to_every_key():
@@ -186,7 +186,7 @@ def test_the_valid_keys_are_the_fields_of_every_section_in_order():
     keys = config.valid_override_keys()
     assert keys[:2] == ["seed", "coordination.heartbeat_interval_s"]
     sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(f.default_factory)]
-    assert sections == ["coordination", "deadlines", "rehearsal", "model", "rl", "data", "train", "rollout", "checkpoint", "publish", "tracking"]
+    assert sections == ["coordination", "deadlines", "rehearsal", "model", "rl", "data", "train", "rollout", "checkpoint", "publish", "tracking", "judge"]
     expected = ["seed"] + [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(_run(), s))]
     expected += [f"models.<name>.{f.name}" for f in dataclasses.fields(config.AuxModelConfig)]  # a section per named model
     assert keys == expected
@@ -223,8 +223,39 @@ def test_the_trainer_types_keep_their_msgspec_bounds():
     (["models.t.path=/m", "rl.teacher=t"], "rl.teacher=t needs rl.distill_coef > 0"),
     (["rl.distill_coef=1"], "rl.distill_coef=1 needs a teacher: set rl.teacher=<name> and models.<name>.path"),
     (["models.t.path=/m", "train.device_mapping=0", "rollout.device_mapping=0"], "models.t: models beside the policy are served on the CPU"),
+    (["rl.reward=orchestrator.rewards:judge"], "rl.reward=orchestrator.rewards:judge asks a judge model: set judge.model=<name> and models."),
+    (["rl.eval_reward=orchestrator.rewards:judge", "judge.model=j"], "judge.model=j names no model: no models.<name>.path is set; set models.j.path="),
+    (["models.j.path=/m", "judge.model=j"], "judge.model=j is set but no reward asks it: set rl.reward=orchestrator.rewards:judge"),
+    (["models.j.path=/m", "judge.model=j", "rl.reward=orchestrator.rewards:judge", "rl.environment=m:Env"],
+     "rl.reward=orchestrator.rewards:judge judges single-turn completions, and rl.environment=m:Env is set"),
+    (["judge.parse=score10"], "judge.parse='score10': valid judge.parse values are verdict, score"),
+    (["judge.max_tokens=0"], "judge.max_tokens must be >= 1, got 0"),
+    (["judge.temperature=-1"], "judge.temperature must be >= 0, got -1.0"),
+    (["rl.eval_reward=math"], "rl.eval_reward='math' is not of the form module:function"),
 ])
 def test_models_beside_the_policy_and_a_teacher_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _run(workload=config.WorkloadKind.RL, **_build(*overrides))
     assert _run(workload=config.WorkloadKind.RL, **_build("models.t.path=/m", "rl.teacher=t", "rl.distill_coef=1")).models["t"].path == "/m"
+    judged = _run(workload=config.WorkloadKind.RL, **_build("models.j.path=/m", "judge.model=j", "rl.reward=orchestrator.rewards:judge"))
+    assert judged.judge.model == "j" and judged.judge.parse == "verdict"
+
+
+def test_the_judges_template_file_is_read_and_checked_naming_the_key(tmp_path):
+    from orchestrator.plugins import judge
+
+    def template(**fields):
+        return config.RunConfig(data_path=tmp_path, log_path=Path("/run"), rl_phase=RLPhase.BOTH, eval_interval=1, rank=0, **_build("models.j.path=/m", "judge.model=j", "rl.reward=orchestrator.rewards:judge",
+                                                        *(f"judge.{k}={v}" for k, v in fields.items()))).judge_template()
+
+    assert template() == judge.DEFAULT_TEMPLATE
+    (tmp_path / "t.txt").write_text("Q {question} A {completion} {task[level]} {{x}}")
+    assert template(template="t.txt") == "Q {question} A {completion} {task[level]} {{x}}"
+    with pytest.raises(ConfigError, match=re.escape(f"judge.template=none.txt: cannot read {tmp_path}/none.txt")):
+        template(template="none.txt")
+    for text, message in [("{reply} {completion}", "{reply} is not a field of the judge's template"),
+                          ("{} {completion}", "{} is not a field"), ("{question", "not a template"),
+                          ("{question} {answer}", "the template never shows the judge the completion")]:
+        (tmp_path / "bad.txt").write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            template(template="bad.txt")

@@ -67,7 +67,7 @@ def test_an_answer_for_other_ids_than_those_sent_is_refused():
 
 
 class Flipping:
-    """A scoring's future that the teacher's thread finishes between two looks at it."""
+    """A scoring's future that the stages' thread finishes between two looks at it."""
 
     def __init__(self, record):
         self.record, self.looks = record, 0
@@ -83,8 +83,10 @@ class Flipping:
 def test_a_record_the_teacher_finishes_while_the_pipe_looks_is_returned_once_never_lost():
     from orchestrator.workloads.rl.rollout_pipe import RLRolloutPipe
 
-    pipe = RLRolloutPipe.__new__(RLRolloutPipe)  # the teacher's stage alone (_taught)
-    pipe.teacher, pipe._scoring = type("T", (), {"submit": staticmethod(Flipping)})(), []
-    first = pipe._taught([{"task_id": "t1"}, {"task_id": "t2", "unfinished": True}])
+    pipe = RLRolloutPipe.__new__(RLRolloutPipe)  # the stages' step alone (_staged)
+    pipe.stages, pipe._scoring = ["the teacher"], []
+    pipe.inflight = type("I", (), {"spawn": staticmethod(lambda coroutine: coroutine)})()
+    pipe._through = Flipping
+    first = pipe._staged([{"task_id": "t1"}, {"task_id": "t2", "unfinished": True}])
     assert first == [{"task_id": "t2", "unfinished": True}] and len(pipe._scoring) == 1, "t1 is being scored; t2 is not scored"
-    assert pipe._taught([]) == [{"task_id": "t1", "scored": True}] and pipe._scoring == []
+    assert pipe._staged([]) == [{"task_id": "t1", "scored": True}] and pipe._scoring == []

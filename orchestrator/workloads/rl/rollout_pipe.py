@@ -11,8 +11,10 @@ every group not finished returned as it stands.
 With ``rl.environment`` the records come from multi-turn episodes instead
 (:class:`MultiTurnPipe`, ``episodes.py``): a task's record once all its samples have ended.
 
-With ``rl.teacher`` a train rollout's complete records are scored by the teacher
-(``teacher.py``) before they are returned: each sample gets ``teacher_logprobs``.
+A complete record may pass through stages before it is returned, each a model beside the
+policy asked on its own engines: with the judge's reward (``judge.py``) each sample's reward is
+the judge's verdict; with ``rl.teacher`` a train record is scored by the teacher
+(``teacher.py``): each sample gets ``teacher_logprobs``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import concurrent.futures
 import queue
 import random
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from orchestrator.data import carry
 from orchestrator.engine.client import Completion
@@ -30,7 +32,6 @@ from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.episodes import Episodes
 from orchestrator.workloads.rl.engine_requests import Answer, Inflight, Request, drain
 from orchestrator.workloads.rl.scoring import Scorer
-from orchestrator.workloads.rl.teacher import Teacher
 
 BATCH_TASKS = 16
 """Records fsynced together: what one request carried before requests were this small."""
@@ -40,6 +41,14 @@ STOP_TIMEOUT_S = 120.0
 """The longest :meth:`RLRolloutPipe.stop` waits for the engines to answer what they were stopped in."""
 
 
+class Stage(Protocol):
+    """A model beside the policy that completes a record: the judge, the teacher."""
+
+    def submit(self, record: dict) -> concurrent.futures.Future: ...
+
+    def close(self) -> None: ...
+
+
 class RLRolloutPipe:
     """One rollout (or eval) of one rank: ``submit`` task ids, take ``next_batch``es of
     scored records, ``close``. ``record(ctx, split, task, prompt, prompt_ids, samples, seconds,
@@ -47,15 +56,16 @@ class RLRolloutPipe:
 
     def __init__(self, ctx: PhaseContext, split: str, start: Callable[[], Inflight], scorer: Scorer, texts: dict[str, str],
                  tasks: dict[str, dict], record: Callable[..., dict], *, prompts_per_request: int,
-                 carried: dict[str, dict] | None = None, max_tokens: int = 0, teacher: Callable[[], Teacher] | None = None):
+                 carried: dict[str, dict] | None = None, max_tokens: int = 0, stages: list[Callable[[], Stage]] = ()):
         """``start()`` makes the engines' :class:`Inflight` when the first task comes: a rank
         with nothing to roll out (no engines on its node) starts none. ``carried``: the groups
         the last rollout carried, by task id (their records), continued when submitted; their
-        samples have what is left of ``max_tokens``. ``teacher()`` (rl.teacher), made after
-        ``start()``: it scores each complete record before the record is returned."""
+        samples have what is left of ``max_tokens``. ``stages``: each makes a :class:`Stage`
+        after ``start()``; a complete record passes through them in turn before it is
+        returned. A ``scorer`` without a reward leaves the samples to a stage (the judge)."""
         self.ctx, self.split = ctx, split
-        self._teacher_start, self.teacher = teacher, None
-        self._scoring: list[concurrent.futures.Future] = []  # complete records the teacher is scoring
+        self._stage_starts, self.stages = list(stages), []
+        self._scoring: list[concurrent.futures.Future] = []  # complete records in the stages
         self._carried, self._max_tokens = carried or {}, max_tokens
         self._continuing: dict[str, dict] = {}  # a carried task's record, its samples as they are now
         self._left: dict[str, int] = {}  # a carried task's samples still out
@@ -90,11 +100,10 @@ class RLRolloutPipe:
         self.inflight.submit(requests)
 
     def _started(self) -> None:
-        """The engines' in-flight budget (and the teacher's), made with the first task."""
+        """The engines' in-flight budget (and the stages', each its model's), made with the first task."""
         if self.inflight is None:
             self.inflight = self._start()
-            if self._teacher_start is not None:
-                self.teacher = self._teacher_start()
+            self.stages = [start() for start in self._stage_starts]
 
     def _tokens(self, task_id: str) -> bool:
         """Whether ``task_id`` is a carried group with samples begun (one never sent is rolled out anew)."""
@@ -146,7 +155,7 @@ class RLRolloutPipe:
             if request.part is None:
                 records += [self._untouched(t) for t in request.task_ids]
         records += [self._cut(t, record) for t, record in self._continuing.items()]
-        records += [f.result(timeout=STOP_TIMEOUT_S) for f in self._scoring]  # complete: scored before they are written
+        records += [f.result(timeout=STOP_TIMEOUT_S) for f in self._scoring]  # complete: through the stages before they are written
         self._scoring.clear()
         self._continuing.clear()
         self._left.clear()
@@ -184,27 +193,33 @@ class RLRolloutPipe:
         return batch
 
     def _take(self, timeout_s: float) -> list[dict]:
-        """The records that came, waiting up to ``timeout_s`` for the first (with a teacher,
-        those it has scored)."""
+        """The records that came, waiting up to ``timeout_s`` for the first (with stages,
+        those through them)."""
         came, self._came = self._came, []
         if came or self._scoring:
             timeout_s = min(timeout_s, 0.05) if self._scoring and not came else 0
         came += [r for answer in (self.inflight.answers(timeout_s) if self.inflight else ()) for r in self._records(answer)]
-        return self._taught(came)
+        return self._staged(came)
 
-    def _taught(self, records: list[dict]) -> list[dict]:
-        """``records`` as they are, or with a teacher those it has scored: a complete record is
-        handed to it and comes back scored; an unfinished one is scored once it is complete."""
-        if self.teacher is None:
+    def _staged(self, records: list[dict]) -> list[dict]:
+        """``records`` as they are, or with stages those through them: a complete record is
+        handed to them and comes back scored; an unfinished one goes once it is complete."""
+        if not self.stages:
             return records
         out = [r for r in records if r.get("unfinished")]
-        scoring, self._scoring = self._scoring + [self.teacher.submit(r) for r in records if not r.get("unfinished")], []
-        for f in scoring:  # one look at each: one the teacher's thread finishes meanwhile is taken next time, not lost
+        scoring, self._scoring = self._scoring + [self.inflight.spawn(self._through(r)) for r in records if not r.get("unfinished")], []
+        for f in scoring:  # one look at each: one the loop's thread finishes meanwhile is taken next time, not lost
             if f.done():
                 out.append(f.result())
             else:
                 self._scoring.append(f)
         return out
+
+    async def _through(self, record: dict) -> dict:
+        """``record`` through each stage in turn (on the rollout's loop, each stage's requests on its own)."""
+        for stage in self.stages:
+            record = await asyncio.wrap_future(stage.submit(record))
+        return record
 
     def _records(self, answer: Answer) -> list[dict]:
         if answer.request.part is not None:
@@ -244,7 +259,7 @@ class RLRolloutPipe:
         record = self._continuing.pop(task_id)
         del self._left[task_id]
         task = self._tasks[task_id]
-        samples = [s if "reward" in s else self._scored(task, s) for s in record["samples"]]
+        samples = [s if "reward" in s or self.scorer.reward is None else self._scored(task, s) for s in record["samples"]]
         made = self._record(self.ctx, self.split, task, record["prompt"], record["prompt_token_ids"], samples, seconds, sent_at=sent_at)
         return carry.with_versions(made | {k: record[k] for k in ("carried", "origin_iteration") if k in record})
 
@@ -253,7 +268,7 @@ class RLRolloutPipe:
         return {**sample, "reward": reward} | ({"reward_error": error} if error is not None else {})
 
     def _sample(self, task: dict, c: Completion) -> dict:
-        if c.finish_reason == carry.ABORTED:  # stopped: scored once it is finished
+        if c.finish_reason == carry.ABORTED or self.scorer.reward is None:  # stopped: scored once it is finished; or by a stage
             return {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "logprobs": c.token_logprobs}
         reward, error = self.scorer.score(task, c.text)
         sample = {"text": c.text, "token_ids": c.token_ids, "reward": reward, "finish_reason": c.finish_reason,
@@ -265,8 +280,8 @@ class RLRolloutPipe:
     def close(self) -> None:
         if self.inflight is not None:
             self.inflight.close()
-        if self.teacher is not None:
-            self.teacher.close()
+        for stage in self.stages:
+            stage.close()
 
 
 class MultiTurnPipe(RLRolloutPipe):
@@ -276,8 +291,8 @@ class MultiTurnPipe(RLRolloutPipe):
 
     def __init__(self, ctx: PhaseContext, split: str, start: Callable[[], Inflight], scorer: Scorer, episodes: Episodes,
                  tasks: dict[str, dict], record: Callable[..., dict], *, samples: int, carried: dict[str, dict] | None = None,
-                 teacher: Callable[[], Teacher] | None = None):
-        super().__init__(ctx, split, start, scorer, {}, tasks, record, prompts_per_request=1, carried=carried, teacher=teacher)
+                 stages: list[Callable[[], Stage]] = ()):
+        super().__init__(ctx, split, start, scorer, {}, tasks, record, prompts_per_request=1, carried=carried, stages=stages)
         self.episodes, self.samples = episodes, samples
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # each task's future, as it ends
 
@@ -317,8 +332,8 @@ class MultiTurnPipe(RLRolloutPipe):
             record |= {k: carried[k] for k in ("carried", "origin_iteration") if k in carried}
         if not samples or any(map(carry.unfinished, samples)):
             record["unfinished"] = True
-        elif self.teacher is not None:  # complete: the teacher's log-probs recorded with it
-            record = await asyncio.wrap_future(self.teacher.submit(record))
+        else:  # complete: through the stages (the teacher's log-probs recorded with it)
+            record = await self._through(record)
         return carry.with_versions(record) if carried or record.get("unfinished") else record
 
     def stop(self, unsent: list[str]) -> list[dict]:

@@ -76,6 +76,8 @@ class Scorer:
 
 
 def _culprit(spec: str) -> str:
+    if spec.endswith(":judge"):
+        return "judge (judge.model, judge.template, judge.parse)"
     return "environment" if spec.startswith("rl.environment") else "agent" if spec.startswith("rl.agent") else "reward function"
 
 

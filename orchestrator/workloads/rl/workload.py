@@ -33,6 +33,7 @@ from orchestrator.runtime.context import PhaseContext
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
 from orchestrator.workloads.rl.engine_requests import Inflight
 from orchestrator.workloads.rl.episodes import Episodes, RoomWatch
+from orchestrator.workloads.rl.judge import Judge
 from orchestrator.workloads.rl.rollout_pipe import MultiTurnPipe, RLRolloutPipe
 from orchestrator.workloads.rl.scoring import Scorer
 from orchestrator.workloads.rl.teacher import Teacher
@@ -80,6 +81,8 @@ class RLWorkload:
         self.rl = config.rl
         self.children = children
         self.reward = rewards.load(self.rl.reward)
+        self.eval_reward = rewards.load(self.rl.eval_reward, "rl.eval_reward") if self.rl.eval_reward else self.reward
+        self._judge_parts = None  # (template, tokenizer, context) of judge.model, loaded once
         # Each split's tasks with the text the engine continues, without those whose prompt is too long.
         self.prompts = {split: prompts.measure(config, split) for split in ("train", "eval")}
         self.tasks = {split: m.tasks for split, m in self.prompts.items()}
@@ -285,6 +288,17 @@ class RLWorkload:
                     client.resume()  # an engine a rank stopped mid-rollout before it died serves on
             return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
 
+        tasks = resample.base(split)
+        key, spec = ("rl.reward", self.rl.reward) if train or not self.rl.eval_reward else ("rl.eval_reward", self.rl.eval_reward)
+        judged = rewards.is_judge(spec)
+
+        def judge() -> Judge:  # after start(): the judge's engines started with the policy's
+            template, tokenizer, context = self._judge()
+            inflight = Inflight(self.aux_clients[self.config.judge.model], max_sequences=self.max_inflight(), timeout_s=_REQUEST_TIMEOUT_S,
+                                sampling={"n": 1, "temperature": self.config.judge.temperature, "max_tokens": self.config.judge.max_tokens})
+            return Judge(inflight, self.config.judge, template, tokenizer, context, self.by_id[tasks],
+                         f"{self.config.seed}:{split}:{ctx.iteration}:judge")
+
         def teacher() -> Teacher:  # after start(): the teacher's engines started with the policy's
             clients = self.aux_clients[self.rl.teacher]
             return Teacher(Inflight(clients, max_sequences=self.max_inflight(), sampling={"n": 1}, timeout_s=_REQUEST_TIMEOUT_S),
@@ -292,21 +306,30 @@ class RLWorkload:
 
         policy = ctx.policy  # what the engines serve: phase 1 or 6 moved them to it
         record = functools.partial(self._record, policy=str(policy.path), policy_iteration=policy.iteration)
-        tasks = resample.base(split)
         carried = self.carried(ctx.iteration) if split == "train" else {}
-        scores = teacher if train and self.rl.teacher else None  # eval is never distilled
+        stages = ([judge] if judged else []) + ([teacher] if train and self.rl.teacher else [])  # eval is never distilled
         if self.rl.environment:
             scorer = Scorer(None, f"rl.environment={self.rl.environment}", self.rl.max_reward_error_fraction, split)
             return MultiTurnPipe(ctx, split, start, scorer, self._episodes(), self.by_id[tasks], record, samples=sampling["n"],
-                                 carried=carried, teacher=scores)
+                                 carried=carried, stages=stages)
         if self.rl.agent:
             scorer = Scorer(None, f"rl.agent={self.rl.agent}", self.rl.max_reward_error_fraction, split)
-            return MultiTurnPipe(ctx, split, start, scorer, self._agents(), self.by_id[tasks], record, samples=sampling["n"],
-                                 carried=carried, teacher=scores)
-        scorer = Scorer(self.reward, f"rl.reward={self.rl.reward}", self.rl.max_reward_error_fraction, split)
+            return MultiTurnPipe(ctx, split, start, scorer, self._agents(self.reward if train else self.eval_reward), self.by_id[tasks],
+                                 record, samples=sampling["n"], carried=carried, stages=stages)
+        scorer = Scorer(None if judged else self.reward if train else self.eval_reward, f"{key}={spec}", self.rl.max_reward_error_fraction,
+                        split)
         return RLRolloutPipe(ctx, split, start, scorer, self.prompts[tasks].texts, self.by_id[tasks], record,
                              prompts_per_request=self.prompts_per_request(sampling["n"]), carried=carried, max_tokens=self.rl.max_tokens,
-                             teacher=scores)
+                             stages=stages)
+
+    def _judge(self) -> tuple[str, object, int]:
+        """judge.model's (template, tokenizer, context length), loaded once."""
+        if self._judge_parts is None:
+            from transformers import AutoTokenizer
+
+            path = self.config.aux_model_path(self.config.judge.model)
+            self._judge_parts = (self.config.judge_template(), AutoTokenizer.from_pretrained(str(path)), prompts.context_length(path))
+        return self._judge_parts
 
     def _chat_tokenizer(self):
         """The model's tokenizer, for multi-turn rollouts and agents (loaded once)."""
@@ -316,14 +339,14 @@ class RLWorkload:
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_path))
         return self._tokenizer
 
-    def _agents(self):
+    def _agents(self, reward):
         """The agent rollout's runner (``rl.agent``): the user's agent against this rollout's
-        endpoint (agents/endpoint.py)."""
+        endpoint (agents/endpoint.py), ``reward`` scoring an answer it returns as text."""
         from orchestrator.agents import endpoint, runner
 
         serving = endpoint.AgentEndpoint(self._chat_tokenizer(), tool_parser=self.config.rollout.tool_parser,
                                          max_tokens=self.rl.max_tokens, context=prompts.context_length(self.config.model_path))
-        return runner.Agents(agents.load(self.rl.agent, self.rl.environment_args), f"rl.agent={self.rl.agent}", serving, self.reward, self.rl.env_timeout_s)
+        return runner.Agents(agents.load(self.rl.agent, self.rl.environment_args), f"rl.agent={self.rl.agent}", serving, reward, self.rl.env_timeout_s)
 
     def _episodes(self) -> Episodes:
         """The multi-turn rollout's runner (``rl.environment``), with the model's tokenizer."""
