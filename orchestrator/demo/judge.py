@@ -12,9 +12,10 @@ warm start compares: ``rewards.final_answer(completion) == task["answer"]``), el
 Its examples (:func:`examples`) are four completions of each task, two right and two wrong, of
 the kinds the chat demo's policy writes early in RL: the right ``\\boxed{42}`` (twice, or once
 and the plain ``42`` or the unclosed ``\\boxed{42``), the hard negative ``\\boxed{}`` with one digit
-changed, and one other wrong one: off by one, off by ten, digits swapped, a random number, a
-truncated ``\\boxed{4``, wrong plain digits, or nothing. Each task's are drawn from the seed and
-its id, so they do not depend on the other tasks.
+changed, and one other wrong one: digits swapped (a quarter of them: a judge learns to compare
+the digits as a bag first), off by one, off by ten, a random number, a truncated ``\\boxed{4``,
+wrong plain digits, or nothing. Each task's are drawn from the seed and its id, so they do not
+depend on the other tasks.
 
 The model is the chat demo's kind (demo/model.py's ``create_chat``: Qwen2, 128 positions) with a
 BPE tokenizer of its own (demo/chat_tokenizer.py) trained on the judge's conversations. It is

@@ -101,7 +101,7 @@ ENVIRONMENT_CASES = {
     "reward not module:function": (["rl.reward=score"], "is not of the form module:function", None),
     "reward misspelt": (["rl.reward=orchestrator.rewards:exact"], "orchestrator.rewards has no function exact: did you mean exact_match?",
                         None),
-    "reward unlike any": (["rl.reward=orchestrator.rewards:nothing_like_it"], "(it has exact_match, final_answer, math, reasoning_gym)", None),
+    "reward unlike any": (["rl.reward=orchestrator.rewards:nothing_like_it"], "(it has exact_match, final_answer, judge, math, reasoning_gym)", None),
 
     "vllm not installed": (["--engine=vllm"], "rollout.engine=vllm but vLLM is not installed in this Python", "scripts/setup-vllm.sh"),
 }
