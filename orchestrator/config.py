@@ -726,13 +726,17 @@ class RunConfig:
         self._check_judge()
         teacher, coef = self.rl.teacher, self.rl.distill_coef
         if teacher and teacher not in self.models:
-            named = f"the models are {', '.join(self.models)}" if self.models else "no models.<name>.path is set"
-            raise ConfigError(f"rl.teacher={teacher} names no model: {named}; set models.{teacher}.path=<its directory>")
+            raise self._no_model("rl.teacher", teacher)
         if teacher and not coef:
             raise ConfigError(f"rl.teacher={teacher} needs rl.distill_coef > 0 (the weight of the per-token reverse KL to "
                               f"it in the advantage), e.g. rl.distill_coef=1")
         if coef and not teacher:
             raise ConfigError(f"rl.distill_coef={coef:g} needs a teacher: set rl.teacher=<name> and models.<name>.path")
+
+    def _no_model(self, key: str, name: str) -> ConfigError:
+        """The error of ``key=name`` naming no models.<name>."""
+        named = f"the models are {', '.join(self.models)}" if self.models else "no models.<name>.path is set"
+        return ConfigError(f"{key}={name} names no model: {named}; set models.{name}.path=<its directory>")
 
     def _check_judge(self) -> None:
         """The judge reward has a judge among the models, and a judge is there for it."""
@@ -749,8 +753,7 @@ class RunConfig:
         if not model:
             raise ConfigError(f"{judged[0]} asks a judge model: set judge.model=<name> and models.<name>.path=<its directory>")
         if model not in self.models:
-            named = f"the models are {', '.join(self.models)}" if self.models else "no models.<name>.path is set"
-            raise ConfigError(f"judge.model={model} names no model: {named}; set models.{model}.path=<its directory>")
+            raise self._no_model("judge.model", model)
         if self.rl.environment or self.rl.agent:
             how = f"rl.environment={self.rl.environment}" if self.rl.environment else f"rl.agent={self.rl.agent}"
             raise ConfigError(f"{judged[0]} judges single-turn completions, and {how} is set: an environment or an agent "
