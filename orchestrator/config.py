@@ -616,12 +616,22 @@ MODEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
 @dataclass(kw_only=True, slots=True)
 class AuxModelConfig:
-    """A model the run serves beside the policy, ``models.<name>``: a teacher (rl.teacher)."""
+    """A model the run serves beside the policy, ``models.<name>``: a teacher (rl.teacher) or a
+    judge (judge.model)."""
 
     path: str = ""
     """Its Hugging Face directory (a relative path is under --data-path) or a hub id found in
-    the local Hugging Face cache, as model.path. Served by an engine of its own on every node
-    that rolls out (rollout.engine's kind), started with the policy's, never reloaded."""
+    the local Hugging Face cache, as model.path. Served by an engine of its own (rollout.engine's
+    kind) on each node that serves it, started with the policy's, never reloaded."""
+    nodes: str = ""
+    """On CPU, the nodes that serve it, e.g. "2" or "0-1" (empty: every node that rolls out,
+    each its own engine). The nodes that roll out and do not serve it send its requests to
+    the engines of those that do, found on the shared filesystem; a node that dies is left
+    out of them."""
+    device_mapping: str = ""
+    """On GPUs (a run with device mappings, where it is required), the GPUs of its engines, as
+    global GPU ranks like rollout.device_mapping: one engine on each node over that node's GPUs
+    of it. Never shared with train.device_mapping or rollout.device_mapping."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -685,14 +695,16 @@ class RunConfig:
             raise ConfigError(f"rehearsal.slow_ranks={self.rehearsal.slow_ranks!r} names a rank outside 0..{self.num_nodes - 1}")
         from orchestrator.node import placement
 
-        placement.check_mappings(self.train.device_mapping, self.rollout.device_mapping, self.rollout.gpus_per_engine)
+        train, rollout = placement.check_mappings(self.train.device_mapping, self.rollout.device_mapping, self.rollout.gpus_per_engine)
+        self._check_models()
+        serving = placement.check_aux(self.models, train, rollout, self.num_nodes)
         train_nodes, rollout_nodes = placement.check_role_nodes(self.train.nodes, self.rollout.nodes, self.num_nodes,
-                                                                gpu=bool(self.train.device_mapping))
+                                                                gpu=bool(self.train.device_mapping),
+                                                                serving=[n for nodes in serving.values() for n in nodes])
         if not self.train.device_mapping and self.rank_weights is not None:
             placement.check_cpu_weights(self.rank_weights, rollout_nodes)
         self._check_overlap(train_nodes, rollout_nodes)
         self._check_partial()
-        self._check_models()
         if self.workload is WorkloadKind.RL and self.rollout.engine == "vllm" and self.train.lora_rank > VLLM_MAX_LORA_RANK:
             raise ConfigError(f"train.lora_rank={self.train.lora_rank}: vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANK}")
         if self.workload is WorkloadKind.RL and self.rollout.engine == "vllm" and not self.debug_mode:
@@ -716,10 +728,6 @@ class RunConfig:
                 raise ConfigError(f"models.{name}: a model's name is a letter then letters, digits, - or _ (and not policy)")
             if not model.path:
                 raise ConfigError(f"models.{name} has no path: set models.{name}.path=<a Hugging Face model directory>")
-        if self.models and (self.train.device_mapping or self.rollout.device_mapping):
-            raise ConfigError(f"models.{next(iter(self.models))}: models beside the policy are served on the CPU of each node "
-                              f"that rolls out, and train.device_mapping/rollout.device_mapping place this run on GPUs; "
-                              f"their GPU placement is not there yet: run them without device mappings")
         if self.models and self.debug_mode:
             raise ConfigError(f"models.{next(iter(self.models))}: --debug-mode serves only the policy, at rollout.engine_url; "
                               f"run without --debug-mode to serve models beside it")

@@ -218,7 +218,8 @@ class Attendance:
         try:
             self.placement = self.full_placement = placement_mod.place(
                 num_nodes=self.config.num_nodes, rank_weights=self.config.rank_weights, train=self.config.train,
-                rollout=self.config.rollout, max_staleness=self.config.rl.max_staleness, reports=reports)
+                rollout=self.config.rollout, max_staleness=self.config.rl.max_staleness, reports=reports,
+                models=self.config.models)
         except placement_mod.Unplaceable as e:
             publish_abort(self.attempt, e.culprit, self.heartbeat)
             raise BadInput(e.culprit.error) from None

@@ -13,14 +13,20 @@ engines; one with neither has no part in the run and is refused.
 Both mappings empty is the CPU placement: one train worker and one engine per node, no GPUs;
 ``train.nodes`` and ``rollout.nodes`` narrow each role to the nodes they name, so that a CPU
 run can keep training and rollout apart (disaggregated when no node has both).
+
+A model served beside the policy (``models.<name>``) has one engine on each node that serves
+it: on CPU the nodes of ``models.<name>.nodes`` (empty: every node that rolls out), on GPUs
+those that hold GPUs of ``models.<name>.device_mapping`` (an engine over all of a node's,
+never shared with training or the policy's engines). A node that serves one has a part in
+the run even if it neither trains nor rolls out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 from orchestrator.errors import ConfigError, Culprit, FailureKind
 
@@ -88,6 +94,9 @@ class Placement:
     train_workers: tuple[TrainWorker, ...]
     engines: tuple[Engine, ...]
     gpus_per_engine: int
+    aux: dict[str, tuple[Engine, ...]] = field(default_factory=dict)
+    """The engines of each model beside the policy (models.<name>), by name: one on each node
+    that serves it, numbered 0 on its node."""
 
     @property
     def on_gpu(self) -> bool:
@@ -102,6 +111,14 @@ class Placement:
 
     def engines_on(self, node: int) -> list[Engine]:
         return [e for e in self.engines if e.node == node]
+
+    def aux_on(self, name: str, node: int) -> Engine | None:
+        """The engine of models.<name> that ``node`` runs, if it serves that model."""
+        return next((e for e in self.aux.get(name, ()) if e.node == node), None)
+
+    def serving(self, name: str) -> tuple[int, ...]:
+        """The nodes that serve models.<name>."""
+        return tuple(e.node for e in self.aux.get(name, ()))
 
     @property
     def checkpoint_node(self) -> int:
@@ -138,9 +155,11 @@ def check_mappings(train_mapping: str, rollout_mapping: str, gpus_per_engine: in
     return train, rollout
 
 
-def check_role_nodes(train_nodes: str, rollout_nodes: str, num_nodes: int, *, gpu: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def check_role_nodes(train_nodes: str, rollout_nodes: str, num_nodes: int, *, gpu: bool,
+                     serving: Sequence[int] = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``train.nodes`` and ``rollout.nodes`` parsed (empty: every node), checked against the
-    cluster: on CPU only, within 0..num_nodes-1, and every node with a role."""
+    cluster: on CPU only, within 0..num_nodes-1, and every node with a role (``serving``: the
+    nodes that serve a model beside the policy have one)."""
     train = parse_mapping(train_nodes, "train.nodes", unit="node")
     rollout = parse_mapping(rollout_nodes, "rollout.nodes", unit="node")
     if gpu:
@@ -153,7 +172,7 @@ def check_role_nodes(train_nodes: str, rollout_nodes: str, num_nodes: int, *, gp
         if beyond:
             raise ConfigError(f"{key} names node {max(beyond)}, but the run has {num_nodes} node(s): 0-{num_nodes - 1}")
     train, rollout = train or tuple(range(num_nodes)), rollout or tuple(range(num_nodes))
-    idle = [n for n in range(num_nodes) if n not in train and n not in rollout]
+    idle = [n for n in range(num_nodes) if n not in train and n not in rollout and n not in serving]
     if idle:
         raise ConfigError(f"{', '.join(f'node {n}' for n in idle)} would neither train nor roll out: name "
                           f"{'it' if len(idle) == 1 else 'them'} in train.nodes or rollout.nodes, or run on fewer nodes")
@@ -198,20 +217,28 @@ def resolve(
     engine_port: int = 8000,
     train_nodes: str = "",
     rollout_nodes: str = "",
+    models: Mapping = {},  # noqa: B006 - read only
 ) -> Placement:
     """The placement of both roles on ``num_nodes`` nodes with ``gpus_per_node`` GPUs (one
     count for all, or one per node); on CPU, on ``train_nodes`` and ``rollout_nodes``
-    (``check_role_nodes``). Raises ConfigError naming the numbers when the mappings do not
-    fit."""
+    (``check_role_nodes``); and of the ``models`` beside the policy (name -> its section, with
+    ``nodes`` and ``device_mapping``). Raises ConfigError naming the numbers when the mappings
+    do not fit."""
     if num_nodes < 1:
         raise ConfigError(f"the cluster needs at least 1 node, got {num_nodes}")
     train, rollout = check_mappings(train_mapping, rollout_mapping, gpus_per_engine)
-    trainers, rollers = check_role_nodes(train_nodes, rollout_nodes, num_nodes, gpu=bool(train))
+    named = check_aux(models, train, rollout, num_nodes)
+    trainers, rollers = check_role_nodes(train_nodes, rollout_nodes, num_nodes, gpu=bool(train),
+                                         serving=[n for nodes in named.values() for n in nodes])
     if not train:
-        return _cpu(num_nodes, engine_port, trainers, rollers)
+        placed = _cpu(num_nodes, engine_port, trainers, rollers)
+        aux = {name: tuple(Engine(engine=0, node=n, gpus=(), port=0) for n in named[name] or rollers) for name in models}
+        return dataclasses.replace(placed, aux=aux)
     counts = per_node_counts(num_nodes, gpus_per_node)
     owner = [(n, local) for n, c in enumerate(counts) for local in range(c)]  # global GPU rank -> (node, local id)
-    for key, gpus in (("train.device_mapping", train), ("rollout.device_mapping", rollout)):
+    aux_gpus = {f"models.{name}.device_mapping": parse_mapping(m.device_mapping, f"models.{name}.device_mapping")
+                for name, m in models.items()}
+    for key, gpus in (("train.device_mapping", train), ("rollout.device_mapping", rollout), *aux_gpus.items()):
         beyond = [g for g in gpus if g >= len(owner)]
         if beyond:
             raise ConfigError(f"{key} uses GPU {max(beyond)}, but {_describe(counts)} have GPUs 0-{len(owner) - 1}"
@@ -232,7 +259,14 @@ def resolve(
         per_node[node] = k + 1
         port = engine_port + k if engine_port else 0  # 0: any free port, chosen at start
         engines.append(Engine(engine=e, node=node, gpus=tuple(owner[g][1] for g in chunk), port=port))
-    idle = [n for n in range(num_nodes) if n not in per_node and not any(w.node == n for w in workers)]
+    aux: dict[str, tuple[Engine, ...]] = {}
+    for name, gpus in zip(models, aux_gpus.values()):
+        by_node: dict[int, list[int]] = {}
+        for g in gpus:
+            by_node.setdefault(owner[g][0], []).append(owner[g][1])
+        aux[name] = tuple(Engine(engine=0, node=n, gpus=tuple(local), port=0) for n, local in sorted(by_node.items()))
+    serving = {e.node for engines_ in aux.values() for e in engines_}
+    idle = [n for n in range(num_nodes) if n not in per_node and n not in serving and not any(w.node == n for w in workers)]
     if idle:
         raise ConfigError(
             f"{', '.join(f'node {n}' for n in idle)} would neither train nor roll out: no GPU of "
@@ -245,7 +279,48 @@ def resolve(
         train_workers=workers,
         engines=tuple(engines),
         gpus_per_engine=gpus_per_engine,
+        aux=aux,
     )
+
+
+def check_aux(models: Mapping, train: Sequence[int], rollout: Sequence[int], num_nodes: int) -> dict[str, tuple[int, ...]]:
+    """The models beside the policy (name -> its section) checked against the placement of
+    the policy's roles (``train``, ``rollout``: the parsed mappings, empty on CPU) without the
+    cluster's GPU counts: on CPU ``nodes`` within the run and no ``device_mapping``; on GPUs a
+    ``device_mapping`` of GPUs of its own and no ``nodes``. Returns each model's ``nodes`` as
+    named (empty: every node that rolls out, or its GPUs' nodes)."""
+    named: dict[str, tuple[int, ...]] = {}
+    owners: dict[int, str] = {}
+    for name, model in models.items():
+        nodes_key, gpus_key = f"models.{name}.nodes", f"models.{name}.device_mapping"
+        nodes = parse_mapping(model.nodes, nodes_key, unit="node")
+        gpus = parse_mapping(model.device_mapping, gpus_key)
+        if not train:
+            if gpus:
+                raise ConfigError(f"{gpus_key}={model.device_mapping} places models.{name} on GPUs, but this run is on CPU "
+                                  f"(no train.device_mapping/rollout.device_mapping): use {nodes_key} to choose the nodes "
+                                  f"that serve it, or unset it")
+            beyond = [n for n in nodes if n >= num_nodes]
+            if beyond:
+                raise ConfigError(f"{nodes_key} names node {max(beyond)}, but the run has {num_nodes} node(s): 0-{num_nodes - 1}")
+            named[name] = nodes
+            continue
+        if nodes:
+            raise ConfigError(f"{nodes_key} chooses the nodes that serve models.{name} on CPU; on GPUs {gpus_key} places "
+                              f"it: leave {nodes_key} empty")
+        if not gpus:
+            raise ConfigError(f"models.{name} needs GPUs of its own in a GPU run: set {gpus_key} (global GPU ranks, as "
+                              f"rollout.device_mapping) to GPUs outside train.device_mapping and rollout.device_mapping")
+        for g in gpus:
+            role = "train.device_mapping" if g in train else "rollout.device_mapping" if g in rollout else None
+            if role:
+                raise ConfigError(f"{gpus_key}={model.device_mapping} shares GPU {g} with {role}: a model beside the policy "
+                                  f"holds its GPUs for the whole run; give it GPUs of its own")
+            if g in owners:
+                raise ConfigError(f"{gpus_key} and models.{owners[g]}.device_mapping both use GPU {g}: give each its own")
+            owners[g] = name
+        named[name] = ()
+    return named
 
 
 def _cpu(num_nodes: int, engine_port: int, train_nodes: Sequence[int], rollout_nodes: Sequence[int]) -> Placement:
@@ -295,10 +370,11 @@ class Unplaceable(Exception):
         self.culprit = culprit
 
 
-def place(*, num_nodes: int, rank_weights, train, rollout, max_staleness: int, reports: dict[int, dict]) -> Placement:
+def place(*, num_nodes: int, rank_weights, train, rollout, max_staleness: int, reports: dict[int, dict],
+          models: Mapping = {}) -> Placement:  # noqa: B006 - read only
     """The placement for the GPUs the nodes reported (``reports``: node -> its GPU report and
-    host), decided once by the master before any work; ``train`` and ``rollout``: the run's
-    sections of those names. Raises :class:`Unplaceable` naming the node to blame."""
+    host), decided once by the master before any work; ``train``, ``rollout`` and ``models``:
+    the run's sections of those names. Raises :class:`Unplaceable` naming the node to blame."""
     import logging
 
     try:
@@ -306,7 +382,7 @@ def place(*, num_nodes: int, rank_weights, train, rollout, max_staleness: int, r
         resolved = resolve(
             num_nodes=num_nodes, gpus_per_node=gpus_per_node, train_mapping=train.device_mapping,
             rollout_mapping=rollout.device_mapping, gpus_per_engine=rollout.gpus_per_engine, engine_port=rollout.engine_port,
-            train_nodes=train.nodes, rollout_nodes=rollout.nodes,
+            train_nodes=train.nodes, rollout_nodes=rollout.nodes, models=models,
         )
         rollout_weights(resolved, rank_weights, [reports[n]["host"] for n in sorted(reports)])
         if max_staleness and resolved.colocated:

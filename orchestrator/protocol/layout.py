@@ -24,6 +24,7 @@
     attempts/<A>/train/error-w<W>.json        train worker W's own error record, if it failed (RL)
     engines/r<R>/engine<E>.log, engine<E>.port  rank R: engine E's output and bound port (RL)
     engines/r<R>/engine<E>.error.json         rank R: embedded engine E's own error record, if it failed (RL)
+    engines/r<R>/<name>-engine0.address.json  rank R: where its engine of models.<name> serves the other nodes (RL)
     iterations/<I>/plan.json                  master: tasks per rank, eval due (durable)
     iterations/<I>/summary.json               master: counts and metrics shown by `status`
     iterations/<I>/rollout/<split>/r<R>.jsonl rank R: its shard of trajectories
@@ -174,6 +175,11 @@ class RunLayout:
 
     def engine_error(self, rank: int, engine: int, model: str = "") -> Path:
         return self.engine_dir(rank) / f"{_engine(engine, model)}.error.json"
+
+    def engine_address(self, rank: int, engine: int, model: str) -> Path:
+        """Where rank R's engine of models.<name> serves the nodes that do not serve it (a record:
+        host, port, served name)."""
+        return self.engine_dir(rank) / f"{_engine(engine, model)}.address.json"
 
     # -- `orchestrator doctor` -------------------------------------------------------------
     @property

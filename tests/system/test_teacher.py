@@ -1,7 +1,9 @@
-"""Models beside the policy in the loop, for real: a judge (models.judge, the judge reward) and a
-teacher (models.teacher, rl.teacher), each served by an engine of its own beside the policy's on
-each rank that rolls out, two ranks. The judge's engine killed mid-rollout is named as any
-engine is and fails its rank; the run again finishes. Every train sample's reward is the judge's
+"""Models beside the policy in the loop, for real, two ranks: a teacher (models.teacher,
+rl.teacher) served by an engine of its own beside the policy's on each rank, and a judge
+(models.judge, the judge reward) served by rank 1 alone (models.judge.nodes=1), which rank 0
+finds on the shared filesystem and asks across. The judge's engine killed mid-rollout is named
+as any engine is and fails its rank; rank 0, left without a judge, is told of rank 1's failure
+rather than failing on its own; the run again finishes. Every train sample's reward is the judge's
 reading of its reply, asked through judge.template (a file), and eval's is rl.eval_reward's; every
 train sample is recorded with the teacher's log-prob of each of its ids, which match the teacher
 model's own forward pass over them; eval is never scored; the update trains on them and reports
@@ -39,7 +41,7 @@ def test_judged_rewards_and_teacher_logprobs_of_every_train_token_and_the_judges
     # durable batch (16 records, or what came within 0.5 s) leaves it part-way.
     flags = rl_flags(chat_demo_data, log_path, num_nodes=2, weights="1,1", max_iterations=2, extra=[
         f"models.teacher.path={teacher}", "rl.teacher=teacher", "rl.distill_coef=1", "rl.train_tasks=64", "rl.max_tokens=24",
-        "coordination.work_stealing=false", f"models.judge.path={teacher}", "judge.model=judge", "rl.reward=orchestrator.rewards:judge",
+        "coordination.work_stealing=false", f"models.judge.path={teacher}", "models.judge.nodes=1", "judge.model=judge", "rl.reward=orchestrator.rewards:judge",
         f"judge.template={template}", "judge.parse=score", "judge.max_score=100", "judge.max_tokens=8",
         "rl.eval_reward=orchestrator.rewards:math", "rl.max_reward_error_fraction=0.5"])
     procs = start_ranks(flags, 2, env_for=hold_after_first_batch(1, 2))
@@ -59,6 +61,8 @@ def test_judged_rewards_and_teacher_logprobs_of_every_train_token_and_the_judges
     assert re.search(rf"judge engine 0 of rank 1 \(pid {pid}\) exited with code -9", failure["error"]), failure
     result = run_local(flags, timeout=240)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert not layout.engine_log(0, 0, "judge").exists(), "rank 0 serves no judge: it asks rank 1's"
+    assert layout.engine_address(1, 0, "judge").exists() and layout.engine_log(0, 0, "teacher").exists()
 
     model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval()
     worst, scored, judged = 0.0, 0, 0

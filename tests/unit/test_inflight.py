@@ -205,3 +205,64 @@ def test_a_stop_answers_what_the_engine_was_sampling_and_returns_the_unsent_and_
     assert sorted(r.task_ids[0] for r in unsent) == ["t1-0", "t2-0"]  # held (withdrawn), and never sent
     assert [(a.request.task_ids[0], a.groups[0][0].finish_reason) for a in answers] == [("t0-0", "abort")]
     assert inflight.queued_sequences == 0
+
+
+class GoneEngine(FakeEngine):
+    """An engine of another node that stopped answering: refused, as a dead node's port is."""
+
+    def __init__(self, url: str, answers: int = 0):
+        super().__init__()
+        self.base_url, self.answers = url, answers
+
+    async def acomplete(self, http, prompts, *, n=1, seed=None, **kw):
+        if self.answers <= 0:
+            from orchestrator.engine.client import EngineUnavailable
+
+            raise EngineUnavailable(f"cannot reach the engine at POST {self.base_url}/v1/completions: ConnectError")
+        self.answers -= 1
+        return await super().acomplete(http, prompts, n=n, seed=seed, **kw)
+
+
+def test_failing_over_an_engine_that_stops_answering_sends_its_requests_to_the_others_until_none_is_left():
+    from orchestrator.workloads.rl.engine_requests import EnginesGone
+
+    gone, alive = GoneEngine("http://10.0.0.2:8000", answers=3), FakeEngine()
+    alive.base_url = "http://10.0.0.3:8000"
+    told = []
+    inflight = Inflight([gone, alive], max_sequences=4, sampling={"n": 1}, timeout_s=10, failover=told.append, label="models.judge")
+    try:
+        inflight.submit(_requests(40))
+        answers = _drain(inflight, 40)  # every request answered: those that failed went to the other engine
+    finally:
+        inflight.close()
+    assert sorted(a.request.seed for a in answers) == list(range(40))
+    assert len(gone.prompts) == 3 and len(alive.prompts) == 37 and not told
+    # Without another engine the request fails naming the model, once the caller was told (its wait for a verdict).
+    inflight = Inflight([GoneEngine("http://10.0.0.2:8000")], max_sequences=4, sampling={"n": 1}, timeout_s=10, failover=told.append,
+                        label="models.judge")
+    try:
+        inflight.submit(_requests(2))
+        with pytest.raises(EnginesGone, match=r"every engine of models.judge stopped answering \(http://10.0.0.2:8000\)"):
+            _drain(inflight, 2)
+    finally:
+        inflight.close()
+    assert len(told) == 1
+
+    def verdict(_error):  # the wait learnt that the serving node died: that is the failure
+        raise RuntimeError("rank 1 on host n1 died")
+
+    inflight = Inflight([GoneEngine("http://10.0.0.2:8000")], max_sequences=4, sampling={"n": 1}, timeout_s=10, failover=verdict)
+    try:
+        inflight.submit(_requests(2))
+        with pytest.raises(RuntimeError, match="rank 1 on host n1 died"):
+            _drain(inflight, 2)
+    finally:
+        inflight.close()
+    # Without failover (the policy's own engines), the first failure fails the request.
+    inflight = Inflight([GoneEngine("http://10.0.0.2:8000"), alive], max_sequences=4, sampling={"n": 1}, timeout_s=10)
+    try:
+        inflight.submit(_requests(1))
+        with pytest.raises(Exception, match="cannot reach the engine"):
+            _drain(inflight, 1)
+    finally:
+        inflight.close()

@@ -126,6 +126,36 @@ def test_cpu_roles_go_to_the_nodes_train_nodes_and_rollout_nodes_name():
     assert [w.node for w in both.train_workers] == [0, 1] and [e.node for e in both.engines] == [1] and both.colocated
 
 
+def _models(**sections):
+    from orchestrator.config import AuxModelConfig
+
+    return {name: AuxModelConfig(path="/m", **values) for name, values in sections.items()}
+
+
+def test_models_beside_the_policy_are_served_where_their_nodes_or_gpus_say():
+    cpu = lambda **kw: placement.resolve(num_nodes=3, gpus_per_node=0, train_mapping="", rollout_mapping="", **kw)  # noqa: E731
+    every = cpu(models=_models(judge={}))  # by default on every node that rolls out
+    assert every.serving("judge") == (0, 1, 2) and every.aux_on("judge", 1).gpus == ()
+    chosen = cpu(rollout_nodes="1-2", models=_models(judge={"nodes": "2"}, teacher={}))
+    assert chosen.serving("judge") == (2,) and chosen.serving("teacher") == (1, 2) and chosen.aux_on("judge", 1) is None
+    alone = cpu(train_nodes="0", rollout_nodes="1", models=_models(judge={"nodes": "2"}))  # node 2 only serves the judge
+    assert alone.serving("judge") == (2,) and not alone.engines_on(2) and not alone.train_workers_on(2)
+    with pytest.raises(ConfigError, match="node 2 would neither train nor roll out"):
+        cpu(train_nodes="0", rollout_nodes="1")
+    # On GPUs: one engine on each node over its GPUs of the mapping, node-local ids; a node may only serve one.
+    gpu = placement.resolve(num_nodes=3, gpus_per_node=4, train_mapping="0-2", rollout_mapping="4-7", gpus_per_engine=2,
+                            models=_models(judge={"device_mapping": "3,10-11"}))
+    assert [(e.node, e.gpus) for e in gpu.aux["judge"]] == [(0, (3,)), (2, (2, 3))]
+    assert roundtrip(gpu) == gpu
+    with pytest.raises(ConfigError, match=re.escape("models.judge.device_mapping uses GPU 12, but 3 node(s) x 4 GPUs per node")):
+        placement.resolve(num_nodes=3, gpus_per_node=4, train_mapping="0-3", rollout_mapping="4-7", models=_models(judge={"device_mapping": "12"}))
+    assert placement.resolve(num_nodes=1, gpus_per_node=2, train_mapping="0", rollout_mapping="0").aux == {}
+
+
+def roundtrip(record):
+    return records.from_dict(json.loads(json.dumps(records.to_dict(record))), type(record))
+
+
 @pytest.mark.parametrize("train, rollout, nodes, gpu, says", [
     ("0", "0", 2, False, "node 1 would neither train nor roll out"),
     ("0", "2", 2, False, "rollout.nodes names node 2, but the run has 2 node(s)"),

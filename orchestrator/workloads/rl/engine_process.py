@@ -5,9 +5,11 @@ cancellable), moved to a new checkpoint in place where the engine can (the embed
 group. An engine without GPUs has nothing to free for training: the embedded one serves on
 through it, and takes the new checkpoint in place.
 
-A model served beside the policy (``models.<name>``: a teacher) runs in the same kind of
-process, named after it (``teacher engine 0``, ``engines/rNNNNN/teacher-engine0.log``), started
-once on its model and never moved.
+A model served beside the policy (``models.<name>``: a teacher, a judge) runs in the same
+kind of process, named after it (``teacher engine 0``, ``engines/rNNNNN/teacher-engine0.log``),
+started once on its model and never moved; on GPUs over all its node's GPUs of
+``models.<name>.device_mapping`` (tensor parallel). One that serves other nodes listens on
+every interface (aux_models.py).
 
 Ports are node-local: engine k of a node gets the first free port from the planned one
 (``rollout.engine_port`` + k), and if another process takes it first the engine's failed
@@ -52,9 +54,12 @@ class EngineFailed(ChildFailed):
 
 class EngineProcess:
     def __init__(self, children: Children, spec: Engine, rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0,
-                 base: Path | None = None, lora_rank: int = 0, model: str = ""):
-        """``model``: the name of the auxiliary model (models.<name>) it serves; "": the policy."""
+                 base: Path | None = None, lora_rank: int = 0, model: str = "", host: str = "127.0.0.1"):
+        """``model``: the name of the auxiliary model (models.<name>) it serves; "": the policy.
+        ``host``: the address it listens on (0.0.0.0: it serves other nodes too; vLLM always
+        listens on every interface)."""
         self.children = children
+        self.host = host
         self.spec = spec
         self.base = base  # with LoRA: the base model, which each checkpoint (an adapter) applies to
         self.lora_rank = lora_rank
@@ -108,8 +113,8 @@ class EngineProcess:
             adapter = self.base is not None and checkpoints.is_adapter(checkpoint)
             argv = vllm.serve_command(
                 model=str(self.base if adapter else checkpoint), served_model_name=f"base-{self.name}" if adapter else self.name,
-                port=self.port, tensor_parallel_size=self.rollout.tensor_parallel_size,
-                pipeline_parallel_size=self.rollout.pipeline_parallel_size, gpu_memory_utilization=self.rollout.gpu_memory_utilization,
+                port=self.port, tensor_parallel_size=len(self.spec.gpus) if self.model and self.spec.gpus else self.rollout.tensor_parallel_size,
+                pipeline_parallel_size=1 if self.model else self.rollout.pipeline_parallel_size, gpu_memory_utilization=self.rollout.gpu_memory_utilization,
                 max_model_len=self.rollout.max_model_len, dtype=self.rollout.dtype, seed=self.seed, extra_args=self.rollout.engine_args,
                 lora_rank=self.lora_rank, adapter=(self.name, str(checkpoint)) if adapter else None,
             )
@@ -123,6 +128,8 @@ class EngineProcess:
                 "--port-tries", str(PORT_TRIES), "--served-model-name", self.name, "--port-file", str(self._port_file)]
         if self.base is not None:
             argv += ["--base-model", str(self.base)]
+        if self.host != "127.0.0.1":
+            argv += ["--host", self.host]
         self._port_file.unlink(missing_ok=True)
         child_error.clear(self._error_file)
         env[child_error.ENV] = str(self._error_file)
@@ -295,10 +302,10 @@ class NodeEngines:
     """The engines the placement puts on this node."""
 
     def __init__(self, children: Children, specs: list[Engine], rollout: RolloutConfig, layout: RunLayout, rank: int, *, seed: int = 0,
-                 base: Path | None = None, lora_rank: int = 0, local: Path | None = None, model: str = ""):
+                 base: Path | None = None, lora_rank: int = 0, local: Path | None = None, model: str = "", host: str = "127.0.0.1"):
         """``model``: the engines of an auxiliary model (models.<name>), not the policy's."""
-        self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed, base=base, lora_rank=lora_rank, model=model)
-                        for s in specs]
+        self.engines = [EngineProcess(children, s, rollout, layout, rank, seed=seed, base=base, lora_rank=lora_rank, model=model,
+                                      host=host) for s in specs]
         self.base = base
         self.local = local  # the node-local copies (publish.delta): what the engines read there is not the shared filesystem's
         self.rollout = rollout

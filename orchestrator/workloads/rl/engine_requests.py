@@ -9,6 +9,10 @@ pooled ``httpx.AsyncClient`` per engine; the caller's thread submits work and ta
 answers as they come (:meth:`Inflight.answers`), in completion order. A multi-turn rollout
 runs its samples as coroutines on that loop instead (:meth:`Inflight.spawn`), each awaiting its
 turns' requests (:meth:`Inflight.complete`) under the same budget.
+
+Requests to the engines of another node (a model beside the policy that only some nodes
+serve) may fail over: an engine that stops answering is left out, its requests go to the
+others, and only when none is left does the request fail (:class:`EnginesGone`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -24,8 +29,12 @@ from typing import Sequence
 
 import httpx
 
-from orchestrator.engine.client import Completion, EngineClient
+from orchestrator.engine.client import Completion, EngineClient, EngineUnavailable
 
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 600.0
+"""How long a rollout's request to an engine may take."""
 _CLOSE_WAIT_S = 10.0  # how long close() waits for the loop's thread to end
 _STOP_SETTLE_S = 0.05
 """How long stop() lets the requests just sent reach their engines before it pauses them: one
@@ -49,6 +58,10 @@ def drain(items: queue.SimpleQueue, timeout_s: float) -> list:
             got.append(items.get_nowait())
         except queue.Empty:
             return got
+
+
+class EnginesGone(EngineUnavailable):
+    """Every engine of a failing-over Inflight stopped answering."""
 
 
 class Stopped(Exception):
@@ -103,6 +116,8 @@ class _Engine:
     sequences: int = 0
     """Sequences of this engine's requests in flight now."""
     sent: int = 0
+    gone: bool = False
+    """It stopped answering (failover): nothing more is sent to it."""
 
     def http(self) -> httpx.AsyncClient:
         """The pool the next request goes through."""
@@ -137,11 +152,20 @@ class Stats:
 class Inflight:
     """Sends :class:`Request`s to ``clients`` with up to ``max_sequences`` sequences in flight
     on each engine (a request larger than that goes alone). ``sampling`` is the keyword
-    arguments of :meth:`EngineClient.acomplete` (``n`` among them) shared by every request."""
+    arguments of :meth:`EngineClient.acomplete` (``n`` among them) shared by every request.
 
-    def __init__(self, clients: Sequence[EngineClient], *, max_sequences: int, sampling: dict, timeout_s: float):
+    ``failover``: an engine that cannot be reached is left out and its requests go to the
+    others; when the last one goes, ``failover(error)`` is called off the loop (the caller
+    waits there for the verdict on a node that died with it) and the request fails with
+    :class:`EnginesGone` naming ``label``. None: the first failure fails the request."""
+
+    def __init__(self, clients: Sequence[EngineClient], *, max_sequences: int, sampling: dict, timeout_s: float,
+                 failover=None, label: str = "the engines"):
         if not clients:
             raise ValueError("no engines")
+        self._failover = failover
+        self._label = label
+        self._verdict: asyncio.Future | None = None  # failover's call once the last engine went
         self.max_sequences = max_sequences
         self.samples = int(sampling.get("n", 1))
         self._sampling = sampling
@@ -259,6 +283,31 @@ class Inflight:
             await loop.run_in_executor(None, lambda: [c.resume() for c in clients])
         return unsent
 
+    async def _fail_over(self, engine: _Engine, request: Request, future: asyncio.Future | None,
+                         error: EngineUnavailable) -> BaseException | None:
+        """``engine`` stopped answering: leave it out and send ``request`` again to the others
+        (None), or with none left, the failure to hand on."""
+        if not engine.gone:
+            engine.gone = True
+            log.warning("%s at %s stopped answering (%s): its requests go to the others", self._label,
+                        engine.client.base_url, error)
+        if any(not e.gone for e in self._engines):
+            with self._lock:
+                self._queued += self._sequences(request)
+            self._waiting.appendleft((request, future))
+            self._dispatch()
+            return None
+        if self._verdict is None:  # the caller is told once, for every request that failed with the last engine
+            self._verdict = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self._failover, error))
+        try:
+            await asyncio.shield(self._verdict)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as verdict:  # noqa: BLE001 - what the caller learnt meanwhile (a peer's failure) is the failure
+            return verdict
+        urls = ", ".join(e.client.base_url for e in self._engines)
+        return EnginesGone(f"every engine of {self._label} stopped answering ({urls}); the last: {error}")
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
@@ -290,7 +339,9 @@ class Inflight:
         while self._waiting and not self._failed and not self._halted:
             request, future = self._waiting[0]
             sequences = self._sequences(request)
-            engine = min(self._engines, key=lambda e: e.sequences)
+            engine = min((e for e in self._engines if not e.gone), key=lambda e: e.sequences, default=None)
+            if engine is None:  # failover left none: the request that found so fails (_fail_over)
+                return
             if engine.sequences and engine.sequences + sequences > self.max_sequences:
                 return
             self._waiting.popleft()
@@ -321,6 +372,12 @@ class Inflight:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, which raises it
+            engine.sequences -= sequences
+            sequences = 0  # freed now: the request may go to another engine before ``finally``
+            if self._failover is not None and isinstance(e, EngineUnavailable):
+                e = await self._fail_over(engine, request, future, e)
+                if e is None:
+                    return
             self._failed = True
             if future is None:
                 self._answers.put(e)

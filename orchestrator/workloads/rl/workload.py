@@ -24,14 +24,14 @@ from orchestrator import checkpoints
 from orchestrator.checkpoints import node_copy, retention, store
 from orchestrator.data import carry, prompts, resample, shards
 from orchestrator.engine.client import EngineClient
-from orchestrator.node.placement import Engine
 from orchestrator.node.procs import Children
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.waiting import Backoff, Deadline, poll
 from orchestrator.protocol.schema import TrainingPlan
 from orchestrator.runtime.context import PhaseContext
+from orchestrator.workloads.rl.aux_models import AuxModels
 from orchestrator.workloads.rl.engine_process import NodeEngines, wait_memory_released
-from orchestrator.workloads.rl.engine_requests import Inflight
+from orchestrator.workloads.rl.engine_requests import REQUEST_TIMEOUT_S, Inflight
 from orchestrator.workloads.rl.episodes import Episodes, RoomWatch
 from orchestrator.workloads.rl.judge import Judge
 from orchestrator.workloads.rl.rollout_pipe import MultiTurnPipe, RLRolloutPipe
@@ -53,7 +53,6 @@ SEQUENCES_PER_REQUEST = {"embedded": 128, "vllm": 1}
 least one): vLLM schedules each sequence on its own and a request carries one seed, so one
 prompt's samples a request; each request to the embedded engine costs an HTTP round trip and
 a prefill of its own, which for short completions on a CPU node is worth many prompts."""
-_REQUEST_TIMEOUT_S = 600.0
 
 
 def prompts_per_request(engine: str, samples: int) -> int:
@@ -95,8 +94,7 @@ class RLWorkload:
         self.layout = RunLayout(config.log_path)
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
-        self.aux: dict[str, NodeEngines] = {}  # models.<name>: their engines on this node, started with the policy's
-        self.aux_clients: dict[str, list[EngineClient]] = {}
+        self.aux = AuxModels(children, config, self.layout, config.rank)  # models.<name>: served here, or by other nodes
         self._verified = checkpoints.Verified()
         self.copies: node_copy.NodeCopies | None = None  # publish.delta: the versions this node rebuilt (made at the first start)
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
@@ -220,23 +218,14 @@ class RLWorkload:
         engines = self._node_engines(ctx)
         if not engines.engines:  # a node that only trains: it reads no weights (and names none as consumed)
             self.clients = []
+            self.aux.start(ctx)  # it may serve a model beside the policy (models.<name>.nodes)
             return
         shared = sorted(self.trainers.gpus & {g for e in engines.engines if not e.running for g in e.spec.gpus})
         if shared:  # kept-alive trainers offloaded their state after training: check that the memory is back
             wait_memory_released(shared, self.config.rollout, ctx.cancel)
         fault = functools.partial(ctx.run.fault_point, "hold-in-rebuild", ctx.iteration, ctx.phase)
         self.clients = engines.ensure(self.verified(ctx.policy, ctx.run.timing, fault), ctx.cancel, timing=ctx.run.timing)
-        self._aux_start(ctx)
-
-    def _aux_start(self, ctx: PhaseContext) -> None:
-        """The auxiliary models' engines (models.<name>): one each on a node that rolls out, on
-        its CPU, started once on the model and never moved (the policy's new weights are not
-        theirs); one that dies is named and fails the rank, as the policy's do."""
-        for name in self.config.models:
-            if name not in self.aux:
-                self.aux[name] = NodeEngines(self.children, [Engine(engine=0, node=ctx.rank, gpus=(), port=0)], self.config.rollout,
-                                             self.layout, ctx.rank, seed=self.config.seed, model=name)
-            self.aux_clients[name] = self.aux[name].ensure(self.config.aux_model_path(name), ctx.cancel, timing=ctx.run.timing)
+        self.aux.start(ctx)
 
     def engine_stop(self, ctx: PhaseContext) -> None:
         """Phase 7: free the GPUs training shares with the engines (colocated); disaggregated
@@ -260,8 +249,7 @@ class RLWorkload:
         self.trainers.stop()
         if self.engines is not None:
             self.engines.stop()
-        for aux in self.aux.values():
-            aux.stop()
+        self.aux.stop()
         if self.copies is not None:
             self.copies.close()
         self.clients = []
@@ -286,7 +274,7 @@ class RLWorkload:
                 client.model()  # the served name, asked once here: the requests in flight send nothing else
                 if self.config.rollout.partial:
                     client.resume()  # an engine a rank stopped mid-rollout before it died serves on
-            return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=_REQUEST_TIMEOUT_S)
+            return Inflight(self.clients, max_sequences=self.max_inflight(), sampling=sampling, timeout_s=REQUEST_TIMEOUT_S)
 
         tasks = resample.base(split)
         key, spec = ("rl.reward", self.rl.reward) if train or not self.rl.eval_reward else ("rl.eval_reward", self.rl.eval_reward)
@@ -294,14 +282,13 @@ class RLWorkload:
 
         def judge() -> Judge:  # after start(): the judge's engines started with the policy's
             template, tokenizer, context = self._judge()
-            inflight = Inflight(self.aux_clients[self.config.judge.model], max_sequences=self.max_inflight(), timeout_s=_REQUEST_TIMEOUT_S,
-                                sampling={"n": 1, "temperature": self.config.judge.temperature, "max_tokens": self.config.judge.max_tokens})
+            inflight = self.aux.inflight(ctx, self.config.judge.model, max_sequences=self.max_inflight(), sampling={
+                "n": 1, "temperature": self.config.judge.temperature, "max_tokens": self.config.judge.max_tokens})
             return Judge(inflight, self.config.judge, template, tokenizer, context, self.by_id[tasks],
                          f"{self.config.seed}:{split}:{ctx.iteration}:judge")
 
         def teacher() -> Teacher:  # after start(): the teacher's engines started with the policy's
-            clients = self.aux_clients[self.rl.teacher]
-            return Teacher(Inflight(clients, max_sequences=self.max_inflight(), sampling={"n": 1}, timeout_s=_REQUEST_TIMEOUT_S),
+            return Teacher(self.aux.inflight(ctx, self.rl.teacher, max_sequences=self.max_inflight(), sampling={"n": 1}),
                            self.rl.teacher)
 
         policy = ctx.policy  # what the engines serve: phase 1 or 6 moved them to it
