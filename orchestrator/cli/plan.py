@@ -52,6 +52,7 @@ def plan(num_nodes: int | None, gpus_per_node: str | None, rank_weights: str, lo
             engine_port=rollout.engine_port,
             train_nodes=train.nodes,
             rollout_nodes=rollout.nodes,
+            models=sections["models"],
         )
         given = parse_weights(rank_weights, num_nodes)
         if given is not None and len(given) != num_nodes:
@@ -134,6 +135,12 @@ def _show(resolved: placement.Placement, weights: tuple[float, ...], source: str
         ["engine", "node", "GPUs (node-local)", "port"],
         [[e.engine, e.node, _ids(list(e.gpus)) if e.gpus else "CPU", e.port] for e in resolved.engines],
     )
+    if resolved.aux:
+        terminal.display_table(
+            "models beside the policy (models.<name>): an engine on each node that serves one",
+            ["model", "node", "GPUs (node-local)"],
+            [[name, e.node, _ids(list(e.gpus)) if e.gpus else "CPU"] for name, engines in resolved.aux.items() for e in engines],
+        )
 
 
 def _ids(ids: list) -> str:

@@ -150,6 +150,10 @@ def test_models_beside_the_policy_are_served_where_their_nodes_or_gpus_say():
     with pytest.raises(ConfigError, match=re.escape("models.judge.device_mapping uses GPU 12, but 3 node(s) x 4 GPUs per node")):
         placement.resolve(num_nodes=3, gpus_per_node=4, train_mapping="0-3", rollout_mapping="4-7", models=_models(judge={"device_mapping": "12"}))
     assert placement.resolve(num_nodes=1, gpus_per_node=2, train_mapping="0", rollout_mapping="0").aux == {}
+    shown = plan("--json", "--num-nodes=2", "--gpus-per-node=8", "train.device_mapping=0-5", "rollout.device_mapping=6,8-14",
+                 "models.judge.path=/m", "models.judge.device_mapping=7,15")
+    assert shown.returncode == 0, shown.stderr
+    assert [(e["node"], e["gpus"]) for e in json.loads(shown.stdout)["aux"]["judge"]] == [(0, [7]), (1, [7])]
 
 
 def roundtrip(record):
