@@ -87,31 +87,41 @@ class AuxModels:
         """Clients of the engines of models.<name> on the nodes that serve it and are still in
         the run, waiting (up to rollout.engine_start_timeout_s) until each serves; those that
         answered by then, or ModelUnserved when none did."""
-        serving = [n for n in ctx.run.placement.serving(name) if n not in ctx.run.out]
+
+        def still_in() -> list[int]:  # a node that dies meanwhile is left out once the run learns it
+            return [n for n in ctx.run.placement.serving(name) if n not in ctx.run.out]
+
         timeout = self.config.rollout.engine_start_timeout_s
         found: dict[int, EngineClient] = {}
 
         def probe() -> list[EngineClient] | None:
+            serving = still_in()
             for node in serving:
                 if node not in found and (client := self._reach(node, name)) is not None:
                     found[node] = client
-            return [found[n] for n in sorted(found)] if len(found) == len(serving) else None
+            return [found[n] for n in sorted(found) if n in serving] if set(serving) <= set(found) else None
 
-        if serving:
-            try:
-                return poll(probe, deadline=Deadline.after(timeout, f"the engines of models.{name}"), cancel=ctx.cancel,
-                            backoff=Backoff(0.1, 1.0))
-            except DeadlineExceeded:
-                if found:
-                    log.warning("models.%s: the engines of node(s) %s did not serve within rollout.engine_start_timeout_s=%g s; "
-                                "asking those of node(s) %s", name, ",".join(str(n) for n in serving if n not in found),
-                                timeout, ",".join(map(str, sorted(found))))
-                    return [found[n] for n in sorted(found)]
-        where = ",".join(map(str, serving)) or "none (every node that serves it is out of the run)"
+        try:
+            clients = poll(probe, deadline=Deadline.after(timeout, f"the engines of models.{name}"), cancel=ctx.cancel,
+                           backoff=Backoff(0.1, 1.0))
+            if clients:
+                return clients
+        except DeadlineExceeded:
+            serving = still_in()
+            found = {n: c for n, c in found.items() if n in serving}
+            if found:
+                log.warning("models.%s: the engines of node(s) %s did not serve within rollout.engine_start_timeout_s=%g s; "
+                            "asking those of node(s) %s", name, ",".join(str(n) for n in serving if n not in found),
+                            timeout, ",".join(map(str, sorted(found))))
+                return [found[n] for n in sorted(found)]
+        serving = still_in()
+        if not serving:
+            raise ModelUnserved(f"every node that serves models.{name} ({','.join(map(str, ctx.run.placement.serving(name)))}) is out "
+                                f"of the run, and rank {ctx.rank} does not serve it: name other nodes in models.{name}.nodes "
+                                f"and run again")
         logs = ", ".join(str(self.layout.engine_log(n, 0, name)) for n in serving)
         raise ModelUnserved(f"rank {ctx.rank} found no engine of models.{name} serving within rollout.engine_start_timeout_s="
-                            f"{timeout:g} s; the nodes that serve it: {where}"
-                            + (f"; see {logs}" if logs else f"; name others in models.{name}.nodes"))
+                            f"{timeout:g} s on the nodes that serve it ({','.join(map(str, serving))}); see {logs}")
 
     def _reach(self, node: int, name: str) -> EngineClient | None:
         """A client of ``node``'s engine of models.<name>, if its record names one that serves."""
