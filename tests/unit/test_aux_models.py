@@ -7,6 +7,7 @@ runs the whole of it across two ranks."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from orchestrator.node.ports import free_port
 from orchestrator.protocol import fsio
 from orchestrator.protocol.layout import RunLayout
 from orchestrator.protocol.waiting import CancelToken
+from orchestrator.workloads.rl import aux_models
 from orchestrator.workloads.rl.aux_models import AuxModels, ModelUnserved
 from tests.stub_engine import _Server
 
@@ -34,7 +36,7 @@ def engine():
     server.server_close()
 
 
-def test_a_node_asks_the_engines_whose_records_name_what_they_serve_of_the_nodes_still_in_the_run(tmp_path, engine):
+def test_a_node_asks_the_engines_whose_records_name_what_they_serve_of_the_nodes_still_in_the_run(tmp_path, engine, monkeypatch):
     layout = RunLayout(tmp_path)
     placed = placement.resolve(num_nodes=3, gpus_per_node=0, train_mapping="", rollout_mapping="",
                                models={"judge": AuxModelConfig(path="/m", nodes="1-2")})
@@ -50,8 +52,14 @@ def test_a_node_asks_the_engines_whose_records_name_what_they_serve_of_the_nodes
 
     record(1, engine, "judge-abc")
     record(2, free_port(20000), "judge-old")  # left by an engine that died: nothing listens there
-    # Node 2's engine never serves: once rollout.engine_start_timeout_s is past, node 1's alone.
+    # Node 2's engine never serves (or died, which only the master learns mid-phase): a short
+    # grace after node 1's answered, node 1's alone, well before rollout.engine_start_timeout_s.
+    monkeypatch.setattr(aux_models, "GRACE_S", 0.5)
+    config.rollout.engine_start_timeout_s = 20.0
+    began = time.monotonic()
     assert [c.base_url for c in aux.remote(ctx(), "judge")] == [f"http://127.0.0.1:{engine}"]
+    assert time.monotonic() - began < 10
+    config.rollout.engine_start_timeout_s = 1.0
     # Node 2 out of the run (elastic): node 1's at once.
     assert [c.model() for c in aux.remote(ctx(out={2}), "judge")] == ["judge-abc"]
     # A record whose engine serves another name (a later start took the port) is not used.

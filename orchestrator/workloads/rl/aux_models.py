@@ -9,7 +9,7 @@ engine listens on every interface and its node publishes where, once it serves:
 ``engines/r<R>/<name>-engine0.address.json`` (host, port, served name). A node that does
 not serve the model reads the records of the serving nodes still in the run and asks every
 engine that answers to its served name (a record left by an engine that died, or by an
-earlier start, answers to none). Its requests fail over from an engine that stops answering
+earlier start, answers to none), waiting for the first and briefly for the others. Its requests fail over from an engine that stops answering
 to the others; when none is left it waits for the verdict on the node that died (which ends
 the rollout with that node's failure, or the run goes on without it) before the rollout
 fails with an error naming the model.
@@ -18,6 +18,7 @@ fails with an error naming the model.
 from __future__ import annotations
 
 import logging
+import time
 
 from orchestrator.config import RunConfig
 from orchestrator.engine.client import EngineClient, EngineError
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 5.0
 """How long a look at another node's engine (is it serving its name?) may take."""
+GRACE_S = 10.0
+"""Once one engine of the model answers, how long the others still starting (or on a node
+that died, which only the master learns before the next barrier) are waited for; a rollout
+that goes on without them asks them from its next start."""
 
 
 class ModelUnserved(EngineError):
@@ -85,21 +90,25 @@ class AuxModels:
 
     def remote(self, ctx: PhaseContext, name: str) -> list[EngineClient]:
         """Clients of the engines of models.<name> on the nodes that serve it and are still in
-        the run, waiting (up to rollout.engine_start_timeout_s) until each serves; those that
-        answered by then, or ModelUnserved when none did."""
+        the run: waiting up to rollout.engine_start_timeout_s for the first to serve, then up to
+        :data:`GRACE_S` for the others; ModelUnserved when none did."""
 
         def still_in() -> list[int]:  # a node that dies meanwhile is left out once the run learns it
             return [n for n in ctx.run.placement.serving(name) if n not in ctx.run.out]
 
         timeout = self.config.rollout.engine_start_timeout_s
         found: dict[int, EngineClient] = {}
+        first: list[float] = []  # when the first engine answered
 
         def probe() -> list[EngineClient] | None:
             serving = still_in()
             for node in serving:
                 if node not in found and (client := self._reach(node, name)) is not None:
                     found[node] = client
-            return [found[n] for n in sorted(found) if n in serving] if set(serving) <= set(found) else None
+                    first[:] = first or [time.monotonic()]
+            if set(serving) <= set(found) or (first and time.monotonic() - first[0] > GRACE_S):
+                return [found[n] for n in sorted(found) if n in serving]
+            return None
 
         try:
             clients = poll(probe, deadline=Deadline.after(timeout, f"the engines of models.{name}"), cancel=ctx.cancel,
