@@ -41,7 +41,7 @@ def test_a_node_asks_the_engines_whose_records_name_what_they_serve_of_the_nodes
     placed = placement.resolve(num_nodes=3, gpus_per_node=0, train_mapping="", rollout_mapping="",
                                models={"judge": AuxModelConfig(path="/m", nodes="1-2")})
     config = SimpleNamespace(rollout=SimpleNamespace(engine_start_timeout_s=1.0), models={"judge": None})
-    aux = AuxModels(None, config, layout, rank=0)
+    aux = AuxModels(None, config, layout)
 
     def ctx(out=()):
         return SimpleNamespace(rank=0, cancel=CancelToken(), run=SimpleNamespace(placement=placed, out=frozenset(out)))

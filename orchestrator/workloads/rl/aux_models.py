@@ -49,11 +49,10 @@ class ModelUnserved(EngineError):
 class AuxModels:
     """This node's part in serving the models beside the policy, and its way to each."""
 
-    def __init__(self, children: Children, config: RunConfig, layout: RunLayout, rank: int):
+    def __init__(self, children: Children, config: RunConfig, layout: RunLayout):
         self.children = children
         self.config = config
         self.layout = layout
-        self.rank = rank
         self.engines: dict[str, NodeEngines] = {}  # the models this node serves: their engines here
         self.clients: dict[str, list[EngineClient]] = {}  # and this node's client of each
 
@@ -66,24 +65,24 @@ class AuxModels:
             spec = placement.aux_on(name, ctx.rank)
             if spec is None:
                 continue
-            address = self.layout.engine_address(ctx.rank, spec.engine, name)
             if name not in self.engines:
                 host = "0.0.0.0" if self._shared(ctx, name) else "127.0.0.1"
                 self.engines[name] = NodeEngines(self.children, [spec], self.config.rollout, self.layout, ctx.rank,
                                                  seed=self.config.seed, model=name, host=host)
             engine = self.engines[name].engines[0]
-            if not engine.running:
-                address.unlink(missing_ok=True)  # the last start's: its engine is gone
+            if engine.running:
+                continue  # serving, and published when it started: nothing to read or write again
+            address = self.layout.engine_address(ctx.rank, spec.engine, name)
+            address.unlink(missing_ok=True)  # the last start's: its engine is gone
             self.clients[name] = self.engines[name].ensure(self.config.aux_model_path(name), ctx.cancel, timing=ctx.run.timing)
-            if self._shared(ctx, name) and fsio.read_record(address) != self._address(engine):
-                fsio.write_record(address, self._address(engine))
+            if engine.host != "127.0.0.1":
+                fsio.write_record(address, {"host": master_address(), "port": engine.port, "name": engine.name})
 
     def inflight(self, ctx: PhaseContext, name: str, *, max_sequences: int, sampling: dict) -> Inflight:
         """The requests of a rollout to models.<name>: to this node's engine of it, or failing
         over between those of the nodes that serve it."""
-        local = self.clients.get(name)
-        if local and ctx.run.placement.aux_on(name, ctx.rank) is not None:
-            return Inflight(local, max_sequences=max_sequences, sampling=sampling, timeout_s=REQUEST_TIMEOUT_S)
+        if name in self.clients:  # this node serves it
+            return Inflight(self.clients[name], max_sequences=max_sequences, sampling=sampling, timeout_s=REQUEST_TIMEOUT_S)
         remote = self.remote(ctx, name)
         return Inflight(remote, max_sequences=max_sequences, sampling=sampling, timeout_s=REQUEST_TIMEOUT_S,
                         failover=lambda _error: ctx.cancel.sleep(ctx.run.verdict_s), label=f"models.{name}")
@@ -151,10 +150,6 @@ class AuxModels:
         """Some node that rolls out does not serve models.<name>: its engines serve other nodes."""
         placement = ctx.run.placement
         return bool({e.node for e in placement.engines} - set(placement.serving(name)))
-
-    @staticmethod
-    def _address(engine) -> dict:
-        return {"host": master_address(), "port": engine.port, "name": engine.name}
 
     def stop(self) -> None:
         for engines in self.engines.values():

@@ -94,7 +94,7 @@ class RLWorkload:
         self.layout = RunLayout(config.log_path)
         self.engines: NodeEngines | None = None  # built from the placement at the first start
         self.clients: list[EngineClient] = []
-        self.aux = AuxModels(children, config, self.layout, config.rank)  # models.<name>: served here, or by other nodes
+        self.aux = AuxModels(children, config, self.layout)  # models.<name>: served here, or by other nodes
         self._verified = checkpoints.Verified()
         self.copies: node_copy.NodeCopies | None = None  # publish.delta: the versions this node rebuilt (made at the first start)
         self._ids: dict[tuple[str, int], list[str]] = {}  # task_ids, drawn once per split and iteration
