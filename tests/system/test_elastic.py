@@ -1,7 +1,8 @@
 """coordination.elastic: a worker killed (kill -9) or frozen (SIGSTOP) mid-rollout is marked
 out within the node timeout, the others finish every iteration with every task exactly once,
 status names it out, and the same command (or SIGCONT) brings it back at the next iteration's
-start (issue 17, item 1)."""
+start (issue 17, item 1). A node that serves a model beside the policy (a teacher) and dies is
+failed over from and handled as any dead node."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from orchestrator.protocol.layout import RunLayout
 from tests.harness import (
     NODE_TIMEOUT_S,
     Cluster,
+    aggregate_records,
     aggregate_task_ids,
     assert_each_task_once,
     heartbeat,
@@ -268,3 +270,49 @@ def test_rl_pipelined_a_training_node_killed_mid_update_in_the_background_is_tra
         ids = aggregate_task_ids(layout, i)
         assert len(ids) == len(set(ids)) == 64
     assert [it["staleness"] for it in status_json(cluster.log_path)["iterations"]] == [[0, 0], [1, 1], [1, 1]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_serving_the_teacher_killed_while_asked_is_failed_over_marked_out_and_rejoins(demo_data, tmp_path):
+    """A model beside the policy served by nodes of its own: rank 0 trains and rolls out, and
+    the teacher (rl.teacher) is served by ranks 1 and 2 alone (models.teacher.nodes=1-2), whose
+    engines rank 0 finds by their address records and asks across nodes. Rank 2's node is
+    killed once its teacher engine has answered rank 0, and the same command started again at
+    once: rank 0 sends what it had asked of rank 2 to rank 1's engine, the master marks rank 2
+    out, and rank 2 rejoins at iteration 2. Every train sample of both iterations is scored by
+    the teacher, every task exactly once.
+
+    The kill waits on the engine's own request log, not on a rollout batch boundary (a stage
+    may make a rank's first durable batch its whole share)."""
+    cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
+    layout = cluster.layout
+    flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
+             "--rank-weights=1,0,0", "--eval-interval=4", "--max-iterations=2", "rl.train_tasks=64", "rl.samples_per_prompt=2",
+             "rollout.max_inflight=16", "rollout.prompts_per_request=4", "rl.eval_tasks=8", "rl.eval_samples=1", "rl.epochs=1",
+             "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5", "coordination.node_timeout_s=6",
+             "coordination.join_timeout_s=120", "coordination.elastic=true", "coordination.fan_in=2", "train.nodes=0",
+             "rollout.nodes=0", f"models.teacher.path={demo_data / 'model'}", "models.teacher.nodes=1-2", "rl.teacher=teacher",
+             "rl.distill_coef=1"]
+    teacher_log = layout.engine_log(2, 0, "teacher")
+    procs = cluster.start_all(flags)
+    try:
+        def asked() -> bool:
+            assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
+            return teacher_log.exists() and " POST /v1/completions 200 " in teacher_log.read_text(errors="replace")
+
+        wait_for(asked, 180, "rank 2's teacher engine to answer rank 0")
+        kill_tree(procs[2].pid)
+        assert procs[2].wait(timeout=10) == -9
+        procs[2] = cluster.start(2, flags)  # at once: it asks to rejoin, silent, before the master marks it out
+        assert cluster.wait_all(procs, timeout=240) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
+    finally:
+        cluster.kill_all()
+    assert [(e["rank"], e["iteration"], e["phase"]) for e in _events(layout, "out")] == [(2, 1, "1:rollout")]
+    assert [(e["rank"], e["iteration"]) for e in _events(layout, "rejoined")] == [(2, 2)]
+    assert re.search(r"models\.teacher at http://\S+ stopped answering .*: its requests go to the others", procs[0].output())
+    assert not layout.engine_log(0, 0, "teacher").exists(), "rank 0 serves no teacher: it asks ranks 1 and 2"
+    for i in (1, 2):
+        records = aggregate_records(layout, i)
+        assert sorted(r["task_id"] for r in records) == sorted({r["task_id"] for r in records}) and len(records) == 64
+        assert all(len(s["teacher_logprobs"]) == len(s["token_ids"]) for r in records for s in r["samples"])
