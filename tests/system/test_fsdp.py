@@ -4,6 +4,10 @@ One update of the same init checkpoint on the same aggregate with the same seed 
 same weights and optimizer state whatever the strategy, the number of train workers and the
 micro-batching (train/plan.py normalizes the loss over the whole step), and FSDP writes a
 standard sharded checkpoint that transformers loads as it is.
+
+The updates are made by serving groups (``--serve``, as train.keep_alive runs the workers), one
+per worker count, kept for the module: one start of each, not one per update; a bad config is
+refused by a one-shot worker (``--train-config``).
 """
 
 import json
@@ -20,7 +24,7 @@ from orchestrator import checkpoints
 from orchestrator.checkpoints import sums
 from orchestrator.demo import model as demo_model
 from orchestrator.train import request
-from tests.harness import free_port, write_addition_aggregate
+from tests.harness import free_port, wait_for, write_addition_aggregate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -37,27 +41,67 @@ def _texts(k: int, total: int) -> list[str]:
     return [right + "0" * (3 * (k % 4)), right, str(total + 1), str(total + 10)] if k != 4 else ["1", "2", "3", "4"]
 
 
-def _train(work: Path, name: str, world: int, **overrides) -> Path:
-    """One update by ``world`` worker processes; returns the checkpoint directory."""
-    output = work / name
+def _request(work: Path, name: str, **overrides) -> Path:
+    """The train config of one update, written to ``work``; its checkpoint is ``work / name``."""
     config = {
         "iteration": 1, "data": str(work / "agg.jsonl"), "init_checkpoint": str(work / "init"), "reference_checkpoint": str(work / "ref"),
-        "output": str(output), "seed": 11, "lr": 1e-3, "epochs": 2, "micro_batch": 6, "clip_eps": 0.2, "kl_coef": 0.05,
+        "output": str(work / name), "seed": 11, "lr": 1e-3, "epochs": 2, "micro_batch": 6, "clip_eps": 0.2, "kl_coef": 0.05,
         "max_grad_norm": 1.0, **overrides,
     }
     path = work / f"{name}.train.json"
     path.write_text(json.dumps(request.of(**config)))
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": str(world), "RANK": str(rank), "TRAIN_BACKEND": "gloo", "TRAIN_TIMEOUT_S": "120"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(path)],
-                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    errors = [p.communicate(timeout=240)[1] for p in procs]
-    for rank, (p, err) in enumerate(zip(procs, errors)):
-        assert p.returncode == 0, f"{name}: rank {rank} exited {p.returncode}:\n{err[-3000:]}"
-    return output
+    return path
+
+
+def _worker_env(world: int, rank: int, port: int) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world), "RANK": str(rank), "TRAIN_BACKEND": "gloo", "TRAIN_TIMEOUT_S": "120"}
+
+
+class _Group:
+    """``world`` train worker processes in one gloo group, serving one update per request
+    (``--serve``, as train.keep_alive runs them), kept for the module: every update here loads
+    its own init checkpoint (none names an init_iteration, so none is taken from memory), and
+    the module's updates pay for a group's start once, not each. Each rank's log is
+    ``serve-<world>-r<rank>.log`` under the module's work directory."""
+
+    def __init__(self, work: Path, world: int):
+        self.work, self.world = work, world
+        port = free_port()
+        self.logs = [work / f"serve-{world}-r{rank}.log" for rank in range(world)]
+        self.procs = []
+        for rank, log in enumerate(self.logs):
+            with log.open("a") as err:
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator.train.worker", "--serve"], cwd=REPO,
+                                                   env=_worker_env(world, rank, port), stdin=subprocess.PIPE,
+                                                   stdout=subprocess.DEVNULL, stderr=err, text=True))
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def update(self, name: str, config: Path) -> None:
+        done = [self.work / f"{name}.done-r{rank}.json" for rank in range(self.world)]
+        for p, d in zip(self.procs, done):
+            p.stdin.write(json.dumps({"config": str(config), "done": str(d)}) + "\n")
+            p.stdin.flush()
+
+        def answered() -> bool:
+            for rank, p in enumerate(self.procs):
+                assert p.poll() is None, f"{name}: rank {rank} exited {p.returncode}:\n{self.logs[rank].read_text()[-3000:]}"
+            return all(d.exists() for d in done)
+
+        wait_for(answered, 240, f"{name}: the update by {self.world} workers", interval=0.05)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.stdin.close()  # no more updates: each ends
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def _tensors(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -89,15 +133,22 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(work):
-    """Runs by name, each made once for the module: ``trained(name, world, **config)``."""
+    """Updates by name, each made once for the module: ``trained(name, world, **config)`` is the
+    checkpoint of one update by ``world`` workers (a serving group of that size)."""
     made: dict[str, Path] = {}
+    groups: dict[int, _Group] = {}
 
     def train(name: str, world: int, **overrides) -> Path:
         if name not in made:
-            made[name] = _train(work, name, world, **overrides)
+            if world not in groups or not groups[world].alive():  # a failed update does not fail the next test's
+                groups[world] = _Group(work, world)
+            groups[world].update(name, _request(work, name, **overrides))
+            made[name] = work / name
         return made[name]
 
-    return train
+    yield train
+    for group in groups.values():
+        group.close()
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +295,7 @@ def test_importance_correction_without_the_engines_logprobs_is_bad_input_naming_
               "kl_coef": 0.0, "max_grad_norm": 1.0, "is_correction": "tis"}
     path = work / "no-logprobs.train.json"
     path.write_text(json.dumps(request.of(**config)))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "1", "RANK": "0", "TRAIN_BACKEND": "gloo", "TRAIN_TIMEOUT_S": "60"}
+    env = {**_worker_env(1, 0, free_port()), "TRAIN_TIMEOUT_S": "60"}
     result = subprocess.run([sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(path)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]
