@@ -53,6 +53,31 @@ def _events(layout: RunLayout, kind: str) -> list[dict]:
     return [e for e in _members(layout).get("events", []) if e["event"] == kind]
 
 
+def _elastic_rl_flags(demo_data, cluster: Cluster, *, weights: str, iterations: int, extra: list[str]) -> list[str]:
+    """Three nodes of the RL loop with elastic, 64 tasks at 2 samples, a 6 s node timeout."""
+    return [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
+            f"--rank-weights={weights}", "--eval-interval=4", f"--max-iterations={iterations}", "rl.train_tasks=64",
+            "rl.samples_per_prompt=2", "rollout.max_inflight=16", "rollout.prompts_per_request=4", "rl.eval_samples=1",
+            "coordination.heartbeat_interval_s=0.5", "coordination.node_timeout_s=6", "coordination.join_timeout_s=120",
+            "coordination.elastic=true", "coordination.fan_in=2", *extra]
+
+
+def _while_all_run(procs: list, ready, what: str, timeout: float = 180):
+    """Wait for ``ready()``, failing at once (with their output) if a rank exits meanwhile."""
+    def check():
+        assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
+        return ready()
+    return wait_for(check, timeout, what)
+
+
+def _kill_node_and_start_again(cluster: Cluster, procs: list, rank: int, flags: list[str], env: dict | None = None) -> None:
+    """kill -9 of ``rank``'s node (the rank, its engines, its train worker), and the same
+    command at once: it asks to rejoin, silent, before the master marks it out."""
+    kill_tree(procs[rank].pid)
+    assert procs[rank].wait(timeout=10) == -9
+    procs[rank] = cluster.start(rank, flags, env)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill-9", "sigstop"])
 def test_a_worker_lost_mid_rollout_is_marked_out_the_others_finish_and_it_rejoins(cluster, how):
@@ -162,36 +187,23 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
       worker count: tests/system/test_fsdp.py); rank 2 rejoins at iteration 4."""
     cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
     layout = cluster.layout
-    flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
-             "--rank-weights=1,1,2", "--eval-interval=4", "--max-iterations=4", "rl.train_tasks=64", "rl.samples_per_prompt=2", "rollout.max_inflight=16", "rollout.prompts_per_request=4",
-             "rl.eval_tasks=16", "rl.eval_samples=1", "rl.epochs=1", "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5",
-             "coordination.node_timeout_s=6", "coordination.join_timeout_s=120", "coordination.elastic=true", "coordination.fan_in=2",
-             "checkpoint.keep_last=4",  # the test reads every iteration's checkpoint
-             # Without stealing rank 2's share is its own: one chunk of 32 tasks, written in two
-             # batches of 16. hold-after-batch holds it after the first (16 records fsynced).
-             "coordination.work_stealing=false"]
+    flags = _elastic_rl_flags(demo_data, cluster, weights="1,1,2", iterations=4, extra=[
+        "rl.eval_tasks=16", "rl.epochs=1", "rl.micro_batch=4",
+        "checkpoint.keep_last=4",  # the test reads every iteration's checkpoint
+        # Without stealing rank 2's share is its own: one chunk of 32 tasks, written in two
+        # batches of 16. hold-after-batch holds it after the first (16 records fsynced).
+        "coordination.work_stealing=false"])
     procs = cluster.start_all(flags, env_for=hold_after_first_batch(2, 1))
-
-    def wait_until(ready, what: str) -> None:
-        def check():
-            assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
-            return ready()
-        wait_for(check, 180, what)
 
     def marked_out(times: int) -> None:
         wait_for(lambda: len(_events(layout, "out")) == times, 6 + 10, "the master to mark rank 2 out")
 
     def held(iteration: int) -> None:
-        wait_until(lambda: held_mid_rollout(layout, 2, iteration), f"rank 2 to be held part-way through the rollout of iteration {iteration}")
-
-    def kill_node_and_start_again(env: dict | None = None) -> None:
-        kill_tree(procs[2].pid)
-        assert procs[2].wait(timeout=10) == -9
-        procs[2] = cluster.start(2, flags, env)  # at once: it asks to rejoin, silent, before the master marks it out
+        _while_all_run(procs, lambda: held_mid_rollout(layout, 2, iteration), f"rank 2 to be held part-way through the rollout of iteration {iteration}")
 
     try:
         held(1)
-        kill_node_and_start_again(hold_after_first_batch(2, 2)[2])
+        _kill_node_and_start_again(cluster, procs, 2, flags, hold_after_first_batch(2, 2)[2])
         marked_out(1)
         held(2)
         os.kill(procs[2].pid, signal.SIGSTOP)
@@ -208,8 +220,8 @@ def test_rl_run_goes_on_without_a_node_killed_or_frozen_mid_rollout_or_killed_mi
         finally:
             for p in procs[:2]:
                 os.kill(p.pid, signal.SIGCONT)
-        wait_until(lambda: trainer_in_update(cluster.log_path, 2, 3), "train worker 2 to be in the update of iteration 3")
-        kill_node_and_start_again()
+        _while_all_run(procs, lambda: trainer_in_update(cluster.log_path, 2, 3), "train worker 2 to be in the update of iteration 3")
+        _kill_node_and_start_again(cluster, procs, 2, flags)
         marked_out(3)
         assert cluster.wait_all(procs, timeout=300) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
     finally:
@@ -241,22 +253,13 @@ def test_rl_pipelined_a_training_node_killed_mid_update_in_the_background_is_tra
     rolls out on. Rank 1, started again at once, rejoins at iteration 3 and trains with it."""
     cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
     layout = cluster.layout
-    flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
-             "--rank-weights=0,0,1", "--eval-interval=4", "--max-iterations=3", "rl.train_tasks=64", "rl.samples_per_prompt=2",
-             "rollout.max_inflight=16", "rollout.prompts_per_request=4", "rl.eval_tasks=16", "rl.eval_samples=1", "rl.epochs=2",
-             "rl.micro_batch=2", "coordination.heartbeat_interval_s=0.5", "coordination.node_timeout_s=6",
-             "coordination.join_timeout_s=120", "coordination.elastic=true", "coordination.fan_in=2", "checkpoint.keep_last=4",
-             "rl.max_staleness=1", "train.nodes=0-1", "rollout.nodes=2"]
+    flags = _elastic_rl_flags(demo_data, cluster, weights="0,0,1", iterations=3, extra=[
+        "rl.eval_tasks=16", "rl.epochs=2", "rl.micro_batch=2", "checkpoint.keep_last=4", "rl.max_staleness=1", "train.nodes=0-1",
+        "rollout.nodes=2"])
     procs = cluster.start_all(flags)
     try:
-        def in_update():
-            assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
-            return trainer_in_update(cluster.log_path, 1, 1)
-
-        wait_for(in_update, 180, "train worker 1 in the update of iteration 1")
-        kill_tree(procs[1].pid)
-        assert procs[1].wait(timeout=10) == -9
-        procs[1] = cluster.start(1, flags)  # at once: it asks to rejoin, silent, before the master marks it out
+        _while_all_run(procs, lambda: trainer_in_update(cluster.log_path, 1, 1), "train worker 1 in the update of iteration 1")
+        _kill_node_and_start_again(cluster, procs, 1, flags)
         assert cluster.wait_all(procs, timeout=240) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
     finally:
         cluster.kill_all()
@@ -287,24 +290,15 @@ def test_a_node_serving_the_teacher_killed_while_asked_is_failed_over_marked_out
     may make a rank's first durable batch its whole share)."""
     cluster = Cluster(tmp=tmp_path, log_path=tmp_path / "run")
     layout = cluster.layout
-    flags = [f"--data-path={demo_data}", f"--log-path={cluster.log_path}", "--rl-phase=both", "--num-nodes=3",
-             "--rank-weights=1,0,0", "--eval-interval=4", "--max-iterations=2", "rl.train_tasks=64", "rl.samples_per_prompt=2",
-             "rollout.max_inflight=16", "rollout.prompts_per_request=4", "rl.eval_tasks=8", "rl.eval_samples=1", "rl.epochs=1",
-             "rl.micro_batch=4", "coordination.heartbeat_interval_s=0.5", "coordination.node_timeout_s=6",
-             "coordination.join_timeout_s=120", "coordination.elastic=true", "coordination.fan_in=2", "train.nodes=0",
-             "rollout.nodes=0", f"models.teacher.path={demo_data / 'model'}", "models.teacher.nodes=1-2", "rl.teacher=teacher",
-             "rl.distill_coef=1"]
+    flags = _elastic_rl_flags(demo_data, cluster, weights="1,0,0", iterations=2, extra=[
+        "rl.eval_tasks=8", "rl.epochs=1", "rl.micro_batch=4", "train.nodes=0", "rollout.nodes=0",
+        f"models.teacher.path={demo_data / 'model'}", "models.teacher.nodes=1-2", "rl.teacher=teacher", "rl.distill_coef=1"])
     teacher_log = layout.engine_log(2, 0, "teacher")
     procs = cluster.start_all(flags)
     try:
-        def asked() -> bool:
-            assert all(p.proc.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
-            return teacher_log.exists() and " POST /v1/completions 200 " in teacher_log.read_text(errors="replace")
-
-        wait_for(asked, 180, "rank 2's teacher engine to answer rank 0")
-        kill_tree(procs[2].pid)
-        assert procs[2].wait(timeout=10) == -9
-        procs[2] = cluster.start(2, flags)  # at once: it asks to rejoin, silent, before the master marks it out
+        _while_all_run(procs, lambda: teacher_log.exists() and " POST /v1/completions 200 " in teacher_log.read_text(errors="replace"),
+                       "rank 2's teacher engine to answer rank 0")
+        _kill_node_and_start_again(cluster, procs, 2, flags)
         assert cluster.wait_all(procs, timeout=240) == [0, 0, 0], "\n".join(p.output()[-4000:] for p in procs)
     finally:
         cluster.kill_all()
