@@ -210,6 +210,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def train_worker_env(world: int, rank: int, port: int, timeout_s: float) -> dict[str, str]:
+    """The environment of ``orchestrator.train.worker`` rank ``rank`` of ``world`` started by a
+    test without a rank: a gloo group on 127.0.0.1:``port``, one thread (several workers share
+    a small machine), the checkout importable."""
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
+            "TRAIN_BACKEND": "gloo", "TRAIN_TIMEOUT_S": f"{timeout_s:g}"}
+
+
 def descendants(pid: int) -> list[int]:
     try:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]

@@ -11,7 +11,6 @@ refused by a one-shot worker (``--train-config``).
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from orchestrator import checkpoints
 from orchestrator.checkpoints import sums
 from orchestrator.demo import model as demo_model
 from orchestrator.train import request
-from tests.harness import free_port, wait_for, write_addition_aggregate
+from tests.harness import free_port, train_worker_env, wait_for, write_addition_aggregate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -53,11 +52,6 @@ def _request(work: Path, name: str, **overrides) -> Path:
     return path
 
 
-def _worker_env(world: int, rank: int, port: int) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world), "RANK": str(rank), "TRAIN_BACKEND": "gloo", "TRAIN_TIMEOUT_S": "120"}
-
-
 class _Group:
     """``world`` train worker processes in one gloo group, serving one update per request
     (``--serve``, as train.keep_alive runs them), kept for the module: every update here loads
@@ -73,7 +67,7 @@ class _Group:
         for rank, log in enumerate(self.logs):
             with log.open("a") as err:
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator.train.worker", "--serve"], cwd=REPO,
-                                                   env=_worker_env(world, rank, port), stdin=subprocess.PIPE,
+                                                   env=train_worker_env(world, rank, port, 120), stdin=subprocess.PIPE,
                                                    stdout=subprocess.DEVNULL, stderr=err, text=True))
 
     def alive(self) -> bool:
@@ -295,7 +289,7 @@ def test_importance_correction_without_the_engines_logprobs_is_bad_input_naming_
               "kl_coef": 0.0, "max_grad_norm": 1.0, "is_correction": "tis"}
     path = work / "no-logprobs.train.json"
     path.write_text(json.dumps(request.of(**config)))
-    env = {**_worker_env(1, 0, free_port()), "TRAIN_TIMEOUT_S": "60"}
+    env = train_worker_env(1, 0, free_port(), 60)
     result = subprocess.run([sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(path)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]

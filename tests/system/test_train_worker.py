@@ -1,7 +1,6 @@
 """The trainer end to end: real worker processes forming a gloo group over TCP on 127.0.0.1."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import torch
 
 from orchestrator.demo import model as demo_model
 from orchestrator.train import grpo, request
-from tests.harness import free_port, write_addition_aggregate
+from tests.harness import free_port, train_worker_env, write_addition_aggregate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -52,18 +51,7 @@ def _config(work: Path, output: Path, **overrides) -> Path:
 
 
 def _launch(config: Path, rank: int, port: int, **env) -> subprocess.Popen:
-    environ = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",  # two ranks on a small shared machine
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(WORLD),
-        "RANK": str(rank),
-        "TRAIN_BACKEND": "gloo",
-        "TRAIN_TIMEOUT_S": "60",
-        **env,
-    }
+    environ = {**train_worker_env(WORLD, rank, port, 60), **env}
     return subprocess.Popen(
         [sys.executable, "-m", "orchestrator.train.worker", "--train-config", str(config)],
         cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
