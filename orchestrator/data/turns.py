@@ -16,6 +16,8 @@ at a stop string or at ``max_tokens``) is closed with it, as context.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 
 _PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
@@ -41,16 +43,23 @@ def observation_ids(tokenizer, observation: list[dict], tools: list[dict] | None
     end-of-turn token excluded, up to and including the next turn's generation prompt (the
     conversation's ``tools`` rendered too, as they change what some templates put there).
     ValueError when the template does not render a conversation as a prefix of its continuation."""
-    end = turn_end(tokenizer)
-    before = render(tokenizer, _PROBE, generation_prompt=False, tools=tools)
-    if end not in before:
-        raise ValueError("the chat template does not end the model's turn with the EOS token")
-    prefix = before[: len(before) - before[::-1].index(end)]
+    prefix = _probe_prefix(tokenizer, json.dumps(tools, sort_keys=True) if tools else None)
     after = render(tokenizer, _PROBE + observation, generation_prompt=True, tools=tools)
     if after[: len(prefix)] != prefix:
         raise ValueError("the chat template renders a conversation differently once messages follow it: the observation's "
                          "ids cannot be told apart")
     return after[len(prefix):]
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_prefix(tokenizer, tools: str | None) -> list[int]:
+    """The fixed conversation's ids up to its model's end-of-turn token, with ``tools`` (JSON)
+    rendered: the same for every observation of a run, rendered once."""
+    end = turn_end(tokenizer)
+    before = render(tokenizer, _PROBE, generation_prompt=False, tools=json.loads(tools) if tools else None)
+    if end not in before:
+        raise ValueError("the chat template does not end the model's turn with the EOS token")
+    return before[: len(before) - before[::-1].index(end)]
 
 
 @dataclass

@@ -72,6 +72,11 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from orchestrator.node import collector
+
+if __name__ == "__main__":  # the process's entry, before the heavy imports: orchestrator/node/collector.py
+    collector.tune()
+
 from orchestrator import checkpoints
 from orchestrator.checkpoints import sums
 from orchestrator.engine import loading, lora

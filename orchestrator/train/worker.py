@@ -55,6 +55,11 @@ import os
 import sys
 from pathlib import Path
 
+from orchestrator.node import collector
+
+if __name__ == "__main__":  # the process's entry, before the heavy imports: orchestrator/node/collector.py
+    collector.tune()
+
 from orchestrator.errors import EXIT_ERROR, EXIT_OK
 from orchestrator.protocol import child_error
 from orchestrator.train.errors import TrainerError

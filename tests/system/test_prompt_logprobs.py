@@ -54,7 +54,7 @@ def test_prompt_logprobs_of_prompts_sent_together_are_those_of_a_forward_pass(en
     alone = _prompts([17, 5], seed=1)
 
     async def send():
-        async with client.async_http(timeout=30) as http:
+        async with client.async_http(30) as http:
             return await asyncio.gather(
                 client.aprompt_logprobs(http, batch, start=starts),
                 client.aprompt_logprobs(http, alone),
@@ -110,7 +110,7 @@ def test_the_client_refuses_a_start_out_of_range_and_passes_on_the_engines_refus
     client = EngineClient(engine.url, timeout_s=30, model=MODEL_NAME)
 
     async def score(prompts, start=1):
-        async with client.async_http(timeout=30) as http:
+        async with client.async_http(30) as http:
             return await client.aprompt_logprobs(http, prompts, start=start)
 
     with pytest.raises(ValueError, match="start 0 of prompt 0"):

@@ -167,7 +167,7 @@ def test_prompt_logprobs_of_token_ids_are_those_of_a_forward_pass(server, client
     starts = [1, 1, 12, 40]
 
     async def score():
-        async with client.async_http(timeout=120) as http:
+        async with client.async_http(120) as http:
             return await client.aprompt_logprobs(http, [[BOS, *t] for t in ids], start=starts)
 
     scored = asyncio.run(score())

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
+import aiohttp
 import pytest
 
 from orchestrator.engine.client import Completion, EngineHTTPError
 from orchestrator.runtime.context import SerialPipe
 from orchestrator.runtime.phases.rollout import _settled
 from orchestrator.workloads.rl.engine_requests import Inflight, Request
+from tests import http_stub
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,8 +24,8 @@ class FakeEngine:
         self.in_flight = self.peak = 0
         self.prompts: list[str] = []
 
-    def async_http(self, **kwargs) -> httpx.AsyncClient:
-        return httpx.AsyncClient(**kwargs)
+    def async_http(self, timeout_s=None, **kwargs) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession()
 
     async def acomplete(self, http, prompts, *, n=1, seed=None, **_):
         self.in_flight += len(prompts) * n
@@ -115,46 +116,67 @@ def _answer(n: int) -> dict:
     return {"choices": [{"index": i, "text": "4", "finish_reason": "stop", "logprobs": None} for i in range(n)]}
 
 
-@pytest.mark.parametrize("closed", [httpx.RemoteProtocolError("Server disconnected without sending a response."),
-                                    httpx.ReadError("")])
-def test_a_request_whose_connection_closed_under_it_is_sent_once_more(closed):
-    from orchestrator.engine.client import EngineClient, EngineUnavailable
+def _complete_on(behave, timeout_s: float = 5):
+    from orchestrator.engine.client import EngineClient
+
+    async def go():
+        server = await http_stub.serve(behave)
+        client = EngineClient(http_stub.url(server), timeout_s, model="m")
+        try:
+            async with client.async_http() as http:
+                return await client.acomplete(http, ["2+2="], n=2, seed=7)
+        finally:
+            server.close()
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_request_whose_connection_closed_under_it_is_sent_once_more(reset):
+    from orchestrator.engine.client import EngineUnavailable
 
     sent = []
 
-    def handler(request):
-        sent.append(request)
-        if len(sent) == 1:
-            raise closed
-        return httpx.Response(200, json=_answer(2))
+    async def once(body, writer):
+        sent.append(body)
+        return http_stub.close(writer, reset) if len(sent) == 1 else http_stub.reply(writer, _answer(2))
 
-    async def go(http):
-        async with http:
-            return await EngineClient("http://engine", 5, model="m").acomplete(http, ["2+2="], n=2, seed=7)
-
-    groups = asyncio.run(go(httpx.AsyncClient(transport=httpx.MockTransport(handler))))
+    groups = _complete_on(once)
     assert [c.text for c in groups[0]] == ["4", "4"] and len(sent) == 2
-    assert sent[0].content == sent[1].content  # the same request, its seed included
+    assert sent[0] == sent[1]  # the same request, its seed included
 
     sent.clear()
 
-    def always(request):
-        sent.append(request)
-        raise closed
+    async def always(body, writer):
+        sent.append(body)
+        return http_stub.close(writer, reset)
 
     with pytest.raises(EngineUnavailable, match="twice"):
-        asyncio.run(go(httpx.AsyncClient(transport=httpx.MockTransport(always))))
+        _complete_on(always)
     assert len(sent) == 2
 
     sent.clear()
 
-    def timeout(request):
-        sent.append(request)
-        raise httpx.ReadTimeout("slow")
+    async def hold(body, writer):
+        sent.append(body)
+        await asyncio.sleep(30)
 
     with pytest.raises(EngineUnavailable):
-        asyncio.run(go(httpx.AsyncClient(transport=httpx.MockTransport(timeout))))
+        _complete_on(hold, timeout_s=0.5)
     assert len(sent) == 1  # a timed-out request may still be running: not sent again
+
+
+def test_a_refused_request_is_not_sent_again():
+    from orchestrator.engine.client import EngineClient, EngineUnavailable
+    from tests.harness import free_port
+
+    async def go():
+        client = EngineClient(f"http://127.0.0.1:{free_port()}", 5, model="m")  # nothing listens there
+        async with client.async_http() as http:
+            return await client.acomplete(http, ["2+2="])
+
+    with pytest.raises(EngineUnavailable, match="Cannot connect") as refused:
+        asyncio.run(go())
+    assert "twice" not in str(refused.value)
 
 
 class PausingEngine(FakeEngine):

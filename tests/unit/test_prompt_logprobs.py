@@ -8,13 +8,12 @@ Tiny random-weight models of both demo architectures (Llama, Qwen2), float32."""
 from __future__ import annotations
 
 import asyncio
-import json
 
-import httpx
 import pytest
 
 from orchestrator.engine.client import EngineClient, EngineError
 from orchestrator.engine.sampling import Batch, CannotScorePrompts, Sampler, SamplingParams
+from tests import http_stub
 from tests.unit.test_engine_batching import _chat_prompts, _run, _same, llama, qwen2  # noqa: F401 - fixtures
 
 TOL = 1e-4  # the same float32 model in one process: only batch shapes move the last bits
@@ -80,15 +79,19 @@ def test_the_client_reads_each_prompts_own_tokens_and_names_one_answered_without
               {"6": {"logprob": -9999.0, "rank": 19, "decoded_token": "2"}}]  # vLLM's -inf
 
     def answer(choices):
-        def handler(request: httpx.Request) -> httpx.Response:
-            sent.append(json.loads(request.content))
-            return httpx.Response(200, json={"choices": choices})
+        async def handler(body, writer):
+            sent.append(body)
+            return http_stub.reply(writer, {"choices": choices})
         return handler
 
     async def score(handler, prompts):
-        client = EngineClient("http://engine", timeout_s=5, model="teacher")
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-            return await client.aprompt_logprobs(http, prompts, start=[1, 2][: len(prompts)])
+        server = await http_stub.serve(handler)
+        client = EngineClient(http_stub.url(server), timeout_s=5, model="teacher")
+        try:
+            async with client.async_http() as http:
+                return await client.aprompt_logprobs(http, prompts, start=[1, 2][: len(prompts)])
+        finally:
+            server.close()
 
     got = asyncio.run(score(answer([{"index": 1, "prompt_logprobs": scored}, {"index": 0, "prompt_logprobs": scored}]),
                             [[1, 5, 6], [1, 5, 6]]))

@@ -5,7 +5,7 @@ a slot the moment a sequence ends. So the rollout sends its prompts in requests 
 (``rollout.prompts_per_request``) and keeps up to ``max_sequences`` sequences (prompts x
 samples) outstanding on every engine: a request leaves as soon as one ends, and no
 completion waits for another request's longest one. The requests go out from one asyncio event loop in a thread of its own, over one
-pooled ``httpx.AsyncClient`` per engine; the caller's thread submits work and takes the
+pooled ``aiohttp.ClientSession`` per engine; the caller's thread submits work and takes the
 answers as they come (:meth:`Inflight.answers`), in completion order. A multi-turn rollout
 runs its samples as coroutines on that loop instead (:meth:`Inflight.spawn`), each awaiting its
 turns' requests (:meth:`Inflight.complete`) under the same budget.
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import httpx
+import aiohttp
 
 from orchestrator.engine.client import Completion, EngineClient, EngineUnavailable
 
@@ -108,34 +108,19 @@ class Answer:
 @dataclass(slots=True)
 class _Engine:
     client: EngineClient
-    http_options: dict
-    """httpx's options of a pool (timeout, limits)."""
-    pools: list[httpx.AsyncClient | None] = field(default_factory=lambda: [None] * POOLS)
-    """Clients of the engine, each its own connection pool, taken in turn (:data:`POOLS`); each
-    made when first taken (a rollout at low load uses few)."""
+    timeout_s: float
+    session: aiohttp.ClientSession | None = None
+    """The engine's pool of connections, made when first used (on the loop)."""
     sequences: int = 0
     """Sequences of this engine's requests in flight now."""
-    sent: int = 0
     gone: bool = False
     """It stopped answering (failover): nothing more is sent to it."""
 
-    def http(self) -> httpx.AsyncClient:
+    def http(self) -> aiohttp.ClientSession:
         """The pool the next request goes through."""
-        self.sent += 1
-        i = self.sent % len(self.pools)
-        if self.pools[i] is None:
-            self.pools[i] = self.client.async_http(**self.http_options)
-        return self.pools[i]
-
-
-POOLS = 256
-"""Connection pools an engine's requests are spread over: httpcore's pool looks at every
-connection it holds on each request and response, so that one pool of the 1,024 connections
-of as many one-sample requests (an agent's calls, a multi-turn sample's later turns) spent
-most of the rollout's event loop there (63% of the rank's time in a tool-demo agent rollout,
-py-spy); with 16 pools of some 50 connections each it was still 16% of the loop (an eval of
-800 agents), with 256 the tool demo's eval sampled 29% (environments) and 37% (agents) more
-tokens a second. An idle connection is closed after :data:`KEEPALIVE_S`."""
+        if self.session is None:
+            self.session = self.client.async_http(self.timeout_s, keepalive_s=KEEPALIVE_S)
+        return self.session
 
 
 KEEPALIVE_S = 2.0
@@ -170,9 +155,8 @@ class Inflight:
         self.samples = int(sampling.get("n", 1))
         self._sampling = sampling
         # The budget bounds the connections; an idle one is dropped before vLLM's server (uvicorn,
-        # 5 s) would close it under a request.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
-        self._engines = [_Engine(c, {"timeout": timeout_s, "limits": limits}) for c in clients]
+        # 5 s) would close it under a request (KEEPALIVE_S).
+        self._engines = [_Engine(c, timeout_s) for c in clients]
         self.stats = Stats(peak_sequences=[0] * len(clients))
         # The loop's, not yet sent; with the future of a coroutine's request (None: to the answers queue).
         self._waiting: collections.deque[tuple[Request, asyncio.Future | None]] = collections.deque()
@@ -324,8 +308,8 @@ class Inflight:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for e in self._engines:
-                for pool in filter(None, e.pools):
-                    await pool.aclose()
+                if e.session is not None:
+                    await e.session.close()
 
     def _stop(self) -> None:
         self._stopping.set()
