@@ -699,8 +699,7 @@ class RunConfig:
         self._check_models()
         serving = placement.check_aux(self.models, train, rollout, self.num_nodes)
         train_nodes, rollout_nodes = placement.check_role_nodes(self.train.nodes, self.rollout.nodes, self.num_nodes,
-                                                                gpu=bool(self.train.device_mapping),
-                                                                serving=[n for nodes in serving.values() for n in nodes])
+                                                                gpu=bool(self.train.device_mapping), serving=serving)
         if not self.train.device_mapping and self.rank_weights is not None:
             placement.check_cpu_weights(self.rank_weights, rollout_nodes)
         self._check_overlap(train_nodes, rollout_nodes)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from orchestrator.errors import ConfigError, Culprit, FailureKind
 
@@ -156,10 +156,10 @@ def check_mappings(train_mapping: str, rollout_mapping: str, gpus_per_engine: in
 
 
 def check_role_nodes(train_nodes: str, rollout_nodes: str, num_nodes: int, *, gpu: bool,
-                     serving: Sequence[int] = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                     serving: Mapping[str, Serving] = {}) -> tuple[tuple[int, ...], tuple[int, ...]]:  # noqa: B006 - read only
     """``train.nodes`` and ``rollout.nodes`` parsed (empty: every node), checked against the
-    cluster: on CPU only, within 0..num_nodes-1, and every node with a role (``serving``: the
-    nodes that serve a model beside the policy have one)."""
+    cluster: on CPU only, within 0..num_nodes-1, and every node with a role (a node named to
+    serve a model beside the policy, ``serving`` as :func:`check_aux` returns it, has one)."""
     train = parse_mapping(train_nodes, "train.nodes", unit="node")
     rollout = parse_mapping(rollout_nodes, "rollout.nodes", unit="node")
     if gpu:
@@ -172,7 +172,8 @@ def check_role_nodes(train_nodes: str, rollout_nodes: str, num_nodes: int, *, gp
         if beyond:
             raise ConfigError(f"{key} names node {max(beyond)}, but the run has {num_nodes} node(s): 0-{num_nodes - 1}")
     train, rollout = train or tuple(range(num_nodes)), rollout or tuple(range(num_nodes))
-    idle = [n for n in range(num_nodes) if n not in train and n not in rollout and n not in serving]
+    serves = {n for model in serving.values() for n in model.nodes}
+    idle = [n for n in range(num_nodes) if n not in train and n not in rollout and n not in serves]
     if idle:
         raise ConfigError(f"{', '.join(f'node {n}' for n in idle)} would neither train nor roll out: name "
                           f"{'it' if len(idle) == 1 else 'them'} in train.nodes or rollout.nodes, or run on fewer nodes")
@@ -227,17 +228,15 @@ def resolve(
     if num_nodes < 1:
         raise ConfigError(f"the cluster needs at least 1 node, got {num_nodes}")
     train, rollout = check_mappings(train_mapping, rollout_mapping, gpus_per_engine)
-    named = check_aux(models, train, rollout, num_nodes)
-    trainers, rollers = check_role_nodes(train_nodes, rollout_nodes, num_nodes, gpu=bool(train),
-                                         serving=[n for nodes in named.values() for n in nodes])
+    serving = check_aux(models, train, rollout, num_nodes)
+    trainers, rollers = check_role_nodes(train_nodes, rollout_nodes, num_nodes, gpu=bool(train), serving=serving)
     if not train:
         placed = _cpu(num_nodes, engine_port, trainers, rollers)
-        aux = {name: tuple(Engine(engine=0, node=n, gpus=(), port=0) for n in named[name] or rollers) for name in models}
+        aux = {name: tuple(Engine(engine=0, node=n, gpus=(), port=0) for n in serving[name].nodes or rollers) for name in models}
         return dataclasses.replace(placed, aux=aux)
     counts = per_node_counts(num_nodes, gpus_per_node)
     owner = [(n, local) for n, c in enumerate(counts) for local in range(c)]  # global GPU rank -> (node, local id)
-    aux_gpus = {f"models.{name}.device_mapping": parse_mapping(m.device_mapping, f"models.{name}.device_mapping")
-                for name, m in models.items()}
+    aux_gpus = {f"models.{name}.device_mapping": s.gpus for name, s in serving.items()}
     for key, gpus in (("train.device_mapping", train), ("rollout.device_mapping", rollout), *aux_gpus.items()):
         beyond = [g for g in gpus if g >= len(owner)]
         if beyond:
@@ -283,13 +282,21 @@ def resolve(
     )
 
 
-def check_aux(models: Mapping, train: Sequence[int], rollout: Sequence[int], num_nodes: int) -> dict[str, tuple[int, ...]]:
+class Serving(NamedTuple):
+    """Where a model beside the policy is served, as its section names it (parsed)."""
+
+    nodes: tuple[int, ...]
+    """On CPU, ``nodes`` (empty: every node that rolls out); empty on GPUs."""
+    gpus: tuple[int, ...]
+    """On GPUs, ``device_mapping`` (global GPU ranks); empty on CPU."""
+
+
+def check_aux(models: Mapping, train: Sequence[int], rollout: Sequence[int], num_nodes: int) -> dict[str, Serving]:
     """The models beside the policy (name -> its section) checked against the placement of
     the policy's roles (``train``, ``rollout``: the parsed mappings, empty on CPU) without the
     cluster's GPU counts: on CPU ``nodes`` within the run and no ``device_mapping``; on GPUs a
-    ``device_mapping`` of GPUs of its own and no ``nodes``. Returns each model's ``nodes`` as
-    named (empty: every node that rolls out, or its GPUs' nodes)."""
-    named: dict[str, tuple[int, ...]] = {}
+    ``device_mapping`` of GPUs of its own and no ``nodes``. Returns where each is served."""
+    named: dict[str, Serving] = {}
     owners: dict[int, str] = {}
     for name, model in models.items():
         nodes_key, gpus_key = f"models.{name}.nodes", f"models.{name}.device_mapping"
@@ -303,7 +310,7 @@ def check_aux(models: Mapping, train: Sequence[int], rollout: Sequence[int], num
             beyond = [n for n in nodes if n >= num_nodes]
             if beyond:
                 raise ConfigError(f"{nodes_key} names node {max(beyond)}, but the run has {num_nodes} node(s): 0-{num_nodes - 1}")
-            named[name] = nodes
+            named[name] = Serving(tuple(nodes), ())
             continue
         if nodes:
             raise ConfigError(f"{nodes_key} chooses the nodes that serve models.{name} on CPU; on GPUs {gpus_key} places "
@@ -319,7 +326,7 @@ def check_aux(models: Mapping, train: Sequence[int], rollout: Sequence[int], num
             if g in owners:
                 raise ConfigError(f"{gpus_key} and models.{owners[g]}.device_mapping both use GPU {g}: give each its own")
             owners[g] = name
-        named[name] = ()
+        named[name] = Serving((), tuple(gpus))
     return named
 
 
