@@ -8,6 +8,7 @@ from collections.abc import Iterator, MutableMapping
 import click
 
 from orchestrator import __version__
+from orchestrator.node import collector
 
 # Each command's module, imported when the command is looked up: `orchestrator run`, which
 # every rank (and `local` for each of its ranks) starts with, loads neither the others nor
@@ -73,4 +74,7 @@ def cli(ctx: click.Context) -> None:
 
 
 def main() -> None:
+    """The command line, as ``python -m orchestrator`` and the ``orchestrator`` script run it: its
+    collector tuned first, as the commands import torch and transformers only when they run."""
+    collector.tune()
     cli(prog_name="orchestrator")

@@ -5,9 +5,10 @@ CPython's default (a young collection every 700 allocations) walks them again an
 they load: five full collections during the imports alone, a third of a second of a process's
 start (3.7 s for an embedded engine on the development machine; one in eight of its seconds).
 :func:`tune` makes the young generation 10,000 allocations, which the imports then cross without
-a full collection; it is called first thing by each process's entry point (``python -m
-orchestrator``, ``orchestrator.engine.server``, ``orchestrator.train.worker``), never on import,
-so a program that imports the package keeps its own collector settings.
+a full collection; it is called first thing by each process's entry point (the command line's
+``main``, before any command imports them; ``orchestrator.engine.server`` and
+``orchestrator.train.worker`` run as programs), never on import, so a program that imports the
+package keeps its own collector settings.
 """
 
 from __future__ import annotations

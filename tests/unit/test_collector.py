@@ -22,9 +22,11 @@ def _young_at_exit(args: list[str], tmp_path) -> int:
     return int(out.stderr.rsplit("young=", 1)[1].split()[0])
 
 
-@pytest.mark.parametrize("entry", ["orchestrator", "orchestrator.engine.server", "orchestrator.train.worker"])
+@pytest.mark.parametrize("entry", [["-m", "orchestrator"], ["-m", "orchestrator.engine.server"], ["-m", "orchestrator.train.worker"],
+                                   ["-c", "from orchestrator.cli import main; main()"]],  # the `orchestrator` script's entry
+                         ids=["orchestrator", "engine", "trainer", "script"])
 def test_each_entry_point_makes_the_young_generation_larger(entry, tmp_path):
-    assert _young_at_exit(["-m", entry, "--help"], tmp_path) == collector.YOUNG > 700
+    assert _young_at_exit([*entry, "--help"], tmp_path) == collector.YOUNG > 700
 
 
 def test_importing_the_entry_modules_leaves_the_collector_as_it_was(tmp_path):
