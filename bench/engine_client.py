@@ -34,29 +34,22 @@ from bench.common import RESULTS, console, machine, python_env, table, write_jso
 
 _PROMPT = [1, 2, 3] * 60
 _IDS = list(range(100, 112))
-_ANSWER = json.dumps({"choices": [{"index": 0, "text": " 5535</answer>", "finish_reason": "stop", "token_ids": _IDS,
-                                   "prompt_token_ids": _PROMPT, "stop_reason": None,
-                                   "logprobs": {"token_logprobs": [-0.25] * len(_IDS), "tokens": ["x"] * len(_IDS)}}]}).encode()
+_ANSWER = {"choices": [{"index": 0, "text": " 5535</answer>", "finish_reason": "stop", "token_ids": _IDS,
+                        "prompt_token_ids": _PROMPT, "stop_reason": None,
+                        "logprobs": {"token_logprobs": [-0.25] * len(_IDS), "tokens": ["x"] * len(_IDS)}}]}
 """What the embedded engine answers a one-sample request of a 180-id prompt that samples a dozen ids."""
 
 
 def serve(port_file: Path, delay_s: float) -> None:
     """The stub engine: answers each request on a kept-alive connection after ``delay_s``."""
-    response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(_ANSWER), _ANSWER)
+    from tests import http_stub
 
-    async def handle(reader, writer):
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
-                await reader.readexactly(length)
-                await asyncio.sleep(delay_s)
-                writer.write(response)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
+    async def answer(body, writer):
+        await asyncio.sleep(delay_s)
+        return http_stub.reply(writer, _ANSWER)
 
     async def main():
-        server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=4096)
+        server = await http_stub.serve(answer)
         port_file.write_text(str(server.sockets[0].getsockname()[1]))
         await server.serve_forever()
 
@@ -75,7 +68,7 @@ async def _httpx(client, requests: int, in_flight: int) -> None:
         async with room:
             body = client._completion_body([_PROMPT], 1, 1.0, 1.0, 64, None, k, 1, True)
             response = await pools[k % len(pools)].post(url, json=body)
-            client._completions(json.loads(client._checked("POST", url, response)), 1, 1, True)
+            client._completions(json.loads(client._checked("POST", url, response.status_code, response.content)), 1, 1, True)
 
     await asyncio.gather(*(one(k) for k in range(requests)))
     for pool in pools:

@@ -1,6 +1,7 @@
 """A real HTTP server on loopback whose every answer a test scripts: for the seam between the
 engine client and an engine (an answer, a connection closed or reset under a request, a
-request held past its timeout), where a real engine cannot be made to misbehave on cue."""
+request held past its timeout), where a real engine cannot be made to misbehave on cue; and
+the engine of bench/engine_client.py, which answers at once so that the client's cost is seen alone."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ async def serve(behave) -> asyncio.Server:
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
-    return await asyncio.start_server(handle, "127.0.0.1", 0)
+    return await asyncio.start_server(handle, "127.0.0.1", 0, backlog=4096)  # hundreds may connect at once (bench/engine_client.py)
 
 
 def reply(writer, body: dict) -> bool:

@@ -7,7 +7,7 @@ it (httpx); :meth:`EngineClient.acomplete` sends one on an ``aiohttp.ClientSessi
 caller's event loop (:meth:`EngineClient.async_http`), so that many requests can be in flight
 at once (``workloads/rl/engine_requests.py``). The rollout's requests go through aiohttp, not
 httpx's async client: a request costs the event loop a fifth to a third of the CPU there
-(0.16 to 0.27 ms against 0.70 to 0.85 ms, 16 to 800 in flight), and the loop that sends them
+(0.18 to 0.27 ms against 0.70 to 0.91 ms, 16 to 800 in flight), and the loop that sends them
 also runs a multi-turn rollout's samples and a rank's agents, one request a turn or a call
 (docs/performance.md, section 22).
 :meth:`EngineClient.aprompt_logprobs` asks a model to score token ids it is given rather than
@@ -130,13 +130,14 @@ class EngineClient:
             response = self._http.request(method, url, json=body, timeout=timeout_s or self.timeout_s)
         except httpx.HTTPError as e:  # refused, reset, timed out
             raise EngineUnavailable(f"cannot reach the engine at {method} {url}: {e!r}") from e
-        return self._checked(method, url, response)
+        return self._checked(method, url, response.status_code, response.content)
 
     @staticmethod
-    def _checked(method: str, url: str, response: httpx.Response) -> bytes:
-        if response.is_error:
-            raise EngineHTTPError(f"{method} {url}", response.status_code, _server_message(response.content))
-        return response.content
+    def _checked(method: str, url: str, status: int, raw: bytes) -> bytes:
+        """``raw``, the body of an answer with HTTP ``status``; EngineHTTPError for a refusal."""
+        if status >= 400:
+            raise EngineHTTPError(f"{method} {url}", status, _server_message(raw))
+        return raw
 
     def _json(self, method: str, path: str, body: dict | None = None) -> dict:
         raw = self._request(method, path, body)
@@ -327,8 +328,7 @@ class EngineClient:
                 raise EngineUnavailable(f"POST {url} had no answer within {http.timeout.total} s") from e
             except aiohttp.ClientError as e:
                 raise EngineUnavailable(f"cannot reach the engine at POST {url}: {_why(e)}") from e
-        if status >= 400:
-            raise EngineHTTPError(f"POST {url}", status, _server_message(raw))
+        raw = self._checked("POST", url, status, raw)
         try:
             return json.loads(raw)
         except ValueError as e:
