@@ -22,7 +22,10 @@ the base model's eval alone. The figure is the eval's ``tokens_per_s`` (tokens t
 of the eval's requests; status --json and metrics.jsonl have it), with the eval phase's
 seconds beside it; the paths alternate, ``--rounds`` times each, and the median of each is
 compared. Eval accuracy is printed too: the two paths sample the same policy, so it should
-agree within the draws' noise.
+agree within the draws' noise. So are the engine's requests, its rows' prompt tokens and the
+tokens its prefills ran (a prompt that several rows continue runs once: a request's ``n``, or
+the same prompt in requests admitted together, as a group's agents send their first calls),
+from the counters it logs when it stops.
 
 Writes JSON (default bench/results/agent_endpoint.json).
 """
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, RESULTS, BenchError, console, machine, python_env, run_iterations, table, write_json  # noqa: E402
 from orchestrator.demo import TOOLS_MAX_TOKENS  # noqa: E402
+from orchestrator.engine.server import STATS_AT_EXIT  # noqa: E402
 
 PATHS = {
     "native": ["rl.max_turns=3"],
@@ -82,8 +86,19 @@ def measure(path: str, data: Path, log: Path, eval_tasks: int, timeout_s: float)
         raise BenchError(f"{path}: no eval metrics in {log / 'metrics.jsonl'}")
     found = lines[-1]
     phases = (iterations[0]["timing"] or {}).get("phases") or {}
+    engine = engine_stats(log)
     return {"tokens_per_s": found["tokens_per_s"], "accuracy": found["accuracy"], "response_length": found["response_length"],
-            "turns": found.get("turns"), "eval_s": next((s for name, s in phases.items() if name.endswith(":eval")), None)}
+            "turns": found.get("turns"), "eval_s": next((s for name, s in phases.items() if name.endswith(":eval")), None),
+            "requests": engine["requests"], "prompt_tokens": engine["prompt_tokens"], "prefill_tokens": engine["prefill_tokens"]}
+
+
+def engine_stats(log: Path) -> dict:
+    """The rank's engine's counters as it logged them when it stopped (``stats at exit:``)."""
+    engine_log = log / "engines" / "r00000" / "engine0.log"
+    for line in reversed(engine_log.read_text().splitlines()):
+        if STATS_AT_EXIT in line:
+            return json.loads(line.split(STATS_AT_EXIT, 1)[1])
+    raise BenchError(f"no '{STATS_AT_EXIT}' line in {engine_log}")
 
 
 def main() -> int:
@@ -106,10 +121,11 @@ def main() -> int:
     ratio = median["endpoint"] / median["native"]
     http_ratio = median["endpoint-http"] / median["native"]
     table("eval of the tool demo: sampled tokens a second", ["path", "tokens/s (each run)", "median", "eval phase s", "eval accuracy",
-                                                            "turns"],
+                                                            "turns", "engine requests", "prompt tokens", "prefilled"],
           [[p, ", ".join(f"{run['tokens_per_s']:.0f}" for run in rs), f"{median[p]:.0f}",
             ", ".join(f"{run['eval_s']:.1f}" for run in rs if run["eval_s"] is not None),
-            ", ".join(f"{run['accuracy']:.3f}" for run in rs), f"{rs[0]['turns']:.2f}" if rs[0]["turns"] else "-"]
+            ", ".join(f"{run['accuracy']:.3f}" for run in rs), f"{rs[0]['turns']:.2f}" if rs[0]["turns"] else "-",
+            f"{rs[0]['requests']:,}", f"{rs[0]['prompt_tokens']:,}", f"{rs[0]['prefill_tokens']:,}"]
            for p, rs in runs.items()])
     console.print(f"endpoint over native: {ratio:.2f}x (over HTTP: {http_ratio:.2f}x)", markup=False)
     write_json(args.out, {"machine": machine(), "eval_tasks": args.eval_tasks, "runs": runs, "median_tokens_per_s": median,

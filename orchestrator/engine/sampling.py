@@ -316,6 +316,11 @@ class Sampler:
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
         self._plain_head: bool | None = None  # whether prompt logprobs can be computed (_check_head); None: not checked yet
+        self.prompt_tokens = 0
+        """Tokens of every row's prompt prefilled so far: what a prefill of each row would run."""
+        self.prefill_tokens = 0
+        """Tokens the prefills ran: a prompt continued by several rows (``n``, or requests with
+        the same prompt) runs once."""
 
     def token_string(self, token_id: int) -> str:
         """How vLLM names a token in logprobs: the token decoded on its own, specials kept."""
@@ -369,22 +374,32 @@ class Sampler:
         return request.generation
 
     def prefill(self, requests: list[Request]) -> Batch:
-        """A batch of ``requests``' rows: their prompts run in one forward pass, left-padded,
-        each prompt's cache rows repeated for its request's ``n``."""
+        """A batch of ``requests``' rows: their distinct prompts run in one forward pass,
+        left-padded, each prompt's cache rows repeated for every row that continues it (its
+        request's ``n``, and the other requests with the same prompt ids: a group's samples sent
+        one request each, as agents send them, are prefilled once, as vLLM's prefix cache would
+        serve them). With prompt log-probs asked, every prompt runs: each is scored on its own row."""
         import torch
 
-        prompt_ids = [ids for r in requests for ids in r.prompt_ids]
-        width = max(len(ids) for ids in prompt_ids)
-        input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for j, ids in enumerate(prompt_ids):
+        scoring = any(r.params.prompt_logprobs is not None for r in requests)
+        prompts = [ids for r in requests for ids in r.prompt_ids]
+        if scoring:
+            unique, of_prompt = prompts, list(range(len(prompts)))
+        else:
+            first = {key: j for j, key in enumerate(dict.fromkeys(map(tuple, prompts)))}  # a prompt -> its row, in order
+            unique, of_prompt = [list(key) for key in first], [first[tuple(ids)] for ids in prompts]
+        width = max(len(ids) for ids in unique)
+        input_ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(unique), width), dtype=torch.long)
+        for j, ids in enumerate(unique):
             input_ids[j, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             mask[j, width - len(ids) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)  # filled on the host: one copy, not one per prompt
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         batch = Batch()
         batch.rows = [row for r in requests for row in r.rows]
-        scoring = any(r.params.prompt_logprobs is not None for r in requests)
+        self.prompt_tokens += sum(len(ids) * r.params.n for r in requests for ids in r.prompt_ids)
+        self.prefill_tokens += sum(map(len, unique))
         with torch.inference_mode(), self._last_hidden_states(scoring) as hidden:
             out = self.model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
@@ -393,9 +408,9 @@ class Sampler:
                 self._score_prompts(requests, hidden.pop(), width)
             batch.cache, batch.mask = out.past_key_values, mask
             batch.next_pos, batch.logits = positions[:, -1:] + 1, out.logits[:, -1, :]
-            if len(batch.rows) > len(prompt_ids):
-                repeats = torch.tensor([r.params.n for r in requests for _ in r.prompt_ids], device=self.device)
-                index = torch.arange(len(prompt_ids), device=self.device).repeat_interleave(repeats)
+            rows = [of_prompt[j] for j, n in enumerate(r.params.n for r in requests for _ in r.prompt_ids) for _ in range(n)]
+            if rows != list(range(len(unique))):
+                index = torch.tensor(rows, device=self.device)
                 batch.cache.batch_select_indices(index)
                 batch.mask, batch.next_pos, batch.logits = mask[index], batch.next_pos[index], batch.logits[index]
         return batch

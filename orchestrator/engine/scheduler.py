@@ -100,6 +100,11 @@ class Stats:
     """The most requests with rows in one step."""
     peak_sequences: int = 0
     """The most rows in one step."""
+    prompt_tokens: int = 0
+    """Tokens of the admitted rows' prompts (a request's prompt counted once a sample)."""
+    prefill_tokens: int = 0
+    """Tokens the prefills ran: a prompt continued by several rows, a request's ``n`` or
+    requests admitted together with the same prompt ids, runs once (``Sampler.prefill``)."""
     busy_s: float = 0.0
     """Seconds the scheduler thread spent admitting requests and stepping (idle: waiting for work)."""
     running_requests: int = 0
@@ -355,6 +360,7 @@ class Scheduler:
             return
         with self._cond:
             self._stats.requests += len(requests)
+            self._stats.prompt_tokens, self._stats.prefill_tokens = self.sampler.prompt_tokens, self.sampler.prefill_tokens
             if self._batch:
                 self._stats.joined_running += len(requests)
         self._batch.join(joining)

@@ -30,7 +30,11 @@ itself included.
 Requests are batched together as vLLM batches them (``orchestrator/engine/scheduler.py``):
 the sequences of a request that arrives while others decode join the running batch at the
 next step, up to ``--max-num-seqs`` sequences, and each request is answered as soon as its
-own sequences have ended.
+own sequences have ended. Requests admitted together with the same prompt ids share one
+prefill, as a request's ``n`` samples do (a group's samples sent one request each, as agents
+send them through the agent endpoint: what vLLM's prefix cache spares them); ``GET /stats``
+counts the rows' prompt tokens and the tokens prefilled, and a stopped server logs its
+counters last (``stats at exit: {...}``).
 
 ``POST /reload`` with ``{"model": DIR, "served_model_name": NAME}`` moves the running server
 to another checkpoint of the same architecture, in place (the counterpart of vLLM's
@@ -639,6 +643,10 @@ def _weights_sum(model_dir: Path) -> str:
     return f"{sums.ALGORITHM} {recorded or sums.file_sum(weights)}"
 
 
+STATS_AT_EXIT = "stats at exit:"
+"""Opens the log's last line of a server that stopped: its scheduler's counters as JSON (``GET /stats``)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -687,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if scheduler is not None:
             scheduler.stop(_SCHEDULER_STOP_S)  # requests in flight are answered 503
+            log.info("%s %s", STATS_AT_EXIT, json.dumps(dataclasses.asdict(scheduler.stats())))
         if serving:
             server.shutdown()  # waits for serve_forever, so only once it runs
         if server is not None:

@@ -441,12 +441,16 @@ def test_wait_healthy_fails_fast_when_nothing_listens():
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_makes_the_server_exit_0_within_seconds(model_dir, tmp_path):
+def test_sigterm_makes_the_server_exit_0_within_seconds_its_counters_logged_last(model_dir, tmp_path):
     e = Engine(model_dir, tmp_path / "engine.log")
     try:
+        EngineClient(e.url, timeout_s=30).complete(["1+1="], n=3, max_tokens=2)
         os.kill(e.proc.pid, signal.SIGTERM)
         assert e.proc.wait(timeout=5) == 0, e.log()[-3000:]
         assert "SIGTERM received: shutting down" in e.log()
+        last = e.log().strip().splitlines()[-1]
+        stats = json.loads(last.split("stats at exit:", 1)[1])
+        assert stats["requests"] == 1 and stats["prompt_tokens"] == 3 * stats["prefill_tokens"] > 0, last
         assert not EngineClient(e.url, timeout_s=2).health()
     finally:
         e.kill()

@@ -111,6 +111,33 @@ def test_a_seeded_request_draws_from_its_own_generator_whatever_shares_the_batch
     assert bool((shared.generator.get_state() == alone.generator.get_state()).all())
 
 
+def test_requests_with_the_same_prompt_are_prefilled_once_and_each_gets_what_it_gets_alone(arch):
+    """A group's samples sent one request each (agents through the endpoint) share one prefill
+    row, as vLLM's prefix cache shares their prompt; a scoring request's prompts all run."""
+    sampler, prompts = arch
+    params = [SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=s) for s in (1, 2)] + [SamplingParams(temperature=0, max_tokens=8)]
+    alone = [sampler.generate(prompts[:1], p) for p in params] + [sampler.generate(prompts[1:2], params[2])]
+    requests = [sampler.request(prompts[:1], p) for p in params] + [sampler.request(prompts[1:2], params[2])]
+    forwarded = []
+    hook = sampler.model.register_forward_pre_hook(lambda module, args, kwargs: forwarded.append(kwargs["input_ids"].shape[0]),
+                                                   with_kwargs=True)
+    try:
+        batch, counted = Batch(), (sampler.prompt_tokens, sampler.prefill_tokens)
+        batch.join(sampler.prefill(requests))
+        assert forwarded == [2], "two distinct prompts: two rows in the prefill's forward pass"
+        assert len(batch) == 2 + 2 + 1 + 1
+        lengths = [len(sampler.encode(p)) for p in prompts[:2]]
+        assert (sampler.prompt_tokens - counted[0], sampler.prefill_tokens - counted[1]) == (5 * lengths[0] + lengths[1], sum(lengths))
+        _run(sampler, batch, requests)
+        scoring = [sampler.request(prompts[:1], SamplingParams(max_tokens=1, prompt_logprobs=0)) for _ in range(2)]
+        sampler.prefill(scoring)
+        assert forwarded[-1] == 2, "each scored prompt on a row of its own"
+    finally:
+        hook.remove()
+    for got, want in zip(requests, alone, strict=True):
+        _same(got.generation, want)
+
+
 def test_finished_rows_leave_at_once_and_padding_no_row_needs_is_cropped(llama):
     model, tok = llama
     sampler = Sampler(model, tok)
