@@ -84,6 +84,8 @@ def test_a_cpu_run_trains_on_one_node_and_rolls_out_on_another_and_corrects_with
                    extra=["--max-iterations=2", "train.nodes=0", "rollout.nodes=1", "rl.is_correction=tis"])
     result = run_local(flags)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "disaggregated placement: the engines serve on through training" in output and "keep their GPUs" not in output, output[-6000:]
     layout = RunLayout(log_path)
     assert [p.parent.name for p in (log_path / "engines").glob("r*/engine*.log")] == ["r00001"]
     assert [p.name for p in log_path.glob("attempts/*/train/trainer-w*.log")] == ["trainer-w00000.log"]

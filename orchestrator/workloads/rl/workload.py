@@ -235,7 +235,8 @@ class RLWorkload:
             return
         placement = ctx.run.placement
         if not placement.colocated:
-            ctx.log.info("disaggregated placement: the engines keep their GPUs and serve on through training")
+            kept = "keep their GPUs and " if any(e.gpus for e in placement.engines) else ""  # on CPU they hold none
+            ctx.log.info(f"disaggregated placement: the engines {kept}serve on through training")
             return
         if self.engines is not None:
             train_gpus = [w.gpu for w in placement.train_workers_on(ctx.rank) if w.gpu is not None]
