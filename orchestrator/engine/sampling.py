@@ -383,11 +383,13 @@ class Sampler:
 
         scoring = any(r.params.prompt_logprobs is not None for r in requests)
         prompts = [ids for r in requests for ids in r.prompt_ids]
-        if scoring:
-            unique, of_prompt = prompts, list(range(len(prompts)))
-        else:
-            first = {key: j for j, key in enumerate(dict.fromkeys(map(tuple, prompts)))}  # a prompt -> its row, in order
-            unique, of_prompt = [list(key) for key in first], [first[tuple(ids)] for ids in prompts]
+        samples = [r.params.n for r in requests for _ in r.prompt_ids]
+        unique, row_of, of_prompt = [], {}, []  # the prompts that run; a prompt's row; each prompt's row
+        for j, key in enumerate(range(len(prompts)) if scoring else map(tuple, prompts)):
+            if key not in row_of:
+                row_of[key] = len(unique)
+                unique.append(prompts[j])
+            of_prompt.append(row_of[key])
         width = max(len(ids) for ids in unique)
         input_ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(unique), width), dtype=torch.long)
@@ -398,7 +400,7 @@ class Sampler:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         batch = Batch()
         batch.rows = [row for r in requests for row in r.rows]
-        self.prompt_tokens += sum(len(ids) * r.params.n for r in requests for ids in r.prompt_ids)
+        self.prompt_tokens += sum(len(ids) * n for ids, n in zip(prompts, samples))
         self.prefill_tokens += sum(map(len, unique))
         with torch.inference_mode(), self._last_hidden_states(scoring) as hidden:
             out = self.model(
@@ -408,8 +410,8 @@ class Sampler:
                 self._score_prompts(requests, hidden.pop(), width)
             batch.cache, batch.mask = out.past_key_values, mask
             batch.next_pos, batch.logits = positions[:, -1:] + 1, out.logits[:, -1, :]
-            rows = [of_prompt[j] for j, n in enumerate(r.params.n for r in requests for _ in r.prompt_ids) for _ in range(n)]
-            if rows != list(range(len(unique))):
+            rows = [row for row, n in zip(of_prompt, samples) for _ in range(n)]
+            if len(rows) > len(unique):
                 index = torch.tensor(rows, device=self.device)
                 batch.cache.batch_select_indices(index)
                 batch.mask, batch.next_pos, batch.logits = mask[index], batch.next_pos[index], batch.logits[index]

@@ -228,7 +228,8 @@ class Scheduler:
 
     def stats(self) -> Stats:
         with self._cond:
-            return dataclasses.replace(self._stats, waiting=len(self._queue), paused=self._paused)
+            return dataclasses.replace(self._stats, waiting=len(self._queue), paused=self._paused,
+                                       prompt_tokens=self.sampler.prompt_tokens, prefill_tokens=self.sampler.prefill_tokens)
 
     # -- the scheduler thread --------------------------------------------------------------------
 
@@ -360,7 +361,6 @@ class Scheduler:
             return
         with self._cond:
             self._stats.requests += len(requests)
-            self._stats.prompt_tokens, self._stats.prefill_tokens = self.sampler.prompt_tokens, self.sampler.prefill_tokens
             if self._batch:
                 self._stats.joined_running += len(requests)
         self._batch.join(joining)
